@@ -1,0 +1,51 @@
+# bmtrain-cli developer entry points. `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+VENV_ARGS ?=
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PADDLE_CPU ?= paddlepaddle==3.3.1
+PYTEST_ARGS ?=
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: venv demo test test-slow test-all lint format bench kernels clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	$(PIP) install -q --upgrade pip >/dev/null 2>&1 || true
+	@# Install the CPU build of Paddle only when no Paddle at all is importable (GPU users keep theirs;
+	@# create the venv with VENV_ARGS=--system-site-packages to see a system-wide paddlepaddle-gpu).
+	@$(PY) -c "import paddle" >/dev/null 2>&1 || { echo "installing $(PADDLE_CPU)"; $(PIP) install -q $(PADDLE_CPU); }
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/bmtrain train --config configs/quickstart.yaml
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: venv
+	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: venv
+	$(PY) benchmarks/run_all.py
+
+kernels: venv
+	$(PY) -m bmtrain_cli.ops.build
+
+clean:
+	rm -rf build dist *.egg-info kernels/build output

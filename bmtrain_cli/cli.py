@@ -1,0 +1,69 @@
+"""The `bmtrain` command line. Thin: parse arguments, call the package, print, exit.
+
+Each command lives in ``bmtrain_cli/commands/<name>.py`` and registers itself with ``register(app)``.
+Heavy imports (Paddle) happen inside the commands, so `bmtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import List, Optional
+
+import typer
+
+from bmtrain_cli import __version__
+
+app = typer.Typer(
+    name="bmtrain",
+    help="Fine-tune large language models on PaddlePaddle from one YAML config.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Order here is the order in `bmtrain --help`.
+COMMAND_MODULES = (
+    "config_cmds",  # validate-config, schema
+    "train_cmd",  # train
+    "run_cmd",  # run
+    "data_cmds",  # prepare-data, data-stats
+    "model_cmds",  # generate, eval
+    "export_cmd",  # export
+    "plan_cmd",  # plan
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bmtrain-cli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Fine-tune large language models on PaddlePaddle from one YAML config."""
+
+
+def _register_commands() -> None:
+    for name in COMMAND_MODULES:
+        module_name = f"bmtrain_cli.commands.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # command not part of this build
+                continue
+            raise
+        module.register(app)
+
+
+_register_commands()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console-script entry point."""
+    app(args=argv, prog_name="bmtrain")

@@ -1,0 +1,56 @@
+"""Helpers shared by the commands: user-error handling and the --set option."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, List, Optional, TypeVar
+
+import typer
+
+from bmtrain_cli.errors import ConfigError, UserError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SET_HELP = "Override a config value: --set train_config.max_steps=10 (repeatable)."
+
+
+def set_option() -> Any:
+    return typer.Option(None, "--set", "-s", help=SET_HELP, metavar="KEY.PATH=VALUE")
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print a user-facing error and exit (no traceback)."""
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+def user_errors(fn: F) -> F:
+    """Turn UserError into a clean message and exit code 2; Ctrl-C into exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as exc:
+            n = len([p for p in exc.problems if p.severity == "error"])
+            typer.echo(f"config has {n} problem{'s' if n != 1 else ''}:", err=True)
+            for p in exc.problems:
+                typer.echo("  " + p.format(), err=True)
+            raise typer.Exit(2) from None
+        except UserError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def overrides(values: Optional[List[str]]) -> List[str]:
+    return list(values or [])
+
+
+def echo_err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,51 @@
+"""`bmtrain validate-config` and `bmtrain schema`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from bmtrain_cli.commands.common import set_option, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("validate-config")
+    @user_errors
+    def validate_config(
+        config: Path = typer.Argument(..., help="The config YAML file."),
+        set_: Optional[List[str]] = set_option(),
+        as_json: bool = typer.Option(False, "--json", help="Print the resolved summary as JSON."),
+    ) -> None:
+        """Check a config file and print the resolved summary; exit 2 listing every problem."""
+        from bmtrain_cli.config import load_config
+        from bmtrain_cli.config.summary import format_summary, summarize
+
+        loaded = load_config(str(config), set_ or [], mode="validate")
+        if as_json:
+            out = summarize(loaded.config)
+            out["warnings"] = [w.format() for w in loaded.warnings]
+            typer.echo(json.dumps(out, indent=2))
+            return
+        for line in format_summary(loaded.config, str(config)):
+            typer.echo(line)
+        for w in loaded.warnings:
+            typer.echo("  " + w.format(), err=True)
+
+    @app.command("schema")
+    def schema(
+        output: Optional[Path] = typer.Option(
+            None, "--output", "-o", help="Write to a file instead of stdout."
+        ),
+    ) -> None:
+        """Print the JSON Schema of the config file (for editor autocompletion)."""
+        from bmtrain_cli.config.schema import Config
+
+        text = json.dumps(Config.model_json_schema(by_alias=True), indent=2)
+        if output:
+            output.write_text(text + "\n", encoding="utf-8")
+            typer.echo(f"wrote {output}")
+        else:
+            typer.echo(text)

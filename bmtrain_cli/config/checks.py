@@ -1,0 +1,213 @@
+"""Cross-field checks: things no single section can decide alone.
+
+Each check appends a Problem with the dotted path of the field to blame; ``load.py`` maps paths to
+file positions. ``mode="train"`` turns machine-dependent warnings into errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+from bmtrain_cli.config.env import paddle_has_gpu
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import Problem, UserError
+from bmtrain_cli.models.arch import ModelArch, arch_from_model_config
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    lo = (value // unit) * unit
+    hi = lo + unit
+    return " or ".join(str(x) for x in (lo, hi) if x > 0)
+
+
+def check_config(
+    config: Config,
+    *,
+    mode: str = "validate",
+    world_size: Optional[int] = None,
+    has_gpu: Optional[bool] = None,
+) -> List[Problem]:
+    problems: List[Problem] = []
+    strict = mode == "train"
+
+    def err(path: str, msg: str, suggestion: Optional[str] = None) -> None:
+        problems.append(Problem(msg, path=path, suggestion=suggestion))
+
+    def warn(path: str, msg: str, suggestion: Optional[str] = None) -> None:
+        problems.append(Problem(msg, path=path, suggestion=suggestion, severity="warning"))
+
+    m, t, p = config.model, config.train, config.parallel
+
+    # --- architecture vs layout
+    arch: Optional[ModelArch] = None
+    try:
+        arch = arch_from_model_config(m, allow_known=not strict)
+        if not strict and m.model_name_or_path and not Path(m.model_name_or_path).exists():
+            warn(
+                "model_config.model_name_or_path",
+                f"{m.model_name_or_path} is not present on this machine; checked against its published "
+                "architecture",
+            )
+    except UserError as exc:
+        (err if strict else warn)(
+            "model_config.model_name_or_path",
+            f"{exc} (architecture checks skipped)",
+        )
+    if arch is not None:
+        tp = p.tensor_parallel
+        if arch.num_attention_heads % tp:
+            err(
+                "parallel_config.tensor_parallel",
+                f"num_attention_heads ({arch.num_attention_heads}) is not divisible by tensor_parallel ({tp})",
+                "use a tensor_parallel degree that divides the number of heads",
+            )
+        if arch.num_key_value_heads % tp:
+            err(
+                "parallel_config.tensor_parallel",
+                f"num_key_value_heads ({arch.num_key_value_heads}) is not divisible by tensor_parallel ({tp})",
+                "use a tensor_parallel degree that divides the number of key/value heads",
+            )
+        if tp > 1 and arch.vocab_size % tp:
+            err(
+                "model_config.vocab_size",
+                f"vocab_size ({arch.vocab_size}) is not divisible by tensor_parallel ({tp}); "
+                "the vocabulary is split evenly across tensor-parallel ranks",
+                f"pad the vocabulary to a multiple of {tp}, e.g. {_nearest_multiples(arch.vocab_size, tp)}",
+            )
+        if tp > 1 and arch.intermediate_size % tp:
+            err(
+                "model_config.intermediate_size",
+                f"intermediate_size ({arch.intermediate_size}) is not divisible by tensor_parallel ({tp})",
+            )
+        if arch.num_hidden_layers < p.pipeline_parallel:
+            err(
+                "parallel_config.pipeline_parallel",
+                f"pipeline_parallel ({p.pipeline_parallel}) exceeds num_hidden_layers ({arch.num_hidden_layers}): "
+                "every stage needs at least one layer",
+                f"use at most {arch.num_hidden_layers} stages",
+            )
+        if t.recompute_num_layers is not None and t.recompute_num_layers > arch.num_hidden_layers:
+            err(
+                "train_config.recompute_num_layers",
+                f"{t.recompute_num_layers} exceeds num_hidden_layers ({arch.num_hidden_layers})",
+            )
+        if m.max_seq_len > arch.max_position_embeddings:
+            warn(
+                "model_config.max_seq_len",
+                f"max_seq_len ({m.max_seq_len}) exceeds max_position_embeddings ({arch.max_position_embeddings})",
+                "the model was not trained on positions this long; consider rope_scaling",
+            )
+        if arch.hidden_size != arch.num_attention_heads * arch.head_dim and arch.family != "qwen3":
+            if m.head_dim is None and not m.model_name_or_path:
+                err(
+                    "model_config.hidden_size",
+                    f"hidden_size ({arch.hidden_size}) is not divisible by num_attention_heads "
+                    f"({arch.num_attention_heads})",
+                    "set head_dim explicitly or change the sizes",
+                )
+
+    # --- batch arithmetic
+    data_ranks = p.data_ranks
+    per_pass = t.micro_batch_size * data_ranks
+    if t.global_batch_size is not None and t.global_batch_size % per_pass:
+        err(
+            "train_config.global_batch_size",
+            f"global_batch_size ({t.global_batch_size}) must equal micro_batch_size ({t.micro_batch_size}) x "
+            f"gradient accumulation x data ranks (data_parallel {p.data_parallel} x sharding_parallel "
+            f"{p.sharding_parallel}), so it must be a multiple of {per_pass}",
+            f"try {_nearest_multiples(t.global_batch_size, per_pass)}",
+        )
+    if (
+        p.pipeline_parallel > 1
+        and p.pipeline_micro_batches is not None
+        and t.global_batch_size is not None
+        and (t.global_batch_size // data_ranks) % p.pipeline_micro_batches
+    ):
+        err(
+            "parallel_config.pipeline_micro_batches",
+            f"the per-rank batch ({t.global_batch_size // data_ranks}) is not divisible by "
+            f"pipeline_micro_batches ({p.pipeline_micro_batches})",
+        )
+
+    # --- world size
+    if world_size is not None and world_size != p.world_size:
+        err(
+            "parallel_config",
+            f"the product of the degrees (data {p.data_parallel} x tensor {p.tensor_parallel} x pipeline "
+            f"{p.pipeline_parallel} x sharding {p.sharding_parallel} = {p.world_size}) does not match the "
+            f"{world_size} launched processes",
+            f"launch {p.world_size} processes (bmtrain run does) or change the degrees",
+        )
+
+    # --- sharding / offload
+    if p.sharding_stage in (2, 3) and p.pipeline_parallel > 1:
+        err(
+            "parallel_config.sharding_stage",
+            f"sharding stage {p.sharding_stage} cannot be combined with pipeline_parallel > 1 (Paddle does not "
+            "support the pair)",
+            "use sharding_stage: 1 with pipeline parallel",
+        )
+    if p.offload_params and p.sharding_stage != 3:
+        err(
+            "parallel_config.offload_params",
+            "parameter offload needs sharding_stage: 3",
+            "set sharding_stage: 3 or use offload_optimizer alone",
+        )
+    if p.gradient_compression != "none" and p.data_ranks == 1:
+        warn(
+            "parallel_config.gradient_compression",
+            "gradient compression only applies to the data-parallel all-reduce, and data_parallel is 1",
+        )
+    if p.gradient_compression != "none" and p.sharding_parallel > 1:
+        err(
+            "parallel_config.gradient_compression",
+            "gradient compression is implemented for plain data parallel, not with sharding",
+        )
+
+    # --- schedule
+    if t.max_steps is not None and t.warmup_steps >= t.max_steps:
+        err(
+            "train_config.warmup_steps",
+            f"warmup_steps ({t.warmup_steps}) must be shorter than training (max_steps {t.max_steps})",
+            f"use fewer warmup steps, e.g. {max(0, t.max_steps // 10)}",
+        )
+    if t.min_lr > t.learning_rate:
+        err("train_config.min_lr", f"min_lr ({t.min_lr}) exceeds learning_rate ({t.learning_rate})")
+
+    # --- precision
+    if t.precision != "fp32":
+        gpu = paddle_has_gpu() if has_gpu is None else has_gpu
+        if not gpu:
+            msg = (
+                f"precision {t.precision} needs a GPU build of Paddle: on the CPU build AMP does nothing and "
+                "bf16/fp16 matmuls have no kernel"
+            )
+            if strict:
+                err("train_config.precision", msg, "use precision: fp32 on this machine")
+            else:
+                warn("train_config.precision", msg + "; training on this machine would refuse")
+
+    # --- LoRA
+    if t.finetuning == "lora":
+        targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
+        for name in targets:
+            if name not in LORA_TARGETS and name != "all-linear":
+                err(
+                    "train_config.lora_target_modules",
+                    f"unknown target module {name!r}",
+                    f"available: {', '.join(LORA_TARGETS)}, all-linear",
+                )
+
+    # --- data
+    if t.eval_steps is not None and t.eval_data_path is None:
+        warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
+    if strict and t.data_path is None and t.demo_data is None:
+        err(
+            "train_config.data_path",
+            "no training data",
+            "set train_config.data_path, pass --data_path, or set demo_data: arithmetic",
+        )
+    return problems

@@ -1,0 +1,27 @@
+"""Cheap facts about the installed Paddle, without importing it (validate-config stays fast)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from typing import Optional
+
+
+def paddle_distribution() -> Optional[str]:
+    """Name of the installed Paddle distribution (paddlepaddle, paddlepaddle-gpu, ...) or None."""
+    for name in ("paddlepaddle-gpu", "paddlepaddle", "paddlepaddle-xpu"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "paddle (unknown build)" if importlib.util.find_spec("paddle") else None
+
+
+def paddle_has_gpu(import_paddle: bool = False) -> bool:
+    """True when the installed Paddle can use a CUDA GPU. With import_paddle, asks Paddle itself."""
+    if import_paddle:
+        import paddle
+
+        return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+    return paddle_distribution() == "paddlepaddle-gpu"

@@ -1,0 +1,220 @@
+"""The config schema: one pydantic v2 model per section, unknown keys forbidden.
+
+Field names follow Hugging Face's where one exists. Cross-field checks that need more than one
+section live in ``checks.py`` so that each section here stays a plain description of its keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "baichuan"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """Where the model comes from and how it is built."""
+
+    family: Family = Field("llama", description="Model family of a fresh model (ignored for a checkpoint).")
+    model_name_or_path: Optional[str] = Field(
+        None, description="Hugging Face-style checkpoint directory (config.json + *.safetensors)."
+    )
+    tokenizer_path: Optional[str] = Field(
+        None,
+        description="sentencepiece .model, tokenizer.json, or a directory holding one. "
+        "Defaults to model_name_or_path; the quickstart trains one when missing.",
+    )
+    # Architecture of a fresh model (Hugging Face names). None means: the family default, or the value
+    # from the checkpoint's config.json when model_name_or_path is set.
+    hidden_size: Optional[int] = Field(None, gt=0)
+    intermediate_size: Optional[int] = Field(None, gt=0)
+    num_hidden_layers: Optional[int] = Field(None, gt=0)
+    num_attention_heads: Optional[int] = Field(None, gt=0)
+    num_key_value_heads: Optional[int] = Field(None, gt=0)
+    head_dim: Optional[int] = Field(None, gt=0)
+    vocab_size: Optional[int] = Field(None, gt=0)
+    max_position_embeddings: Optional[int] = Field(None, gt=0)
+    rope_theta: Optional[float] = Field(None, gt=0)
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rms_norm_eps: Optional[float] = Field(None, gt=0)
+    tie_word_embeddings: Optional[bool] = None
+    attention_bias: Optional[bool] = Field(None, description="q/k/v projection bias (Qwen2 default true).")
+    position_embedding: Optional[Literal["rope", "alibi"]] = Field(
+        None, description="rope (default) or alibi (Baichuan 13B)."
+    )
+    initializer_range: float = Field(0.02, gt=0)
+
+    dtype: Dtype = "float32"
+    attention_implementation: Literal["auto", "sdpa", "flash", "eager"] = "auto"
+    kernels: Literal["auto", "custom", "paddle", "reference"] = "auto"
+    max_seq_len: int = Field(512, gt=0, description="Longest training sequence in tokens.")
+
+
+class TrainConfig(_Section):
+    """Data, optimisation, precision, checkpointing and logging."""
+
+    # data
+    data_path: Optional[Union[str, List[str]]] = Field(
+        None, description="JSONL file(s), globs or directories. `quickstart` generates the demo data."
+    )
+    data_weights: Optional[List[float]] = Field(None, description="Mixing weight per data_path entry.")
+    eval_data_path: Optional[Union[str, List[str]]] = None
+    data_format: Literal["auto", "input_output", "alpaca", "chat", "text"] = "auto"
+    template: str = Field("auto", description="auto (the tokenizer's chat template) or a built-in name.")
+    train_on_prompt: bool = False
+    batching: Literal["max_length", "longest", "packed"] = Field(
+        "longest", description="Pad to max_seq_len, pad to the longest in the batch, or pack rows."
+    )
+    truncation: Literal["left", "drop"] = "left"
+    shuffle: bool = True
+    shuffle_buffer: int = Field(10000, ge=1)
+    num_workers: int = Field(1, ge=0)
+    on_bad_record: Literal["error", "skip"] = "error"
+    data_cache_dir: Optional[str] = Field(
+        None, description="Token cache directory (default: beside the data)."
+    )
+    demo_data: Optional[Literal["arithmetic"]] = Field(
+        None,
+        description="Generate the built-in demo task (train + held-out split) under output_dir/data "
+        "and train on it when data_path is not set.",
+    )
+
+    # run
+    output_dir: str = "output"
+    overwrite_output_dir: bool = False
+    num_train_epochs: float = Field(1.0, gt=0)
+    max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps; overrides num_train_epochs.")
+    micro_batch_size: int = Field(1, gt=0)
+    global_batch_size: Optional[int] = Field(
+        None, gt=0, description="Samples per optimizer step. Default: micro_batch_size x data ranks."
+    )
+
+    # optimisation
+    learning_rate: float = Field(2e-5, gt=0)
+    scale_lr: bool = Field(False, description="Linear scaling rule: lr = learning_rate x global_batch / 256.")
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0)
+    max_grad_norm: Optional[float] = Field(1.0, description="Global-norm clipping; null or 0 disables.")
+
+    # precision and memory
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    amp_level: Literal["O1", "O2"] = "O2"
+    loss_scale: float = Field(32768.0, gt=0, description="Initial dynamic loss scale (fp16).")
+    gradient_checkpointing: bool = False
+    recompute_granularity: Literal["full", "attention", "none"] = "full"
+    recompute_num_layers: Optional[int] = Field(None, ge=0, description="Layers to recompute (default all).")
+    to_static: bool = Field(False, description="Compile the training step with paddle.jit.to_static.")
+
+    # fine-tuning method
+    finetuning: Literal["full", "lora"] = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: Union[str, List[str]] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    # bookkeeping
+    seed: int = 42
+    logging_steps: int = Field(10, gt=0)
+    eval_steps: Optional[int] = Field(None, gt=0)
+    save_steps: Optional[int] = Field(500, gt=0)
+    save_total_limit: Optional[int] = Field(3, gt=0)
+    resume: Union[bool, str] = Field(False, description="false, true/auto (latest checkpoint), or a path.")
+    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive bad steps.")
+
+    @field_validator("data_path", "eval_data_path")
+    @classmethod
+    def _non_empty_paths(cls, v: Optional[Union[str, List[str]]]) -> Optional[Union[str, List[str]]]:
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one file")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _rank_positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("lora_rank must be > 0 (typical values: 8, 16, 64)")
+        return v
+
+    @model_validator(mode="after")
+    def _warmup_one_form(self) -> TrainConfig:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.data_weights is not None:
+            paths = self.data_path if isinstance(self.data_path, list) else [self.data_path]
+            if len(self.data_weights) != len(paths):
+                raise ValueError(
+                    f"data_weights has {len(self.data_weights)} entries but data_path has {len(paths)}"
+                )
+            if any(w <= 0 for w in self.data_weights):
+                raise ValueError("data_weights must all be > 0")
+        return self
+
+
+class ParallelConfig(_Section):
+    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding."""
+
+    data_parallel: int = Field(1, gt=0)
+    tensor_parallel: int = Field(1, gt=0)
+    pipeline_parallel: int = Field(1, gt=0)
+    sharding_parallel: int = Field(1, gt=0, description="ZeRO sharding degree (a data-parallel axis).")
+    sharding_stage: Literal[1, 2, 3] = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    pipeline_micro_batches: Optional[int] = Field(
+        None, gt=0, description="Micro-batches per pipeline step (default: gradient accumulation steps)."
+    )
+    pipeline_partition: Literal["uniform", "parameters", "measured"] = "uniform"
+    gradient_compression: Literal["none", "int8", "topk"] = "none"
+    topk_ratio: float = Field(0.01, gt=0, le=1)
+    fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel * self.sharding_parallel
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different data (data parallel x sharding)."""
+        return self.data_parallel * self.sharding_parallel
+
+
+class Config(BaseModel):
+    """The whole config file. ``parallel:`` is accepted as a synonym of ``parallel_config:``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    # Attribute names are short (cfg.model, cfg.train, cfg.parallel); the file uses the section names.
+    model: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
+    train: TrainConfig = Field(default_factory=TrainConfig, alias="train_config")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, alias="parallel_config")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parallel_synonym(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "parallel" in data:
+            if "parallel_config" in data:
+                raise ValueError("give either `parallel` or `parallel_config`, not both")
+            data = dict(data)
+            data["parallel_config"] = data.pop("parallel")
+        return data
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain dict with the file's section names (for saving the resolved config)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+SECTION_MODELS = {"model_config": ModelConfig, "train_config": TrainConfig, "parallel_config": ParallelConfig}

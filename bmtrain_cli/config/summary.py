@@ -1,0 +1,104 @@
+"""A resolved, human-readable summary of a config (printed by validate-config)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from bmtrain_cli.config.derived import derive
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.models.arch import arch_from_model_config, count_parameters
+
+
+def summarize(config: Config) -> Dict[str, Any]:
+    """Resolved values as a flat dict (also the --json output of validate-config)."""
+    d = derive(config)
+    m, t, p = config.model, config.train, config.parallel
+    out: Dict[str, Any] = {
+        "world_size": d.world_size,
+        "data_parallel": p.data_parallel,
+        "tensor_parallel": p.tensor_parallel,
+        "pipeline_parallel": p.pipeline_parallel,
+        "sharding_parallel": p.sharding_parallel,
+        "sharding_stage": p.sharding_stage,
+        "micro_batch_size": d.micro_batch_size,
+        "grad_accum_steps": d.grad_accum_steps,
+        "global_batch_size": d.global_batch_size,
+        "tokens_per_step": d.tokens_per_step,
+        "learning_rate": d.learning_rate,
+        "lr_scheduler": t.lr_scheduler,
+        "precision": t.precision,
+        "finetuning": t.finetuning,
+    }
+    try:
+        arch = arch_from_model_config(m, allow_known=True)
+    except UserError:
+        arch = None
+    if arch is not None:
+        n = count_parameters(arch)
+        out.update(
+            family=arch.family,
+            source=m.model_name_or_path or "fresh",
+            hidden_size=arch.hidden_size,
+            num_hidden_layers=arch.num_hidden_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_key_value_heads=arch.num_key_value_heads,
+            vocab_size=arch.vocab_size,
+            parameters=n,
+        )
+        if t.finetuning == "lora":
+            from bmtrain_cli.config.checks import LORA_TARGETS
+
+            targets = (
+                [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
+            )
+            if "all-linear" in targets:
+                targets = list(LORA_TARGETS)
+            h, hd, r = arch.hidden_size, arch.head_dim, t.lora_rank
+            shapes = {
+                "q_proj": (h, arch.num_attention_heads * hd),
+                "k_proj": (h, arch.num_key_value_heads * hd),
+                "v_proj": (h, arch.num_key_value_heads * hd),
+                "o_proj": (arch.num_attention_heads * hd, h),
+                "gate_proj": (h, arch.intermediate_size),
+                "up_proj": (h, arch.intermediate_size),
+                "down_proj": (arch.intermediate_size, h),
+                "W_pack": (h, (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd),
+            }
+            if arch.fused_qkv:
+                shapes = {k: v for k, v in shapes.items() if k not in ("q_proj", "k_proj", "v_proj")}
+            else:
+                shapes.pop("W_pack")
+            per_layer = sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
+            trainable = per_layer * arch.num_hidden_layers
+            out.update(trainable_parameters=trainable, trainable_share=trainable / (n + trainable))
+    return out
+
+
+def format_summary(config: Config, source: str) -> List[str]:
+    s = summarize(config)
+    lines = [f"config {source}: OK"]
+    if "parameters" in s:
+        lines.append(
+            f"  model      {s['family']} ({s['source']}): hidden {s['hidden_size']}, layers {s['num_hidden_layers']}, "
+            f"heads {s['num_attention_heads']}/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}, "
+            f"{s['parameters']:,} parameters"
+        )
+        if "trainable_parameters" in s:
+            lines.append(
+                f"  lora       rank {config.train.lora_rank}: {s['trainable_parameters']:,} trainable parameters "
+                f"({100 * s['trainable_share']:.2f}% of the total)"
+            )
+    lines.append(
+        f"  layout     world size {s['world_size']} = data {s['data_parallel']} x tensor {s['tensor_parallel']} x "
+        f"pipeline {s['pipeline_parallel']} x sharding {s['sharding_parallel']} (stage {s['sharding_stage']})"
+    )
+    lines.append(
+        f"  batch      global {s['global_batch_size']} = micro {s['micro_batch_size']} x accumulation "
+        f"{s['grad_accum_steps']} x data ranks {s['data_parallel'] * s['sharding_parallel']}; "
+        f"up to {s['tokens_per_step']:,} tokens per optimizer step"
+    )
+    lines.append(
+        f"  optimizer  AdamW, lr {s['learning_rate']:.3g} ({s['lr_scheduler']}), precision {s['precision']}"
+    )
+    return lines

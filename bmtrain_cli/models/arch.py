@@ -1,0 +1,295 @@
+"""Model architecture as plain data (no Paddle import): family defaults, Hugging Face config.json
+reading/writing, and parameter counting. Used by the model builder, validate-config and the planner.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from bmtrain_cli.errors import UserError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "baichuan")
+
+# Hugging Face model_type -> our family
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "baichuan": "baichuan",
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Everything that decides the shapes and maths of the decoder. Family differences are flags."""
+
+    family: str = "llama"
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    fused_qkv: bool = False  # one W_pack projection (Baichuan)
+    position_embedding: str = "rope"  # rope | alibi (Baichuan 13B)
+    initializer_range: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Any] = None
+    pad_token_id: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back as-is
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True, "rope_theta": 1000000.0},
+    "qwen3": {"qk_norm": True, "rope_theta": 1000000.0},
+    "baichuan": {"fused_qkv": True},
+}
+
+_ARCH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "position_embedding",
+    "initializer_range",
+)
+
+
+def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelArch:
+    """Architecture of a model_config: the checkpoint's config.json when a path is given, else the
+    family defaults; explicit sizes in model_config override either. With allow_known, a well-known
+    hub id not present here resolves to its published architecture (for validate-config and plan)."""
+    if getattr(model_cfg, "model_name_or_path", None):
+        base = read_hf_config(model_cfg.model_name_or_path, allow_known=allow_known)
+    else:
+        base = replace(ModelArch(family=model_cfg.family), **FAMILY_DEFAULTS[model_cfg.family])
+    updates = {k: getattr(model_cfg, k) for k in _ARCH_FIELDS if getattr(model_cfg, k, None) is not None}
+    if (
+        "position_embedding" in updates
+        and base.family != "baichuan"
+        and updates["position_embedding"] == "alibi"
+    ):
+        raise UserError("model_config.position_embedding: alibi is only supported for the baichuan family")
+    arch = replace(base, **updates)
+    if (
+        "num_attention_heads" in updates
+        and "num_key_value_heads" not in updates
+        and not model_cfg.model_name_or_path
+    ):
+        arch = replace(arch, num_key_value_heads=arch.num_attention_heads)
+    if "head_dim" not in updates and ("hidden_size" in updates or "num_attention_heads" in updates):
+        arch = replace(arch, head_dim=arch.hidden_size // arch.num_attention_heads)
+    return arch
+
+
+def _rope(cfg: Dict[str, Any]) -> tuple:
+    """(rope_theta, rope_scaling) from transformers 4.x (rope_theta, rope_scaling) or 5.x
+    (rope_parameters) keys."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params:
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rest.get("rope_type", rest.get("type", "default")) != "default":
+            scaling = rest
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return float(theta), scaling
+
+
+def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> ModelArch:
+    """Parse a Hugging Face config.json dict."""
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UserError(
+            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    family = MODEL_TYPES[model_type]
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = _rope(cfg)
+        position = cfg.get("position_embedding")
+        if family == "baichuan" and position is None:
+            # Baichuan/Baichuan2-13B use ALiBi and have no rope settings; the 7B models use RoPE.
+            position = "alibi" if hidden == 5120 and "rope_theta" not in cfg else "rope"
+        known = set(_ARCH_FIELDS) | {
+            "model_type",
+            "rope_parameters",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "architectures",
+            "torch_dtype",
+            "dtype",
+            "transformers_version",
+            "qk_norm",
+            "fused_qkv",
+        }
+        return ModelArch(
+            family=family,
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(
+                cfg.get("max_position_embeddings", cfg.get("model_max_length", 4096))
+            ),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            fused_qkv=family == "baichuan",
+            position_embedding=position or "rope",
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            extra={k: v for k, v in cfg.items() if k not in known},
+        )
+    except KeyError as exc:
+        raise UserError(f"{source}: missing required key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{source}: bad value ({exc})") from None
+
+
+# Published architectures of well-known checkpoints, so that validate-config and plan can size a
+# config written for another machine (the weights themselves are only ever read from a local path).
+KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Llama-2-13b-hf": dict(
+        model_type="llama",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Llama-2-70b-hf": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Meta-Llama-3-8B": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        attention_bias=True,
+    ),
+    "baichuan-inc/Baichuan2-7B-Chat": dict(
+        model_type="baichuan",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=125696,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
+}
+
+
+def read_hf_config(path: str, allow_known: bool = False) -> ModelArch:
+    """Read ``path/config.json`` of a Hugging Face-style checkpoint directory. With allow_known, a
+    well-known hub id that is not present locally resolves to its published architecture."""
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not p.exists():
+        if allow_known and path in KNOWN_MODELS:
+            return arch_from_hf_dict(dict(KNOWN_MODELS[path]), path)
+        raise UserError(f"{path} does not exist (expected a local Hugging Face-style checkpoint directory)")
+    if not cfg_file.is_file():
+        raise UserError(f"{path}: no config.json (expected a Hugging Face-style checkpoint directory)")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{cfg_file}: not valid JSON ({exc})") from None
+    return arch_from_hf_dict(cfg, str(cfg_file))
+
+
+def count_parameters(arch: ModelArch) -> int:
+    """Exact parameter count of the decoder described by ``arch``."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q = arch.num_attention_heads * hd
+    kv = arch.num_key_value_heads * hd
+    attn = h * (q + 2 * kv) + q * h
+    if arch.attention_bias:
+        attn += q + 2 * kv
+    if arch.qk_norm:
+        attn += 2 * hd
+    mlp = 3 * h * arch.intermediate_size
+    per_layer = attn + mlp + 2 * h
+    total = arch.vocab_size * h + arch.num_hidden_layers * per_layer + h
+    if not arch.tie_word_embeddings:
+        total += arch.vocab_size * h
+    return total

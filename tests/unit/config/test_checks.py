@@ -1,0 +1,115 @@
+"""Each cross-field check, with its message."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmtrain_cli.config import load_config
+from bmtrain_cli.errors import ConfigError
+
+
+def error_text(write_yaml, text, **kw):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(text), **kw)
+    return str(info.value), info.value.problems
+
+
+def test_heads_divisible_by_tp(write_yaml):
+    text, probs = error_text(
+        write_yaml,
+        "model_config:\n  num_attention_heads: 6\n  hidden_size: 384\nparallel:\n  tensor_parallel: 4\n",
+    )
+    assert "num_attention_heads (6) is not divisible by tensor_parallel (4)" in text
+    assert probs[0].line == 5
+
+
+def test_kv_heads_divisible_by_tp(write_yaml):
+    text, _ = error_text(
+        write_yaml,
+        "model_config:\n  num_attention_heads: 4\n  num_key_value_heads: 1\nparallel:\n  tensor_parallel: 2\n",
+    )
+    assert "num_key_value_heads (1)" in text
+
+
+def test_vocab_under_tp(write_yaml):
+    text, _ = error_text(write_yaml, "model_config:\n  vocab_size: 32001\nparallel:\n  tensor_parallel: 2\n")
+    assert "vocab_size (32001) is not divisible by tensor_parallel (2)" in text
+    assert "pad the vocabulary" in text
+
+
+def test_layers_vs_pipeline(write_yaml):
+    text, _ = error_text(
+        write_yaml, "model_config:\n  num_hidden_layers: 2\nparallel:\n  pipeline_parallel: 4\n"
+    )
+    assert "exceeds num_hidden_layers (2)" in text
+
+
+def test_global_batch_divisibility(write_yaml):
+    text, probs = error_text(
+        write_yaml,
+        "train_config:\n  micro_batch_size: 2\n  global_batch_size: 12\nparallel:\n  data_parallel: 4\n",
+    )
+    assert "must be a multiple of 8" in text and "try 8 or 16" in text
+    assert probs[0].path == "train_config.global_batch_size" and probs[0].line == 3
+
+
+def test_world_size_matches_launch(write_yaml):
+    text, _ = error_text(write_yaml, "parallel:\n  data_parallel: 2\n  tensor_parallel: 2\n", world_size=2)
+    assert "= 4) does not match the 2 launched processes" in text
+    load_config(write_yaml("parallel:\n  data_parallel: 2\n"), world_size=2)
+
+
+def test_warmup_shorter_than_training(write_yaml):
+    text, _ = error_text(write_yaml, "train_config:\n  max_steps: 10\n  warmup_steps: 10\n")
+    assert "warmup_steps (10) must be shorter than training" in text
+
+
+def test_warmup_two_forms(write_yaml):
+    text, _ = error_text(write_yaml, "train_config:\n  warmup_steps: 10\n  warmup_ratio: 0.1\n")
+    assert "warmup_steps or warmup_ratio, not both" in text
+
+
+def test_sharding_23_with_pipeline_refused(write_yaml):
+    text, _ = error_text(write_yaml, "parallel_config:\n  sharding_stage: 2\n  pipeline_parallel: 2\n")
+    assert "cannot be combined with pipeline_parallel" in text
+
+
+def test_param_offload_needs_stage3(write_yaml):
+    text, _ = error_text(write_yaml, "parallel_config:\n  offload_params: true\n")
+    assert "needs sharding_stage: 3" in text
+
+
+def test_bf16_without_gpu_warns_in_validate_refuses_in_train(write_yaml):
+    path = write_yaml("train_config:\n  precision: bf16\n  data_path: x.jsonl\n")
+    loaded = load_config(path, has_gpu=False)
+    assert any("needs a GPU build of Paddle" in w.message for w in loaded.warnings)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, mode="train", has_gpu=False)
+    assert "use precision: fp32" in str(info.value)
+    assert load_config(path, mode="train", has_gpu=True).warnings == []
+
+
+def test_lora_unknown_target(write_yaml):
+    text, _ = error_text(
+        write_yaml, "train_config:\n  finetuning: lora\n  lora_target_modules: [q_proj, qq_proj]\n"
+    )
+    assert "unknown target module 'qq_proj'" in text and "available:" in text
+
+
+def test_lora_rank_positive(write_yaml):
+    text, _ = error_text(write_yaml, "train_config:\n  finetuning: lora\n  lora_rank: 0\n")
+    assert "lora_rank must be > 0" in text
+
+
+def test_train_requires_data(write_yaml):
+    text, _ = error_text(write_yaml, "train_config:\n  max_steps: 3\n", mode="train")
+    assert "no training data" in text
+
+
+def test_missing_checkpoint_is_error_in_train_only(write_yaml, tmp_path):
+    path = write_yaml(
+        f"model_config:\n  model_name_or_path: {tmp_path / 'nope'}\ntrain_config:\n  data_path: a.jsonl\n"
+    )
+    assert load_config(path).warnings
+    text, _ = error_text(write_yaml, open(path).read(), mode="train")
+    assert "does not exist" in text

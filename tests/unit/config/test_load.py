@@ -1,0 +1,150 @@
+"""Config loading: schema, overrides, error forms with file:line:column and suggestions."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from bmtrain_cli.config import derive, load_config
+from bmtrain_cli.errors import ConfigError
+
+
+def problems_of(path, overrides=(), **kw):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, **kw)
+    return info.value.problems, str(info.value)
+
+
+def test_defaults_from_few_lines(write_yaml):
+    cfg = load_config(write_yaml("train_config:\n  learning_rate: 1.0e-4\n")).config
+    assert cfg.train.learning_rate == 1e-4
+    assert cfg.train.lr_scheduler == "cosine"
+    assert cfg.parallel.world_size == 1
+    assert cfg.model.family == "llama"
+
+
+def test_empty_file_is_all_defaults(write_yaml):
+    cfg = load_config(write_yaml("")).config
+    assert cfg.train.micro_batch_size == 1
+
+
+def test_parallel_short_form_is_synonym(write_yaml):
+    text = "parallel:\n  data_parallel: 4\n  tensor_parallel: 2\n  pipeline_parallel: 1\n"
+    cfg = load_config(write_yaml(text)).config
+    assert cfg.parallel.data_parallel == 4 and cfg.parallel.tensor_parallel == 2
+    assert cfg.parallel.world_size == 8
+    assert cfg.to_dict()["parallel_config"]["tensor_parallel"] == 2
+
+
+def test_both_parallel_forms_refused(write_yaml):
+    probs, text = problems_of(
+        write_yaml("parallel:\n  data_parallel: 2\nparallel_config:\n  data_parallel: 2\n")
+    )
+    assert "both `parallel` and `parallel_config`" in text
+    assert probs[0].line == 1
+
+
+def test_unknown_key_with_suggestion_and_position(write_yaml):
+    path = write_yaml("parallel_config:\n  data_parallel: 2\n  tensor_paralel: 2\n")
+    probs, text = problems_of(path)
+    (p,) = probs
+    assert p.path == "parallel_config.tensor_paralel"
+    assert (p.line, p.column) == (3, 3)
+    assert p.suggestion == "did you mean tensor_parallel?"
+    assert f"{path}:3:3" in text
+
+
+def test_unknown_section(write_yaml):
+    probs, _ = problems_of(write_yaml("modle_config:\n  family: llama\n"))
+    assert probs[0].suggestion == "did you mean model_config?"
+
+
+def test_wrong_type_names_value_place(write_yaml):
+    probs, _ = problems_of(write_yaml("train_config:\n  micro_batch_size: four\n"))
+    (p,) = probs
+    assert p.path == "train_config.micro_batch_size"
+    assert (p.line, p.column) == (2, 21)
+    assert "valid integer" in p.message and "'four'" in p.message
+
+
+def test_literal_typo_suggests(write_yaml):
+    probs, _ = problems_of(write_yaml("model_config:\n  kernels: custon\n"))
+    assert probs[0].suggestion == "did you mean 'custom'?"
+
+
+def test_every_problem_reported_at_once(write_yaml):
+    text = (
+        "model_config:\n  hidden_sizee: 3\ntrain_config:\n  max_steps: 10\n  warmup_steps: 20\n"
+        "parallel_config:\n  sharding_stage: 3\n  pipeline_parallel: 2\n"
+    )
+    probs, _ = problems_of(write_yaml(text))
+    paths = {p.path for p in probs}
+    assert {
+        "model_config.hidden_sizee",
+        "train_config.warmup_steps",
+        "parallel_config.sharding_stage",
+    } <= paths
+
+
+def test_malformed_yaml_has_line_and_column(write_yaml):
+    probs, text = problems_of(write_yaml("model_config:\n  family: llama\n   bad: [\n"))
+    assert probs[0].line == 3 and probs[0].column is not None
+    assert "invalid YAML" in text
+
+
+def test_unsafe_tag_refused(write_yaml):
+    probs, text = problems_of(write_yaml('model_config: !!python/object/apply:os.system ["echo pwned"]\n'))
+    assert "unsafe" in text and probs[0].line == 1
+
+
+def test_duplicate_key_refused(write_yaml):
+    probs, text = problems_of(write_yaml("train_config:\n  seed: 1\n  seed: 2\n"))
+    assert "duplicate key 'seed'" in text and probs[0].line == 3
+
+
+def test_non_mapping_file(write_yaml):
+    _, text = problems_of(write_yaml("- a\n- b\n"))
+    assert "must be a mapping" in text
+
+
+def test_section_must_be_mapping(write_yaml):
+    probs, _ = problems_of(write_yaml("train_config: 5\n"))
+    assert probs[0].path == "train_config" and "mapping" in probs[0].message
+
+
+def test_missing_file():
+    probs, _ = problems_of("/nonexistent/config.yaml")
+    assert "not found" in probs[0].message
+
+
+def test_overrides_apply_and_parse_types(write_yaml):
+    path = write_yaml("train_config:\n  max_steps: 100\n")
+    cfg = load_config(
+        path,
+        ["train_config.max_steps=7", "parallel.data_parallel=2", "train_config.data_path=[a.jsonl, b.jsonl]"],
+    ).config
+    assert cfg.train.max_steps == 7
+    assert cfg.parallel.data_parallel == 2
+    assert cfg.train.data_path == ["a.jsonl", "b.jsonl"]
+
+
+def test_override_errors_name_the_override(write_yaml):
+    probs, text = problems_of(write_yaml(""), ["train_config.max_stepz=3"])
+    assert probs[0].file.startswith("--set train_config.max_stepz=3")
+    assert "did you mean max_steps?" in text
+    _, text = problems_of(write_yaml(""), ["no_equals_sign"])
+    assert "expected key.path=value" in text
+
+
+def test_config_is_frozen(write_yaml):
+    cfg = load_config(write_yaml("")).config
+    with pytest.raises(ValidationError):
+        cfg.train.learning_rate = 1.0  # type: ignore[misc]
+
+
+def test_derived_values(write_yaml):
+    text = "train_config:\n  micro_batch_size: 2\n  global_batch_size: 64\n  learning_rate: 1.0e-4\n  scale_lr: true\n"
+    text += "parallel_config:\n  data_parallel: 4\n  tensor_parallel: 2\n"
+    d = derive(load_config(write_yaml(text)).config)
+    assert d.grad_accum_steps == 8 and d.world_size == 8 and d.global_batch_size == 64
+    assert d.learning_rate == pytest.approx(1e-4 * 64 / 256)

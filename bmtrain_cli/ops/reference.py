@@ -1,0 +1,74 @@
+"""Pure-Paddle reference implementations of the fused ops. Every kernel is tested against these."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import paddle
+import paddle.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 and cast back to x's dtype."""
+    xf = x.astype("float32")
+    y = xf * paddle.rsqrt(xf.pow(2).mean(axis=-1, keepdim=True) + eps)
+    return y.astype(x.dtype) * weight
+
+
+def _rotate_half(x: paddle.Tensor) -> paddle.Tensor:
+    half = x.shape[-1] // 2
+    return paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotary(
+    q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Rotary position embedding (Hugging Face "rotate half" convention).
+
+    q: [batch, seq, q_heads, head_dim], k: [batch, seq, kv_heads, head_dim];
+    cos, sin: [batch or 1, seq, head_dim] (per position, so packed rows with restarting positions work).
+    """
+    c = cos.unsqueeze(2)
+    s = sin.unsqueeze(2)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def cross_entropy_sum(
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """(sum of token losses over non-ignored labels, number of non-ignored labels), in fp32.
+
+    Paddle's F.cross_entropy(..., reduction="mean") divides by all tokens when ignore_index < 0, so the
+    mean is left to the caller, who divides by a count gathered over the whole optimizer step.
+    """
+    logits = logits.reshape([-1, logits.shape[-1]]).astype("float32")
+    labels = labels.reshape([-1])
+    valid = labels != ignore_index
+    safe = paddle.where(valid, labels, paddle.zeros_like(labels))
+    logp = F.log_softmax(logits, axis=-1)
+    picked = paddle.take_along_axis(logp, safe.unsqueeze(-1).astype("int64"), axis=-1).squeeze(-1)
+    validf = valid.astype("float32")
+    return -(picked * validf).sum(), validf.sum()
+
+
+def linear_cross_entropy(
+    hidden: paddle.Tensor,
+    weight: paddle.Tensor,
+    labels: paddle.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    transpose_weight: bool = False,
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Loss of the LM head without the caller holding the logits: (loss sum, valid count).
+
+    hidden: [tokens, hidden]; weight: [hidden, vocab] (Paddle Linear layout) or [vocab, hidden] with
+    transpose_weight (tied embeddings); labels: [tokens]. The reference materialises the logits.
+    """
+    logits = paddle.matmul(hidden, weight, transpose_y=transpose_weight)
+    return cross_entropy_sum(logits, labels, ignore_index)

@@ -1,0 +1,325 @@
+"""Training monitoring: TensorBoard (tensorboardX), metrics.jsonl, progress output, summary.json, loss plot.
+
+Only the main rank writes. On a terminal a one-line progress bar (loss, lr, tokens/s, ETA) is redrawn;
+otherwise a plain line is printed every ``logging_steps``. On resume, metrics.jsonl is cut back to the
+checkpoint's step and TensorBoard events after it are purged, so the files read like one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, TextIO
+
+TRAIN_TAGS = (
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/tokens_per_sec",
+    "train/mfu",
+    "train/memory",
+)
+EVAL_TAGS = ("eval/loss", "eval/ppl")
+
+
+# ----------------------------------------------------------------------------- memory / flops
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux /proc/self/statm), 0 where unavailable."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class MemoryMeter:
+    """peak_memory_bytes as the memory planner predicts it: on GPU max_memory_allocated; on CPU the peak
+    RSS minus the RSS read just before the model was built."""
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+        self.baseline = 0 if on_gpu else current_rss_bytes()
+
+    def peak(self) -> int:
+        if self.on_gpu:
+            import paddle
+
+            return int(paddle.device.cuda.max_memory_allocated())
+        return max(0, peak_rss_bytes() - self.baseline)
+
+
+# Dense peak throughput (FLOP/s) of common accelerators by precision, for MFU.
+GPU_PEAK_FLOPS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "A800": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "L40": {"bfloat16": 181e12, "float16": 181e12, "float32": 90e12},
+    "V100": {"bfloat16": 0.0, "float16": 125e12, "float32": 15.7e12},
+    "4090": {"bfloat16": 165e12, "float16": 165e12, "float32": 82e12},
+}
+
+
+def peak_flops(on_gpu: bool, dtype: str = "float32", threads: Optional[int] = None) -> float:
+    """Peak FLOP/s of the device this process trains on (an estimate on CPU: threads x clock x 32 fp32
+    FLOP/cycle for AVX2/AVX-512 FMA). 0 when unknown (MFU is then reported as 0)."""
+    if on_gpu:
+        try:
+            import paddle
+
+            name = paddle.device.cuda.get_device_name()
+        except (RuntimeError, ValueError, AttributeError):
+            return 0.0
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return table.get(dtype, 0.0)
+        return 0.0
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+    mhz = 0.0
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    mhz = float(line.split(":")[1])
+                    break
+    except (OSError, ValueError):
+        return 0.0
+    return threads * mhz * 1e6 * 32.0
+
+
+def flops_per_token(n_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention scores (forward+backward)."""
+    return 6.0 * n_params + 12.0 * num_layers * hidden * seq_len
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class MetricsWriter:
+    """Writes metrics.jsonl, TensorBoard events and progress output for the main rank."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        total_steps: int,
+        logging_steps: int = 10,
+        enabled: bool = True,
+        resume_step: Optional[int] = None,
+        stream: Optional[TextIO] = None,
+        tty: Optional[bool] = None,
+        tensorboard: bool = True,
+    ):
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.logging_steps = max(1, logging_steps)
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.tb = None
+        self._bar_open = False
+        self._start_time = time.time()
+        self._start_step = resume_step or 0
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(self.metrics_path, resume_step)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            kwargs: Dict[str, Any] = {"flush_secs": 10}
+            if resume_step is not None:
+                kwargs["purge_step"] = resume_step + 1
+            self.tb = SummaryWriter(logdir=str(self.output_dir / "logs"), **kwargs)
+
+    # -- records
+    def _write_record(self, record: Dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+
+    def log_train(self, step: int, values: Dict[str, Any]) -> None:
+        """One optimizer step's metrics; ``step`` counts from 1."""
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
+        self._write_record(record)
+        if self.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory"):
+                v = values.get(key)
+                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{key}", v, step)
+            if values.get("loss_scale") is not None:
+                self.tb.add_scalar("train/loss_scale", values["loss_scale"], step)
+        self._progress(step, values)
+
+    def log_eval(self, step: int, loss: float, extra: Optional[Dict[str, Any]] = None) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
+        record = {"step": step, "eval_loss": _clean(loss), "eval_ppl": _clean(ppl), **(extra or {})}
+        self._write_record(record)
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", loss, step)
+            self.tb.add_scalar("eval/ppl", ppl, step)
+            for k, v in (extra or {}).items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"eval/{k}", v, step)
+        self.message(f"eval step {step}: loss {loss:.4f} ppl {ppl:.2f}")
+
+    def log_event(self, step: int, event: str, **fields: Any) -> None:
+        """A non-metric event (skipped step, checkpoint saved) in metrics.jsonl."""
+        if self.enabled:
+            self._write_record({"step": step, "event": event, **{k: _clean(v) for k, v in fields.items()}})
+
+    def add_text(self, tag: str, text: str) -> None:
+        if self.enabled and self.tb is not None:
+            self.tb.add_text(tag, text, 0)
+
+    def add_hparams(self, hparams: Dict[str, Any], metrics: Dict[str, float]) -> None:
+        if self.enabled and self.tb is not None:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+            mets = {f"hparam/{k}": float(v) for k, v in metrics.items() if v is not None}
+            self.tb.add_hparams(clean, mets, name="hparams")
+
+    # -- console
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _progress(self, step: int, values: Dict[str, Any]) -> None:
+        elapsed = time.time() - self._start_time
+        done = step - self._start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+        loss = values.get("loss")
+        loss_txt = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else str(loss)
+        body = (
+            f"step {step}/{self.total_steps} loss {loss_txt} lr {values.get('lr', 0):.3g} "
+            f"tok/s {values.get('tokens_per_sec', 0):.0f} ETA {_fmt_eta(eta)}"
+        )
+        if self.tty:
+            width = 24
+            filled = int(width * step / max(1, self.total_steps))
+            self.stream.write("\r[" + "#" * filled + "-" * (width - filled) + "] " + body + "   ")
+            self.stream.flush()
+            self._bar_open = True
+        elif step % self.logging_steps == 0 or step == self.total_steps or step == 1:
+            self.stream.write(body + "\n")
+            self.stream.flush()
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._jsonl.flush()
+            if self.tb is not None:
+                self.tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        self._jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.enabled = False
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no inf/nan: write them as strings so the file stays valid JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only records with step <= last_step (a killed run may have logged steps past its checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    out = []
+    if Path(path).exists():
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def write_summary(output_dir: Path, summary: Dict[str, Any]) -> Path:
+    path = Path(output_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
+    """Train (and eval) loss against step as a PNG (matplotlib Agg); None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], label="train loss", linewidth=1)
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return Path(png_path)

@@ -1,0 +1,81 @@
+"""metrics.jsonl, TensorBoard tags, resume truncation, summary and plot."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from bmtrain_cli.train.metrics import (
+    EVAL_TAGS,
+    TRAIN_TAGS,
+    MetricsWriter,
+    plot_loss_curve,
+    read_metrics,
+    write_summary,
+)
+
+
+def _vals(step):
+    return {
+        "loss": 2.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_sec": 100.0,
+        "mfu": 0.01,
+        "memory": 1234,
+    }
+
+
+def test_jsonl_tensorboard_and_plot(tmp_path):
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=4, logging_steps=2, stream=out, tty=False)
+    for step in range(1, 5):
+        w.log_train(step, _vals(step))
+    w.log_eval(4, 0.7)
+    w.add_hparams({"learning_rate": 1e-3, "precision": "fp32"}, {"final_loss": 0.5})
+    w.close()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert recs[-1]["eval_loss"] == 0.7
+    text = out.getvalue()
+    assert "step 2/4" in text and "step 3/4" not in text and "tok/s" in text and "ETA" in text
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "logs"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert set(TRAIN_TAGS) | set(EVAL_TAGS) <= tags
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([2.0, 1.0, 2.0 / 3, 0.5])
+    assert (tmp_path / "logs" / "hparams").is_dir()
+
+    png = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_truncates_later_records(tmp_path):
+    w = MetricsWriter(tmp_path, total_steps=10, stream=io.StringIO(), tty=False, tensorboard=False)
+    for step in range(1, 8):
+        w.log_train(step, _vals(step))
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "loss"')  # a line cut by kill -9
+    w = MetricsWriter(
+        tmp_path, total_steps=10, stream=io.StringIO(), tty=False, tensorboard=False, resume_step=5
+    )
+    w.log_train(6, _vals(6))
+    w.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_tty_progress_bar_and_summary(tmp_path):
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=2, stream=out, tty=True, tensorboard=False)
+    w.log_train(1, _vals(1))
+    w.message("hello")
+    w.close()
+    assert "\r[" in out.getvalue() and "hello\n" in out.getvalue()
+    p = write_summary(tmp_path, {"steps": 2, "final_loss": float("nan")})
+    assert json.loads(p.read_text())["final_loss"] == "nan"

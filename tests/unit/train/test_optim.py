@@ -1,0 +1,80 @@
+"""AdamW groups, fp32 clipping, non-finite handling, precision refusal."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from bmtrain_cli.config.schema import TrainConfig
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.optim import (
+    Precision,
+    build_optimizer,
+    check_precision_supported,
+    clip_grads_,
+    decay_names,
+    global_grad_norm,
+)
+
+
+class Tiny(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.proj = paddle.nn.Linear(4, 4)
+        self.input_layernorm = paddle.nn.LayerNorm(4)
+        self.head = paddle.nn.Linear(4, 2, bias_attr=False)
+
+    def forward(self, x):
+        return self.head(self.input_layernorm(self.proj(x)))
+
+
+def test_no_decay_on_norms_and_biases():
+    paddle.seed(0)
+    m = Tiny()
+    names = {n for n, p in m.named_parameters() if p.name in decay_names(m)}
+    assert names == {"proj.weight", "head.weight"}
+    # With zero gradients only decoupled weight decay moves parameters: decayed ones shrink, others stay.
+    opt = build_optimizer(m, TrainConfig(weight_decay=0.5, learning_rate=0.1), 0.1)
+    before = {n: p.numpy().copy() for n, p in m.named_parameters()}
+    for p in m.parameters():
+        p.grad = paddle.zeros_like(p)  # noqa: B010
+    (m(paddle.ones([1, 4])).sum() * 0).backward()
+    opt.step()
+    for n, p in m.named_parameters():
+        changed = not np.allclose(before[n], p.numpy())
+        assert changed == (n in ("proj.weight", "head.weight")), n
+
+
+def test_global_norm_in_fp32_and_clip():
+    paddle.seed(0)
+    m = Tiny()
+    m(paddle.randn([3, 4])).sum().backward()
+    params = list(m.parameters())
+    expected = np.sqrt(sum((p.grad.numpy().astype(np.float64) ** 2).sum() for p in params))
+    norm = global_grad_norm(params)
+    assert norm == pytest.approx(expected, rel=1e-5)
+    factor = clip_grads_(params, expected / 4, norm)
+    assert factor == pytest.approx(0.25, rel=1e-4)
+    assert global_grad_norm(params) == pytest.approx(expected / 4, rel=1e-4)
+    assert clip_grads_(params, 1e9, norm) == 1.0
+
+
+def test_non_finite_gradient_is_detected_and_skipped():
+    paddle.seed(0)
+    m = Tiny()
+    opt = build_optimizer(m, TrainConfig(learning_rate=0.1), 0.1)
+    m(paddle.to_tensor([[float("nan"), 1.0, 1.0, 1.0]])).sum().backward()
+    norm = global_grad_norm(list(m.parameters()))
+    assert not np.isfinite(norm)
+    before = m.proj.weight.numpy().copy()
+    prec = Precision("fp32")
+    assert prec.step(opt, finite=False) is False
+    np.testing.assert_array_equal(before, m.proj.weight.numpy())
+
+
+def test_half_precision_refused_on_cpu_with_reason():
+    check_precision_supported("fp32", has_gpu=False)
+    for p in ("bf16", "fp16"):
+        with pytest.raises(UserError, match="GPU build of Paddle"):
+            check_precision_supported(p, has_gpu=False)

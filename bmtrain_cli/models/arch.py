@@ -44,6 +44,8 @@ class ModelArch:
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     fused_qkv: bool = False  # one W_pack projection (Baichuan)
     position_embedding: str = "rope"  # rope | alibi (Baichuan 13B)
+    sliding_window: Optional[int] = None  # local attention window (Mistral)
+    norm_head: bool = False  # LM head rows L2-normalised (Baichuan 2)
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
@@ -52,6 +54,11 @@ class ModelArch:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Hugging Face's LLaMA and Qwen3 put ``attention_bias`` on o_proj too; Qwen2 does not."""
+        return self.attention_bias and self.family in ("llama", "qwen3")
 
 
 FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -135,6 +142,12 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = _rope(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UserError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        if cfg.get("mlp_bias"):
+            raise UserError(f"{source}: mlp_bias=true is not supported")
+        if cfg.get("use_sliding_window"):
+            raise UserError(f"{source}: use_sliding_window=true (per-layer sliding windows) is not supported")
         position = cfg.get("position_embedding")
         if family == "baichuan" and position is None:
             # Baichuan/Baichuan2-13B use ALiBi and have no rope settings; the 7B models use RoPE.
@@ -151,7 +164,11 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
             "transformers_version",
             "qk_norm",
             "fused_qkv",
+            "norm_head",
         }
+        if family == "mistral":
+            known.add("sliding_window")
+        vocab = int(cfg["vocab_size"])
         return ModelArch(
             family=family,
             hidden_size=hidden,
@@ -160,7 +177,7 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=vocab,
             max_position_embeddings=int(
                 cfg.get("max_position_embeddings", cfg.get("model_max_length", 4096))
             ),
@@ -172,6 +189,13 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
             qk_norm=family == "qwen3",
             fused_qkv=family == "baichuan",
             position_embedding=position or "rope",
+            sliding_window=(
+                int(cfg["sliding_window"]) if family == "mistral" and cfg.get("sliding_window") else None
+            ),
+            # Baichuan 2 (vocab 125696, z_loss_weight in its config) normalises the LM head rows.
+            norm_head=bool(
+                cfg.get("norm_head", family == "baichuan" and ("z_loss_weight" in cfg or vocab == 125696))
+            ),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
@@ -277,6 +301,54 @@ def read_hf_config(path: str, allow_known: bool = False) -> ModelArch:
     return arch_from_hf_dict(cfg, str(cfg_file))
 
 
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "baichuan": "BaichuanForCausalLM",
+}
+
+
+def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
+    """The config.json of a checkpoint with this architecture (keys transformers 4.x and 5.x read).
+    Unknown keys read from the original config.json are written back unchanged."""
+    cfg: Dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch.family]],
+        "model_type": arch.family,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "initializer_range": arch.initializer_range,
+        "bos_token_id": arch.bos_token_id,
+        "eos_token_id": arch.eos_token_id,
+        "pad_token_id": arch.pad_token_id,
+        "torch_dtype": dtype,
+    }
+    if arch.family in ("llama", "qwen3") or arch.attention_bias != (arch.family == "qwen2"):
+        cfg["attention_bias"] = arch.attention_bias
+    if arch.position_embedding == "rope":
+        cfg["rope_theta"] = arch.rope_theta
+        cfg["rope_scaling"] = dict(arch.rope_scaling) if arch.rope_scaling else None
+    else:
+        cfg["position_embedding"] = arch.position_embedding
+    if arch.family == "mistral":
+        cfg["sliding_window"] = arch.sliding_window
+    if arch.family == "baichuan":
+        cfg["norm_head"] = arch.norm_head
+    for k, v in arch.extra.items():
+        cfg.setdefault(k, v)
+    return cfg
+
+
 def count_parameters(arch: ModelArch) -> int:
     """Exact parameter count of the decoder described by ``arch``."""
     h, hd = arch.hidden_size, arch.head_dim
@@ -285,6 +357,8 @@ def count_parameters(arch: ModelArch) -> int:
     attn = h * (q + 2 * kv) + q * h
     if arch.attention_bias:
         attn += q + 2 * kv
+    if arch.o_proj_bias:
+        attn += h
     if arch.qk_norm:
         attn += 2 * hd
     mlp = 3 * h * arch.intermediate_size

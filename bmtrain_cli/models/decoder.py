@@ -1,0 +1,373 @@
+"""One decoder-only transformer for every supported family.
+
+Family differences are flags on :class:`~bmtrain_cli.models.arch.ModelArch`:
+
+- grouped-query attention: ``num_key_value_heads < num_attention_heads`` (LLaMA 2 70B / 3, Qwen, Mistral)
+- ``attention_bias``: q/k/v biases (Qwen2/2.5); LLaMA and Qwen3 checkpoints that set it also bias o_proj
+- ``qk_norm``: per-head RMSNorm of q and k before the rotary embedding, explicit ``head_dim`` (Qwen3)
+- ``fused_qkv``: one ``W_pack`` projection holding [q; k; v] (Baichuan)
+- ``position_embedding``: ``rope`` (with ``rope_scaling``) or ``alibi`` (Baichuan 13B)
+- ``sliding_window``: local attention window (Mistral)
+- ``norm_head``: LM head rows L2-normalised (Baichuan 2)
+- ``tie_word_embeddings``: the LM head reuses the embedding matrix
+
+Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` ...). Linear and
+embedding layers come from a factory (``models/layers.py``), so tensor parallelism swaps them without
+touching this file; head counts are divided by ``factory.tp_degree``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Set, Tuple
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias, repeat_kv
+from bmtrain_cli.models.layers import PlainFactory
+from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
+from bmtrain_cli.ops import OpSet, select
+from bmtrain_cli.ops.reference import IGNORE_INDEX
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, dim: int, eps: float, ops: OpSet):
+        super().__init__()
+        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer ([b, s, kv_heads, d], before head
+    repetition). Decoding appends one step at a time."""
+
+    def __init__(self, num_layers: int):
+        self.keys: List[Optional[paddle.Tensor]] = [None] * num_layers
+        self.values: List[Optional[paddle.Tensor]] = [None] * num_layers
+
+    def __len__(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else int(k.shape[1])
+
+    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        if self.keys[layer] is not None:
+            k = paddle.concat([self.keys[layer], k], axis=1)
+            v = paddle.concat([self.values[layer], v], axis=1)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def select(self, index: paddle.Tensor) -> None:
+        """Keep only the batch rows in ``index`` (e.g. after sequences finish)."""
+        self.keys = [None if k is None else paddle.gather(k, index) for k in self.keys]
+        self.values = [None if v is None else paddle.gather(v, index) for v in self.values]
+
+
+def _local_heads(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise UserError(f"{what} ({total}) must be divisible by tensor_parallel ({tp})")
+    return total // tp
+
+
+class Attention(nn.Layer):
+    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
+        super().__init__()
+        tp = factory.tp_degree
+        self.layer_idx = layer_idx
+        self.head_dim = arch.head_dim
+        self.num_heads = _local_heads(arch.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = _local_heads(arch.num_key_value_heads, tp, "num_key_value_heads")
+        self.n_rep = self.num_heads // self.num_kv_heads
+        self.implementation = implementation
+        self.ops = ops
+        self.use_rope = arch.position_embedding == "rope"
+        self.recompute_core = False
+        h, hd = arch.hidden_size, arch.head_dim
+        q_out, kv_out = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+        self.fused = arch.fused_qkv and tp == 1  # under TP the fused matrix is split into q/k/v on load
+        if self.fused:
+            self.W_pack = factory.linear(h, q_out + 2 * kv_out, arch.attention_bias, tp="column")
+        else:
+            self.q_proj = factory.linear(h, q_out, arch.attention_bias, tp="column")
+            self.k_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
+            self.v_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
+        self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops)
+        self.qk_norm = arch.qk_norm
+
+    def forward(
+        self,
+        x: paddle.Tensor,
+        cos: Optional[paddle.Tensor],
+        sin: Optional[paddle.Tensor],
+        bias: Optional[paddle.Tensor],
+        cache: Optional[KVCache] = None,
+    ) -> paddle.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        hd = self.head_dim
+        if self.fused:
+            qkv = self.W_pack(x)
+            nq, nkv = self.num_heads * hd, self.num_kv_heads * hd
+            q, k, v = paddle.split(qkv, [nq, nkv, nkv], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape([b, s, self.num_heads, hd])
+        k = k.reshape([b, s, self.num_kv_heads, hd])
+        v = v.reshape([b, s, self.num_kv_heads, hd])
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = self.ops.rotary(q, k, cos.astype(q.dtype), sin.astype(q.dtype))
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+        if self.recompute_core and self.training:
+            from paddle.distributed.fleet.utils import recompute  # noqa: PLC0415
+
+            out = recompute(self._core, q, k, v, bias)
+        else:
+            out = self._core(q, k, v, bias)
+        return self.o_proj(out.reshape([b, s, self.num_heads * hd]))
+
+    def _core(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
+    ) -> paddle.Tensor:
+        return attend(q, k, v, bias, self.implementation, self.training)
+
+
+class MLP(nn.Layer):
+    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet):
+        super().__init__()
+        h, f = arch.hidden_size, arch.intermediate_size
+        self.gate_proj = factory.linear(h, f, False, tp="column")
+        self.up_proj = factory.linear(h, f, False, tp="column")
+        self.down_proj = factory.linear(f, h, False, tp="row")
+        self.ops = ops
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, factory, ops)
+
+    def forward(
+        self,
+        x: paddle.Tensor,
+        cos: Optional[paddle.Tensor] = None,
+        sin: Optional[paddle.Tensor] = None,
+        bias: Optional[paddle.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> paddle.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Layer):
+    """The transformer body (Hugging Face's ``model.`` prefix): embeddings, layers, final norm."""
+
+    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, implementation: str):
+        super().__init__()
+        self.embed_tokens = factory.embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.LayerList(
+            [DecoderLayer(arch, factory, ops, i, implementation) for i in range(arch.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+
+
+class CausalLM(nn.Layer):
+    """Decoder-only language model. See the module docstring for the family flags."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        factory: Any = None,
+        kernels: str = "auto",
+        attention_implementation: str = "auto",
+    ):
+        super().__init__()
+        if attention_implementation not in IMPLEMENTATIONS:
+            raise UserError(
+                f"attention_implementation {attention_implementation!r} is not one of {IMPLEMENTATIONS}"
+            )
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            raise UserError(
+                f"num_attention_heads ({arch.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({arch.num_key_value_heads})"
+            )
+        if arch.position_embedding not in ("rope", "alibi"):
+            raise UserError(f"position_embedding {arch.position_embedding!r} is not rope or alibi")
+        self.arch = arch
+        self.factory = factory if factory is not None else PlainFactory()
+        self.ops = select(kernels)
+        self.model = DecoderModel(arch, self.factory, self.ops, attention_implementation)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else self.factory.lm_head(arch.hidden_size, arch.vocab_size)
+        )
+        self.rotary = None
+        if arch.position_embedding == "rope":
+            try:
+                self.rotary = RotaryTables(
+                    arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings
+                )
+            except (ValueError, KeyError) as exc:
+                raise UserError(f"rope_scaling: {exc}") from None
+        self.alibi = None
+        if arch.position_embedding == "alibi":
+            tp_rank = int(getattr(self.factory, "tp_rank", 0))
+            n_local = arch.num_attention_heads // self.factory.tp_degree
+            self.alibi = alibi_slopes(arch.num_attention_heads)[tp_rank * n_local : (tp_rank + 1) * n_local]
+        self._recompute_layers: Set[int] = set()
+
+    # Hugging Face-style accessors used by the trainer, LoRA and pipeline code.
+    @property
+    def layers(self) -> nn.LayerList:
+        return self.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Layer:
+        return self.model.embed_tokens
+
+    @property
+    def norm(self) -> nn.Layer:
+        return self.model.norm
+
+    def init_weights(self) -> None:
+        """Fresh initialisation: normal(0, initializer_range) matrices, zero biases, unit norms."""
+        std = self.arch.initializer_range
+        normal, zeros = nn.initializer.Normal(0.0, std), nn.initializer.Constant(0.0)
+        ones = nn.initializer.Constant(1.0)
+        for name, p in self.named_parameters():
+            if len(p.shape) >= 2:
+                normal(p)
+            elif name.endswith("norm.weight"):
+                ones(p)
+            else:
+                zeros(p)
+
+    def enable_recompute(self, granularity: str = "full", num_layers: Optional[int] = None) -> None:
+        """Recompute activations in the backward pass for the first ``num_layers`` decoder layers
+        (all when None): ``full`` recomputes whole layers, ``attention`` only the attention core
+        (scores and softmax), ``none`` turns it off."""
+        if granularity not in ("full", "attention", "none"):
+            raise UserError(f"recompute granularity {granularity!r} is not full, attention or none")
+        n = len(self.layers) if num_layers is None else min(int(num_layers), len(self.layers))
+        chosen = set(range(n)) if granularity != "none" else set()
+        self._recompute_layers = chosen if granularity == "full" else set()
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.recompute_core = granularity == "attention" and i in chosen
+
+    # ---- forward paths ----
+    def _position_ids(self, input_ids: paddle.Tensor, past: int) -> paddle.Tensor:
+        s = input_ids.shape[1]
+        return paddle.arange(past, past + s, dtype="int64").unsqueeze(0).expand([input_ids.shape[0], s])
+
+    def hidden_states(
+        self,
+        input_ids: paddle.Tensor,
+        attention_mask: Optional[paddle.Tensor] = None,
+        position_ids: Optional[paddle.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> paddle.Tensor:
+        """Last hidden states [b, s, hidden] after the final norm.
+
+        With a ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` (if given) covers
+        the cached plus the new tokens.
+        """
+        s = input_ids.shape[1]
+        past = 0 if cache is None else len(cache)
+        if position_ids is None:
+            position_ids = self._position_ids(input_ids, past)
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary(position_ids)
+        x = self.model.embed_tokens(input_ids)
+        bias = self._attention_bias(attention_mask, s, past, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            if i in self._recompute_layers and self.training:
+                from paddle.distributed.fleet.utils import recompute  # noqa: PLC0415
+
+                x = recompute(layer, x, cos, sin, bias)
+            else:
+                x = layer(x, cos, sin, bias, cache)
+        return self.model.norm(x)
+
+    def _attention_bias(
+        self, attention_mask: Optional[paddle.Tensor], s: int, past: int, dtype: Any
+    ) -> Optional[paddle.Tensor]:
+        window = self.arch.sliding_window
+        if window is not None and past + s <= window:
+            window = None  # the window cannot bite: keep the plain causal fast path
+        if attention_mask is None and past == 0 and window is None and self.alibi is None:
+            return None  # plain causal attention
+        seg_q = seg_k = None
+        if attention_mask is not None:
+            seg_k = attention_mask.astype("int64")
+            seg_q = seg_k[:, past:] if past else seg_k
+        alibi = None if self.alibi is None else paddle.to_tensor(self.alibi, dtype="float32")
+        return build_bias(seg_q, seg_k, s, past + s, past, dtype, window, alibi)
+
+    def _head(self) -> Tuple[paddle.Tensor, bool]:
+        """(LM head weight, whether it is [vocab, hidden] and needs a transpose)."""
+        if self.lm_head is None:
+            weight, transposed = self.model.embed_tokens.weight, True
+        else:
+            weight, transposed = self.lm_head.weight, False
+        if self.arch.norm_head:
+            weight = F.normalize(weight, axis=1 if transposed else 0)
+        return weight, transposed
+
+    def logits_from_hidden(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.lm_head is not None and not self.arch.norm_head:
+            return self.lm_head(hidden)
+        weight, transposed = self._head()
+        return paddle.matmul(hidden, weight, transpose_y=transposed)
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        attention_mask: Optional[paddle.Tensor] = None,
+        position_ids: Optional[paddle.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> paddle.Tensor:
+        """Logits [b, s, vocab] (the local vocabulary shard under tensor parallelism)."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, cache))
+
+    def loss_sum(
+        self,
+        input_ids: paddle.Tensor,
+        labels: paddle.Tensor,
+        attention_mask: Optional[paddle.Tensor] = None,
+        position_ids: Optional[paddle.Tensor] = None,
+    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """(sum of next-token losses fp32, number of predicted tokens fp32).
+
+        ``labels`` are unshifted (same positions as input_ids, -100 = ignore): position t predicts
+        labels[t + 1]. Across a segment boundary of a packed row nothing is predicted.
+        """
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)[:, :-1]
+        target = labels[:, 1:]
+        if attention_mask is not None:
+            same = attention_mask[:, 1:] == attention_mask[:, :-1]
+            target = paddle.where(same, target, paddle.full_like(target, IGNORE_INDEX))
+        hidden = hidden.reshape([-1, hidden.shape[-1]])
+        target = target.reshape([-1])
+        if self.factory.tp_degree > 1:
+            return self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
+        weight, transposed = self._head()
+        return self.ops.linear_cross_entropy(
+            hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
+        )

@@ -1,0 +1,238 @@
+"""Hugging Face checkpoints in and out: ``build``, ``load_pretrained``, ``save_pretrained``.
+
+Names follow Hugging Face exactly. Paddle's Linear stores weights as [in, out] and Hugging Face as
+[out, in], so every matrix except the embedding is transposed on the way in and out. Baichuan's fused
+``W_pack`` is kept fused on one device and split into q/k/v projections under tensor parallelism.
+Under tensor parallelism each rank takes its slice of the full tensor (the axis where the local
+parameter is smaller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.models.arch import ModelArch, arch_from_model_config, arch_to_hf_dict, read_hf_config
+from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.safetensors_io import checkpoint_files, write_safetensors
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: str) -> Iterator[None]:
+    old = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        paddle.set_default_dtype(old)
+
+
+def _check_dtype(dtype: Optional[str]) -> str:
+    dtype = dtype or "float32"
+    if dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {DTYPES}")
+    return dtype
+
+
+def build(
+    cfg_or_arch: Any,
+    *,
+    factory: Any = None,
+    kernels: str = "auto",
+    attention_implementation: Optional[str] = None,
+    dtype: Optional[str] = None,
+) -> CausalLM:
+    """A freshly initialised model from a config ``ModelConfig`` or a :class:`ModelArch`."""
+    if isinstance(cfg_or_arch, ModelArch):
+        arch = cfg_or_arch
+        attn = attention_implementation or "auto"
+    else:
+        arch = arch_from_model_config(cfg_or_arch)
+        attn = attention_implementation or getattr(cfg_or_arch, "attention_implementation", "auto")
+        if kernels == "auto":
+            kernels = getattr(cfg_or_arch, "kernels", "auto")
+    with _default_dtype(_check_dtype(dtype)):
+        model = CausalLM(arch, factory=factory, kernels=kernels, attention_implementation=attn)
+        model.init_weights()
+    return model
+
+
+def _is_matrix(name: str, ndim: int) -> bool:
+    return ndim == 2 and not name.endswith("embed_tokens.weight")
+
+
+def _qkv_sizes(arch: ModelArch) -> List[int]:
+    hd = arch.head_dim
+    return [arch.num_attention_heads * hd, arch.num_key_value_heads * hd, arch.num_key_value_heads * hd]
+
+
+def _local_slice(full: np.ndarray, local_shape: List[int], factory: Any, name: str) -> np.ndarray:
+    if list(full.shape) == list(local_shape):
+        return full
+    tp, rank = int(getattr(factory, "tp_degree", 1)), int(getattr(factory, "tp_rank", 0))
+    axes = [a for a, (f, l_) in enumerate(zip(full.shape, local_shape)) if f != l_]
+    if (
+        len(full.shape) != len(local_shape)
+        or len(axes) != 1
+        or full.shape[axes[0]] != local_shape[axes[0]] * tp
+    ):
+        raise UserError(
+            f"checkpoint tensor {name} has shape {list(full.shape)}, the model expects {local_shape}"
+        )
+    a, n = axes[0], local_shape[axes[0]]
+    return np.take(full, np.arange(rank * n, (rank + 1) * n), axis=a)
+
+
+def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: str = "checkpoint") -> None:
+    """Copy Hugging Face-layout tensors (name -> array) into ``model``."""
+    arch = model.arch
+    tensors = dict(tensors)
+    # Fused W_pack in the checkpoint but separate q/k/v in the model (tensor parallel): split it.
+    for name in [n for n in tensors if n.endswith("self_attn.W_pack.weight")]:
+        prefix = name[: -len("W_pack.weight")]
+        if prefix + "q_proj.weight" not in tensors:
+            parts = np.split(tensors.pop(name), np.cumsum(_qkv_sizes(arch))[:-1], axis=0)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                tensors[f"{prefix}{proj}.weight"] = part
+    if arch.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    params = model.state_dict()
+    missing = [n for n in params if n not in tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise UserError(f"{source}: missing weights {', '.join(missing[:5])}{more}")
+    unexpected = [n for n in tensors if n not in params and not n.endswith(_IGNORED_SUFFIXES)]
+    if unexpected:
+        print(
+            f"warning: {source}: ignoring {len(unexpected)} unknown tensors ({unexpected[0]}, ...)",
+            file=sys.stderr,
+        )
+    for name, param in params.items():
+        arr = tensors[name]
+        if _is_matrix(name, arr.ndim):
+            arr = arr.T
+        arr = _local_slice(arr, list(param.shape), model.factory, name)
+        value = paddle.to_tensor(np.ascontiguousarray(arr, dtype=np.float32)).astype(param.dtype)
+        param.set_value(value)
+
+
+def load_pretrained(
+    path: Union[str, Path],
+    dtype: Optional[str] = None,
+    kernels: str = "auto",
+    factory: Any = None,
+    attention_implementation: str = "auto",
+) -> CausalLM:
+    """Load a Hugging Face-style directory (config.json + safetensors, sharded or not)."""
+    d = Path(path)
+    arch = read_hf_config(str(d))
+    if not d.is_dir():
+        raise UserError(f"{path}: expected a checkpoint directory")
+    files = list(checkpoint_files(d))
+    with _default_dtype(_check_dtype(dtype)):
+        model = CausalLM(
+            arch, factory=factory, kernels=kernels, attention_implementation=attention_implementation
+        )
+    tensors: Dict[str, np.ndarray] = {}
+    for f in files:
+        for name in f.names():
+            tensors[name] = f.get(name)
+    load_hf_state_dict(model, tensors, str(d))
+    model.eval()
+    return model
+
+
+def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
+    """The model's weights in Hugging Face layout and names (numpy, fp32 for half-precision params)."""
+    out: Dict[str, np.ndarray] = {}
+    qkv: Dict[str, Dict[str, np.ndarray]] = {}
+    for name, param in model.state_dict().items():
+        t = param.detach()
+        if t.dtype in (paddle.bfloat16, paddle.float16):
+            t = t.astype("float32")
+        arr = t.numpy()
+        if _is_matrix(name, arr.ndim):
+            arr = np.ascontiguousarray(arr.T)
+        if model.arch.fused_qkv and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            prefix, proj = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+            qkv.setdefault(prefix, {})[proj] = arr
+            if len(qkv[prefix]) == 3:
+                parts = qkv.pop(prefix)
+                out[f"{prefix}.W_pack.weight"] = np.concatenate(
+                    [parts[p] for p in ("q_proj", "k_proj", "v_proj")]
+                )
+            continue
+        out[name] = arr
+    return out
+
+
+def _dtype_of(model: CausalLM) -> str:
+    for p in model.parameters():
+        return str(p.dtype).replace("paddle.", "")
+    return "float32"
+
+
+def save_pretrained(
+    model: CausalLM, path: Union[str, Path], max_shard_size_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> List[Path]:
+    """Write config.json and safetensors weights (sharded with model.safetensors.index.json when the
+    weights exceed ``max_shard_size_bytes``). Returns the files written."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    dtype = _dtype_of(model)
+    tensors = hf_state_dict(model)
+    bf16 = tuple(tensors) if dtype == "bfloat16" else ()
+    if dtype == "float16":
+        tensors = {k: v.astype(np.float16) for k, v in tensors.items()}
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    shards: List[Dict[str, np.ndarray]] = [{}]
+    size = 0
+    total = 0
+    for name, arr in tensors.items():
+        nbytes = arr.size * itemsize
+        if shards[-1] and size + nbytes > max_shard_size_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += nbytes
+        total += nbytes
+    written: List[Path] = []
+    for stale in list(d.glob("model*.safetensors")) + [d / "model.safetensors.index.json"]:
+        if stale.exists():
+            stale.unlink()
+    if len(shards) == 1:
+        f = d / "model.safetensors"
+        write_safetensors(f, shards[0], bf16=bf16)
+        written.append(f)
+    else:
+        weight_map: Dict[str, str] = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(d / fname, shard, bf16=tuple(n for n in shard if n in bf16))
+            weight_map.update({n: fname for n in shard})
+            written.append(d / fname)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+        written.append(d / "model.safetensors.index.json")
+    cfg = arch_to_hf_dict(model.arch, dtype)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    written.append(d / "config.json")
+    return written
+
+
+def with_vocab(arch: ModelArch, vocab_size: int) -> ModelArch:
+    """The same architecture with another vocabulary size (the trainer takes it from the tokenizer)."""
+    return replace(arch, vocab_size=vocab_size)

@@ -1,0 +1,144 @@
+"""Position encodings: rotary embeddings (with the rope scaling types of LLaMA 3.x, Qwen and Mistral
+checkpoints) and ALiBi slopes (Baichuan 13B).
+
+Frequencies follow the Hugging Face formulas and are computed in fp32 like them, so logits match to
+1e-4 or better on fp32 models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import paddle
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_type(scaling: Optional[Dict[str, Any]]) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: Optional[Dict[str, Any]], max_position_embeddings: int
+) -> Tuple[np.ndarray, float]:
+    """(inverse frequencies [head_dim/2] fp32, attention scaling of cos/sin) for a rope config.
+
+    ``dynamic`` returns the unscaled frequencies; the per-call rescaling happens in
+    :func:`rotary_tables` because it depends on the sequence length.
+    """
+    kind = rope_type(scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    pos_freqs = np.float32(theta) ** exponents
+    inv = (1.0 / pos_freqs).astype(np.float32)
+    scaling = scaling or {}
+    attention_factor = 1.0
+    if kind == "linear":
+        inv = inv / np.float32(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif kind == "yarn":
+        factor = float(scaling["factor"])
+        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            if mscale and mscale_all:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def corr_dim(rotations: float) -> float:
+            return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+        extrapolation = 1 - ramp
+        interp = 1.0 / (factor * pos_freqs)
+        inv = (interp * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+    return inv.astype(np.float32), float(attention_factor)
+
+
+class RotaryTables:
+    """cos/sin tables for given position ids. Holds the frequencies as a non-trainable buffer-like
+    constant so that paddle.jit.to_static sees plain tensor maths."""
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: Optional[Dict[str, Any]], max_position_embeddings: int
+    ):
+        self.head_dim = head_dim
+        self.theta = theta
+        self.kind = rope_type(scaling)
+        self.scaling = dict(scaling or {})
+        self.max_position_embeddings = max_position_embeddings
+        self.inv_freq, self.attention_factor = inv_frequencies(
+            head_dim, theta, scaling, max_position_embeddings
+        )
+
+    def __call__(self, position_ids: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [b, s, head_dim] fp32."""
+        pos = position_ids.astype("float32")
+        if self.kind == "dynamic":
+            inv = self._dynamic_inv_freq(pos)
+        else:
+            inv = paddle.to_tensor(self.inv_freq)
+        freqs = pos.unsqueeze(-1) * inv.reshape([1, 1, -1])
+        emb = paddle.concat([freqs, freqs], axis=-1)
+        cos, sin = paddle.cos(emb), paddle.sin(emb)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
+
+    def _dynamic_inv_freq(self, pos: paddle.Tensor) -> paddle.Tensor:
+        """Dynamic NTK: past the trained length, grow the base with the sequence length
+        (seq_len = largest position + 1), as transformers does."""
+        factor = float(self.scaling["factor"])
+        original = float(self.scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        seq_len = pos.max() + 1.0
+        d = float(self.head_dim)
+        grown = self.theta * ((factor * seq_len / original) - (factor - 1)) ** (d / (d - 2))
+        base = paddle.where(seq_len > original, grown, paddle.full_like(seq_len, self.theta))
+        exponents = paddle.to_tensor(np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(d))
+        return 1.0 / paddle.pow(base, exponents)
+
+
+def alibi_slopes(num_heads: int) -> List[float]:
+    """ALiBi head slopes (Press et al.; the interleaving Baichuan 13B uses for non-powers of two)."""
+
+    def power_of_2(n: int) -> List[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_2(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]

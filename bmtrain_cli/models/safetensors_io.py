@@ -1,0 +1,140 @@
+"""Reading and writing the safetensors format (https://github.com/huggingface/safetensors): an 8-byte
+little-endian header length, a JSON header (dtype, shape, byte offsets per tensor), then raw tensor
+bytes. Implemented directly over numpy memory maps so that bfloat16 (which numpy lacks) is read as
+fp32 and written as BF16 without going through any pickle-based format.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+
+_NP_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_CODES = {np.dtype(v): k for k, v in _NP_DTYPES.items()}
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even fp32 -> bfloat16 bit patterns (uint16)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
+    return (rounded >> 16).astype(np.uint16)
+
+
+class SafetensorsFile:
+    """Lazy reader of one .safetensors file: ``names()``, ``get(name) -> np.ndarray``.
+    BF16 tensors come back as fp32 (exact)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n <= 0 or n > 100_000_000:
+                    raise ValueError("bad header length")
+                self.header = json.loads(f.read(n).decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise UserError(f"{self.path}: not a readable safetensors file ({exc})") from None
+        self.metadata = self.header.pop("__metadata__", None) or {}
+        self._offset = 8 + n
+        self._data: Optional[np.memmap] = None
+
+    def names(self) -> List[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset)
+        start, end = info["data_offsets"]
+        raw = self._data[start:end]
+        code = info["dtype"]
+        if code == "BF16":
+            return bf16_bits_to_fp32(raw.view(np.uint16)).reshape(info["shape"])
+        if code not in _NP_DTYPES:
+            raise UserError(f"{self.path}: tensor {name} has unsupported dtype {code}")
+        return np.array(raw.view(_NP_DTYPES[code]).reshape(info["shape"]))
+
+
+def write_safetensors(
+    path: Path, tensors: Dict[str, np.ndarray], bf16: Tuple[str, ...] = (), metadata: Optional[dict] = None
+) -> None:
+    """Write ``tensors`` (numpy arrays) to ``path``; names in ``bf16`` are stored as BF16."""
+    header: Dict[str, dict] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    blobs: List[bytes] = []
+    offset = 0
+    for name, arr in tensors.items():
+        if name in bf16:
+            data = fp32_to_bf16_bits(arr)
+            code = "BF16"
+        else:
+            data = np.ascontiguousarray(arr)
+            if data.dtype not in _CODES:
+                raise ValueError(f"cannot store dtype {data.dtype} of {name} in safetensors")
+            code = _CODES[data.dtype]
+        blob = data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+    tmp.replace(path)
+
+
+def checkpoint_files(directory: Path) -> Iterator[SafetensorsFile]:
+    """The safetensors files of a Hugging Face-style checkpoint directory (index first, then
+    model.safetensors, then any *.safetensors). Refuses pickle-based weights with a clear error."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise UserError(f"{index}: not a valid safetensors index ({exc})") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise UserError(f"{index} names shard(s) that are missing: {', '.join(missing)}")
+        files = [d / n for n in names]
+    elif (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt*"))
+        hint = (
+            f" (found {', '.join(pickled)}: pickle-based weights are not loaded; convert them to "
+            "safetensors first, e.g. with transformers' save_pretrained(safe_serialization=True))"
+            if pickled
+            else ""
+        )
+        raise UserError(f"{d}: no *.safetensors weights{hint}")
+    for f in files:
+        yield SafetensorsFile(f)

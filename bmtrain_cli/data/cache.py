@@ -1,0 +1,209 @@
+"""The token cache: each source file tokenised once into memory-mapped arrays, reused while unchanged.
+
+One directory per (file contents, tokenizer, template, format, train_on_prompt), named by a hash of all of
+them, holding ``tokens.bin`` (int32), ``mask.bin`` (uint8, 1 = trained), ``offsets.npy`` (int64, n+1),
+``lines.npy`` (source line of each sample) and ``meta.json`` (written last: its presence means complete;
+it also lists the rejected records with their reasons). Building takes a file lock, so several ranks
+starting together tokenise once and the others wait and reuse the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from bmtrain_cli.data.encode import Encoder
+from bmtrain_cli.data.formats import BadRecord, parse_record
+from bmtrain_cli.data.readers import read_records
+
+CACHE_VERSION = 1
+CACHE_DIRNAME = ".bmtrain_cache"
+MAX_REJECTED_KEPT = 100_000
+
+
+def file_hash(path: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def template_id(template: object) -> str:
+    source = getattr(template, "source", None)
+    text = source if source is not None else repr(template)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def cache_key(path: str, encoder: Encoder, data_format: str) -> str:
+    parts = [
+        f"v{CACHE_VERSION}",
+        file_hash(path),
+        encoder.tokenizer.fingerprint(),
+        template_id(encoder.template),
+        data_format,
+        str(bool(encoder.train_on_prompt)),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+@dataclass
+class TokenStore:
+    """The tokenised samples of one source file (memory-mapped)."""
+
+    file: str
+    directory: Path
+    tokens: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    lines: np.ndarray
+    records: int  # records read (good + rejected)
+    rejected: List[dict] = field(default_factory=list)
+    rejected_count: int = 0
+    built: bool = False  # True when this call tokenised the file (False: reused the cache)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.mask[a:b]
+
+
+def _load(directory: Path, path: str, built: bool) -> TokenStore:
+    meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+    offsets = np.load(directory / "offsets.npy")
+    n_tok = int(offsets[-1])
+    if n_tok:
+        tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(n_tok,))
+        mask = np.memmap(directory / "mask.bin", dtype=np.uint8, mode="r", shape=(n_tok,))
+    else:
+        tokens, mask = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    return TokenStore(
+        file=path,
+        directory=directory,
+        tokens=tokens,
+        mask=mask,
+        offsets=offsets,
+        lines=np.load(directory / "lines.npy"),
+        records=int(meta["records"]),
+        rejected=list(meta["rejected"]),
+        rejected_count=int(meta["rejected_count"]),
+        built=built,
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX: no cross-process lock
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def default_cache_root(path: str, output_dir: Optional[str]) -> Path:
+    """Beside the data when writable, else under output_dir."""
+    beside = Path(path).resolve().parent / CACHE_DIRNAME
+    try:
+        beside.mkdir(parents=True, exist_ok=True)
+        probe = beside / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return beside
+    except OSError:
+        return Path(output_dir or ".") / "data_cache"
+
+
+def tokenize_file(
+    path: str,
+    encoder: Encoder,
+    data_format: str,
+    sink_dir: Path,
+    progress: Optional[Callable[[int], None]] = None,
+) -> None:
+    """Tokenise every record of ``path`` into sink_dir (meta.json last)."""
+    rejected: List[dict] = []
+    rejected_count = 0
+    offsets = [0]
+    lines: List[int] = []
+    n_records = 0
+    with open(sink_dir / "tokens.bin", "wb") as ftok, open(sink_dir / "mask.bin", "wb") as fmask:
+        for rec in read_records(path):
+            n_records += 1
+            reason = rec.error
+            if reason is None:
+                try:
+                    conv = parse_record(rec.value, data_format)
+                    ids, mask = encoder.encode(conv)
+                    if not any(mask):
+                        raise BadRecord("no trained token after templating")
+                except BadRecord as exc:
+                    reason = str(exc)
+            if reason is not None:
+                rejected_count += 1
+                if len(rejected) < MAX_REJECTED_KEPT:
+                    rejected.append({"file": path, "line": rec.line, "reason": reason, "record": rec.raw})
+                continue
+            ftok.write(np.asarray(ids, dtype=np.int32).tobytes())
+            fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            lines.append(rec.line)
+            if progress is not None and len(lines) % 10000 == 0:
+                progress(len(lines))
+    np.save(sink_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    np.save(sink_dir / "lines.npy", np.asarray(lines, dtype=np.int64))
+    meta: Dict[str, object] = {
+        "version": CACHE_VERSION,
+        "file": str(Path(path).resolve()),
+        "records": n_records,
+        "samples": len(lines),
+        "tokens": offsets[-1],
+        "rejected_count": rejected_count,
+        "rejected": rejected,
+        "created": time.time(),
+    }
+    tmp = sink_dir / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+    tmp.replace(sink_dir / "meta.json")
+
+
+def open_or_build(
+    path: str,
+    encoder: Encoder,
+    data_format: str = "auto",
+    cache_root: Optional[str] = None,
+    output_dir: Optional[str] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> TokenStore:
+    """The TokenStore of ``path``: from the cache when its key matches, else tokenised now and cached."""
+    root = Path(cache_root) if cache_root else default_cache_root(path, output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(path, encoder, data_format)
+    directory = root / f"{Path(path).stem}-{key}"
+    if (directory / "meta.json").is_file():
+        return _load(directory, path, built=False)
+    with _file_lock(root / f"{Path(path).stem}-{key}.lock"):
+        if (directory / "meta.json").is_file():  # another process built it while we waited
+            return _load(directory, path, built=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        tokenize_file(path, encoder, data_format, directory, progress)
+    return _load(directory, path, built=True)

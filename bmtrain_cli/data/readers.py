@@ -1,0 +1,135 @@
+"""Finding data files and reading their records with line numbers; every problem is a (file, line, reason).
+
+JSONL is read line by line in binary so that invalid UTF-8 and invalid JSON are reported on their own
+line. A ``.json`` file holding one JSON array (Alpaca's layout) is accepted too; its records are numbered
+by the line on which each element starts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Sequence, Union
+
+from bmtrain_cli.errors import UserError
+
+DATA_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass
+class RawRecord:
+    file: str
+    line: int  # 1-based
+    raw: str  # the record's text (best effort for undecodable bytes)
+    value: Any = None  # parsed JSON, None when ``error`` is set
+    error: Optional[str] = None
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def as_list(spec: Union[None, str, Sequence[str]]) -> List[str]:
+    if spec is None:
+        return []
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def resolve_source(spec: str) -> List[str]:
+    """One data_path entry -> the sorted files it names (file, glob or directory)."""
+    p = Path(spec).expanduser()
+    if any(ch in spec for ch in "*?["):
+        files = sorted(f for f in glob.glob(os.path.expanduser(spec), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise UserError(f"data_path {spec!r}: the pattern matches no file")
+        return files
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES)
+        if not files:
+            raise UserError(f"data_path {spec!r}: the directory holds no .jsonl or .json file")
+        return files
+    if not p.exists():
+        raise UserError(f"{spec}: data file not found")
+    if not p.is_file():
+        raise UserError(f"{spec}: not a regular file")
+    return [str(p)]
+
+
+def _decode_error(line: bytes, exc: UnicodeDecodeError) -> str:
+    return f"invalid UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1})"
+
+
+def read_records(path: str) -> Iterator[RawRecord]:
+    """Every non-blank record of a JSONL (or JSON-array) file, parsed or with the reason it is bad.
+
+    An empty file (no record at all) yields one bad record at line 1.
+    """
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator keeps it open while iterated
+    except OSError as exc:
+        raise UserError(f"{path}: cannot open: {exc.strerror}") from None
+    with f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith(b"\xef\xbb\xbf"):
+            head = head[3:].lstrip()
+        if head.startswith(b"["):
+            yield from _read_json_array(path, f.read())
+            return
+        n = 0
+        for lineno, line in enumerate(f, start=1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue
+            n += 1
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRecord(
+                    path, lineno, line.decode("utf-8", "replace").rstrip("\n"), None, _decode_error(line, exc)
+                )
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield RawRecord(
+                    path, lineno, text.rstrip("\n"), None, f"invalid JSON: {exc.msg} (column {exc.colno})"
+                )
+                continue
+            yield RawRecord(path, lineno, text.rstrip("\n"), value)
+        if n == 0:
+            yield RawRecord(path, 1, "", None, "file is empty (no records)")
+
+
+def _read_json_array(path: str, data: bytes) -> Iterator[RawRecord]:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        yield RawRecord(path, line, "", None, f"invalid UTF-8 (byte 0x{data[exc.start]:02x})")
+        return
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        yield RawRecord(path, exc.lineno, "", None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+        return
+    if not items:
+        yield RawRecord(path, 1, "", None, "file is empty (the JSON array has no records)")
+        return
+    # line numbers of the elements: decode element by element from their start offsets
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    line = text.count("\n", 0, pos) + 1
+    for _ in items:
+        while text[pos] in " \t\r\n,":
+            if text[pos] == "\n":
+                line += 1
+            pos += 1
+        value, end = decoder.raw_decode(text, pos)
+        raw = text[pos:end]
+        yield RawRecord(path, line, raw, value)
+        line += raw.count("\n")
+        pos = end

@@ -2,15 +2,21 @@
 
 ``init_parallel(config)`` is called once per process before the model is built. With world size 1 it
 touches no distributed state at all.
+
+Gradient convention (all layouts): after ``wrap_optimizer(opt).step()`` has reduced them, gradients are
+the SUM over data ranks of each rank's gradient. The trainer's token-weighted loss (local loss sum divided
+by the token count summed over micro-batches and data ranks) therefore gives exactly the single-process
+gradient, whatever the layout. Fleet's own reductions average; the context rescales them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 from bmtrain_cli.config.schema import Config
+from bmtrain_cli.parallel.sharding import uses_group_sharded
 
 
 @dataclass
@@ -24,7 +30,15 @@ class ParallelContext:
     pp_rank: int = 0
     pp_degree: int = 1
     hcg: Optional[Any] = None  # fleet's HybridCommunicateGroup when distributed
+    config: Optional[Config] = None
+    strategy: Optional[Any] = None
+    on_cpu: bool = False
+    watchdog: Optional[Any] = None
+    _factory: Optional[Any] = field(default=None, repr=False)
+    _compressor: Optional[Any] = field(default=None, repr=False)
+    pipeline_info: Dict[str, Any] = field(default_factory=dict)  # partition and imbalance when pp > 1
 
+    # ------------------------------------------------------------------ facts
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
@@ -33,9 +47,198 @@ class ParallelContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_degree - 1
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.config.parallel.sharding_parallel if self.config is not None else 1
+
+    @property
+    def uses_fleet_model(self) -> bool:
+        """True when the model is wrapped by fleet (tensor/pipeline parallel or sharding)."""
+        return self.tp_degree > 1 or self.pp_degree > 1 or self.sharding_degree > 1
+
+    @property
+    def factory(self) -> Any:
+        """Layer factory for the model builder: plain layers, or fleet's mp layers when tp > 1."""
+        if self._factory is None:
+            if self.tp_degree > 1:
+                from bmtrain_cli.parallel.layers import TensorParallelFactory
+
+                group = self.hcg.get_model_parallel_group() if self.hcg is not None else None
+                self._factory = TensorParallelFactory(self.tp_degree, self.tp_rank, group)
+            else:
+                from bmtrain_cli.models.layers import PlainFactory
+
+                self._factory = PlainFactory()
+        return self._factory
+
+    # ------------------------------------------------------------------ collectives
     def all_reduce_sum(self, value: Any) -> Any:
-        """Sum a tensor over the data-parallel ranks (identity in one process)."""
-        return value
+        """Sum a tensor (in place, also returned) over the data-parallel ranks (identity in one process).
+
+        Accepts a paddle Tensor, or a python/numpy number (returned as float)."""
+        if self.data_world == 1:
+            return value
+        import paddle
+        import paddle.distributed as dist
+
+        self.mark_progress()
+        groups = self._data_groups()
+        if isinstance(value, paddle.Tensor):
+            for g in groups:
+                dist.all_reduce(value, group=g)
+            return value
+        t = paddle.to_tensor([float(value)], dtype="float64")
+        for g in groups:
+            dist.all_reduce(t, group=g)
+        return float(t.numpy()[0])
+
+    def _data_groups(self) -> List[Any]:
+        """Groups whose product spans the data ranks (dp group, then the sharding group)."""
+        groups = []
+        if self.hcg is None:
+            return groups
+        if self.hcg.get_data_parallel_world_size() > 1:
+            groups.append(self.hcg.get_data_parallel_group())
+        if self.hcg.get_sharding_parallel_world_size() > 1:
+            groups.append(self.hcg.get_sharding_parallel_group())
+        return groups
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import paddle.distributed as dist
+
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from global rank ``src`` to every rank."""
+        if self.world_size == 1:
+            return obj
+        import paddle.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    # ------------------------------------------------------------------ model and optimizer
+    def wrap_model(self, model: Any) -> Any:
+        """Prepare a built model for this layout (identity in one process).
+
+        pipeline parallel: the decoder is cut into a fleet PipelineLayer (only this stage's layers kept);
+        tensor parallel / sharding: fleet.distributed_model; plain data parallel: parameters broadcast from
+        rank 0 and gradients summed by the optimizer wrapper (optionally compressed)."""
+        if self.world_size == 1:
+            return model
+        import paddle.distributed as dist
+        from paddle.distributed import fleet
+
+        if self.pp_degree > 1:
+            from bmtrain_cli.parallel.pipeline import to_pipeline_layer
+
+            model = to_pipeline_layer(model, self)
+            return fleet.distributed_model(model)
+        if self.config is not None and uses_group_sharded(self.config):
+            return model  # wrapped together with the optimizer in wrap_model_and_optimizer
+        if self.uses_fleet_model:
+            return fleet.distributed_model(model)
+        for p in model.parameters():
+            dist.broadcast(p, src=0)
+        return model
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """Wrap an optimizer so that step() reduces gradients over data ranks first (see module doc)."""
+        if self.world_size == 1:
+            return optimizer
+        from bmtrain_cli.parallel.sharding import wrap_sharded_optimizer
+
+        if self.uses_fleet_model:
+            return wrap_sharded_optimizer(optimizer, self)
+        from bmtrain_cli.parallel.compression import make_compressor
+
+        self._compressor = make_compressor(self.config.parallel if self.config else None)
+        return DataParallelOptimizer(optimizer, self)
+
+    def wrap_model_and_optimizer(self, model: Any, optimizer: Any) -> Any:
+        """(model, optimizer) for this layout; needed for sharding stage 2/3, which wraps both together.
+
+        Call after wrap_model with the optimizer built over the wrapped model's parameters."""
+        if self.world_size > 1 and self.config is not None and uses_group_sharded(self.config):
+            from bmtrain_cli.parallel.sharding import group_sharded
+
+            return group_sharded(model, optimizer, self)
+        return model, self.wrap_optimizer(optimizer)
+
+    def mark_progress(self) -> None:
+        """Tell the fault watchdog that training advanced (called by the collectives here)."""
+        from bmtrain_cli.parallel.faults import mark_progress
+
+        mark_progress()
+
+    def pipeline_step(
+        self, model: Any, micro_batches: List[Dict[str, Any]], optimizer: Any, **kw: Any
+    ) -> Any:
+        """One optimizer step of 1F1B pipeline training; returns (loss_sum, token_count) over data ranks."""
+        from bmtrain_cli.parallel.pipeline import pipeline_train_step
+
+        return pipeline_train_step(self, model, micro_batches, optimizer, **kw)
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self, model: Any) -> Dict[str, Any]:
+        """Whole (unsplit) weights under the single-process names, as numpy arrays, on every rank."""
+        from bmtrain_cli.parallel.checkpoint import full_state_dict
+
+        return full_state_dict(self, model)
+
+    def load_full_state_dict(self, model: Any, state: Dict[str, Any]) -> None:
+        """Load whole weights (single-process names) into this rank's shards/stage."""
+        from bmtrain_cli.parallel.checkpoint import load_full_state_dict
+
+        load_full_state_dict(self, model, state)
+
+    @property
+    def compression_stats(self) -> Dict[str, float]:
+        return self._compressor.stats() if self._compressor is not None else {}
+
+
+class DataParallelOptimizer:
+    """Plain data parallel: sum gradients over the data ranks (compressed when configured), then step."""
+
+    def __init__(self, inner: Any, ctx: ParallelContext) -> None:
+        self._inner = inner
+        self._ctx = ctx
+        self._reduced = False
+
+    def reduce_gradients(self) -> None:
+        """Sum gradients over the data ranks now (call before clipping or measuring the gradient norm;
+        step() does it itself when it was not called)."""
+        import paddle.distributed as dist
+
+        if self._reduced:
+            return
+        self._reduced = True
+        self._ctx.mark_progress()
+        params = [p for p in self._inner._parameter_list if not p.stop_gradient and p.grad is not None]
+        comp = self._ctx._compressor
+        if comp is not None:
+            comp.all_reduce_sum(params, self._ctx._data_groups()[0])
+            return
+        for p in params:
+            for g in self._ctx._data_groups():
+                dist.all_reduce(p.grad, group=g)
+
+    def step(self) -> None:
+        self.reduce_gradients()
+        self._inner.step()
+        self._reduced = False
+
+    def minimize(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("call loss.backward() then step()")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def launched_world_size() -> int:
@@ -46,7 +249,7 @@ def launched_world_size() -> int:
 def init_parallel(config: Config) -> ParallelContext:
     """Single-process context; the distributed path lives in parallel/topology.py."""
     if config.parallel.world_size == 1 and launched_world_size() == 1:
-        return ParallelContext()
+        return ParallelContext(config=config)
     from bmtrain_cli.parallel.topology import init_distributed  # noqa: PLC0415
 
     return init_distributed(config)

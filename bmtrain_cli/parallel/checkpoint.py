@@ -1,0 +1,94 @@
+"""Layout-independent weights: gather tensor-parallel shards and pipeline stages into whole tensors
+under the single-process parameter names on save, and split whole tensors into this rank's pieces on load.
+
+A parameter split by fleet's mp layers carries ``is_distributed`` and ``split_axis``; pipeline stages
+carry a map from their local parameter names to the single-process names (``pipeline.NAME_MAP_ATTR``).
+So a checkpoint saved under tp2 or pp2 is an ordinary Hugging Face checkpoint that loads under tp1/pp1,
+in ``models.load_pretrained``, and back under any other layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from bmtrain_cli.parallel.context import ParallelContext
+
+NAME_MAP_ATTR = "_bmtrain_full_names"
+
+
+def unwrap(model: Any) -> Any:
+    """The user's layer inside fleet/DataParallel wrappers."""
+    while hasattr(model, "_layers"):
+        model = model._layers
+    return model
+
+
+def local_parameters(model: Any) -> List[Tuple[str, Any]]:
+    """(single-process name, parameter) for the parameters this rank holds."""
+    inner = unwrap(model)
+    names: Dict[str, str] = getattr(inner, NAME_MAP_ATTR, {}) or {}
+    out = []
+    for local, p in inner.state_dict().items():
+        out.append((names.get(local, local), p))
+    return out
+
+
+def _is_split(p: Any) -> bool:
+    return bool(getattr(p, "is_distributed", False)) and getattr(p, "split_axis", None) is not None
+
+
+def full_state_dict(ctx: ParallelContext, model: Any) -> Dict[str, np.ndarray]:
+    """Whole tensors (Paddle layout, single-process names) on every rank."""
+    import paddle
+    import paddle.distributed as dist
+
+    if ctx.config is not None and ctx.config.parallel.sharding_stage == 3 and ctx.sharding_degree > 1:
+        raise UserError("gathering a stage-3 sharded model is done by its wrapper's get_all_parameters()")
+    mp_group = ctx.hcg.get_model_parallel_group() if ctx.tp_degree > 1 else None
+    local: Dict[str, np.ndarray] = {}
+    for name, p in local_parameters(model):
+        if _is_split(p) and mp_group is not None:
+            parts: List[Any] = []
+            dist.all_gather(parts, p.detach(), group=mp_group)
+            local[name] = np.concatenate([x.numpy() for x in parts], axis=int(p.split_axis))
+        else:
+            t = p.detach() if isinstance(p, paddle.Tensor) else p
+            local[name] = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+    if ctx.pp_degree == 1:
+        return local
+    pieces: List[Any] = []
+    dist.all_gather_object(pieces, local, group=ctx.hcg.get_pipe_parallel_group())
+    full: Dict[str, np.ndarray] = {}
+    for piece in pieces:
+        for k, v in piece.items():
+            full.setdefault(k, v)  # tied/shared weights appear on several stages: keep the first
+    return full
+
+
+def load_full_state_dict(ctx: ParallelContext, model: Any, state: Dict[str, Any]) -> None:
+    """Copy whole tensors into this rank's parameters, slicing tensor-parallel shards."""
+    import paddle
+
+    missing = []
+    for name, p in local_parameters(model):
+        if name not in state:
+            missing.append(name)
+            continue
+        arr = state[name]
+        arr = arr.numpy() if isinstance(arr, paddle.Tensor) else np.asarray(arr)
+        if _is_split(p) and ctx.tp_degree > 1:
+            axis = int(p.split_axis)
+            size = arr.shape[axis] // ctx.tp_degree
+            arr = np.take(arr, np.arange(ctx.tp_rank * size, (ctx.tp_rank + 1) * size), axis=axis)
+        if tuple(arr.shape) != tuple(p.shape):
+            raise UserError(
+                f"checkpoint tensor {name} has shape {list(arr.shape)}, the model expects {p.shape}"
+            )
+        p.set_value(paddle.to_tensor(np.ascontiguousarray(arr)).astype(p.dtype))
+    if missing:
+        raise UserError(f"checkpoint lacks {len(missing)} weights this model needs, e.g. {missing[:3]}")

@@ -1,0 +1,341 @@
+"""Fill the gaps that keep fleet's hybrid-parallel code from running on the CPU (gloo) build of Paddle.
+
+Applied only when Paddle has no GPU (``apply_if_cpu``); on a GPU build nothing here runs and fleet stays
+stock. Each patch replaces one low-level piece and nothing above it, so the same fleet layers, pipeline
+schedule and optimizers run in the CPU tests as on GPUs:
+
+* ``ProcessGroupGloo`` has no ``*_on_calc_stream`` collectives (fleet's mp ops and pipeline p2p call
+  them): map each to the synchronous gloo call.
+* ``ParallelEnv._device_id`` is unset on CPU (PipelineLayer reads it): default it to 0.
+* ``c_identity``/``c_concat``/``c_split``/``c_softmax_with_cross_entropy`` (and the ``c_identity`` in the
+  backward of ``mp_allreduce``) have no CPU kernels: PyLayer versions over gloo collectives.
+* TensorParallel broadcasts its inputs with a device assertion ("Only support xpu, gpu and
+  custom_device"): broadcast over the model-parallel group on CPU instead.
+* Several ``new_group`` calls in 4+ processes hang on gloo unless a barrier follows each one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, List, Optional
+
+_APPLIED = False
+
+# (method on calc stream, synchronous method) pairs; the sync method takes the same arguments + sync_op.
+_CALC_STREAM_METHODS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather",
+    "broadcast",
+    "send",
+    "recv",
+    "reduce",
+    "send_partial",
+    "recv_partial",
+    "all_gather_partial",
+)
+
+
+def paddle_has_gpu() -> bool:
+    import paddle
+
+    return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+
+
+def apply_if_cpu() -> bool:
+    """Apply the compatibility layer when Paddle runs without a GPU. Returns True when it is active."""
+    if paddle_has_gpu():
+        return False
+    apply()
+    return True
+
+
+def apply() -> None:
+    """Install every patch (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    _patch_calc_stream()
+    _patch_device_id()
+    _patch_mp_ops()
+    _patch_tensor_parallel_inputs()
+    _patch_new_group()
+    _APPLIED = True
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+# --------------------------------------------------------------------------- process group methods
+
+
+def _sync_variant(name: str) -> Any:
+    def method(self: Any, *args: Any) -> Any:
+        task = getattr(self, name)(*args, True)
+        task.wait()
+        return task
+
+    method.__name__ = f"{name}_on_calc_stream"
+    return method
+
+
+def _patch_calc_stream() -> None:
+    from paddle.base import core
+
+    cls = core.ProcessGroupGloo
+    for name in _CALC_STREAM_METHODS:
+        if hasattr(cls, name):
+            setattr(cls, f"{name}_on_calc_stream", _sync_variant(name))
+
+
+def _patch_device_id() -> None:
+    from paddle.distributed import parallel
+
+    original = parallel.ParallelEnv.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not hasattr(self, "_device_id"):
+            self._device_id = 0
+
+    parallel.ParallelEnv.__init__ = init
+
+
+def _patch_new_group() -> None:
+    import paddle.distributed as dist
+    from paddle.distributed import collective
+
+    original = collective.new_group
+
+    @functools.wraps(original)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        group = original(*args, **kwargs)
+        if collective._get_global_env().world_size > 1:
+            dist.barrier()
+        return group
+
+    collective.new_group = new_group
+    dist.new_group = new_group
+    # fleet's topology imported the name before us
+    from paddle.distributed.fleet.base import topology
+
+    if hasattr(topology, "new_group"):
+        topology.new_group = new_group
+    if hasattr(topology, "paddle") and hasattr(topology.paddle.distributed, "new_group"):
+        topology.paddle.distributed.new_group = new_group
+
+
+# --------------------------------------------------------------------------- model-parallel ops
+
+
+def _group_or_default(group: Optional[Any]) -> Any:
+    from paddle.distributed import collective
+
+    return collective._get_default_group() if group is None else group
+
+
+def _all_reduce(x: Any, group: Any, op: Any = None) -> Any:
+    import paddle.distributed as dist
+
+    dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return x
+
+
+def _all_gather_last(x: Any, group: Any) -> Any:
+    import paddle
+    import paddle.distributed as dist
+
+    parts: List[Any] = []
+    dist.all_gather(parts, x.contiguous() if hasattr(x, "contiguous") else x, group=group)
+    return paddle.concat(parts, axis=-1)
+
+
+def _slice_last(x: Any, rank: int, nranks: int) -> Any:
+    size = x.shape[-1] // nranks
+    return x[..., rank * size : (rank + 1) * size].clone()
+
+
+def _build_pylayers() -> Any:
+    import paddle
+    from paddle.autograd import PyLayer
+
+    class Identity(PyLayer):
+        """Forward identity, backward all-reduce (c_identity)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            ctx.group = group
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            return _all_reduce(dy.clone(), ctx.group)
+
+    class AllReduce(PyLayer):
+        """Forward all-reduce, backward identity (mp_allreduce)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            return _all_reduce(x.clone(), group)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            return dy.clone()
+
+    class Concat(PyLayer):
+        """Forward all-gather along the last axis, backward keep this rank's slice (c_concat)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            ctx.rank, ctx.nranks = group.rank, group.nranks
+            return _all_gather_last(x, group)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            return _slice_last(dy, ctx.rank, ctx.nranks)
+
+    class Split(PyLayer):
+        """Forward keep this rank's slice of the last axis, backward all-gather (c_split)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            ctx.group = group
+            return _slice_last(x, group.rank, group.nranks)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            return _all_gather_last(dy, ctx.group)
+
+    class VocabCrossEntropy(PyLayer):
+        """Softmax cross entropy over a vocabulary split across the group (c_softmax_with_cross_entropy).
+
+        logits [..., V/n] (this rank's vocabulary slice), label [..., 1] global ids; returns loss
+        [..., 1], zero where label == ignore_index.
+        """
+
+        @staticmethod
+        def forward(ctx: Any, logits: Any, label: Any, group: Any, ignore_index: int) -> Any:
+            import paddle.distributed as dist
+
+            part = logits.shape[-1]
+            start = group.rank * part
+            x = logits.astype("float32")
+            gmax = x.max(axis=-1, keepdim=True)
+            _all_reduce(gmax, group, dist.ReduceOp.MAX)
+            shifted = x - gmax
+            exp = paddle.exp(shifted)
+            sumexp = exp.sum(axis=-1, keepdim=True)
+            _all_reduce(sumexp, group)
+            lab = label.astype("int64")
+            valid = lab != ignore_index
+            local = (lab >= start) & (lab < start + part) & valid
+            idx = paddle.where(local, lab - start, paddle.zeros_like(lab))
+            picked = paddle.take_along_axis(shifted, idx, axis=-1) * local.astype("float32")
+            _all_reduce(picked, group)
+            validf = valid.astype("float32")
+            loss = (paddle.log(sumexp) - picked) * validf
+            softmax = exp / sumexp
+            ctx.save_for_backward(softmax, idx, local, validf)
+            ctx.dtype = logits.dtype
+            return loss.astype(logits.dtype)
+
+        @staticmethod
+        def backward(ctx: Any, dloss: Any) -> Any:
+            softmax, idx, local, validf = ctx.saved_tensor()
+            onehot = paddle.nn.functional.one_hot(idx.squeeze(-1), softmax.shape[-1]).astype("float32")
+            onehot = onehot * local.astype("float32")
+            grad = (softmax - onehot) * (dloss.astype("float32") * validf)
+            return grad.astype(ctx.dtype), None
+
+    return Identity, AllReduce, Concat, Split, VocabCrossEntropy
+
+
+def _patch_mp_ops() -> None:
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    Identity, AllReduce, Concat, Split, VocabCrossEntropy = _build_pylayers()
+
+    def c_identity(tensor: Any, group: Any = None, skip_c_identity_dynamic: bool = False) -> Any:
+        group = _group_or_default(group)
+        if not group.is_member():
+            return None
+        if skip_c_identity_dynamic:
+            return tensor
+        return Identity.apply(tensor, group)
+
+    def c_concat(tensor: Any, group: Any = None) -> Any:
+        group = _group_or_default(group)
+        if not group.is_member():
+            return None
+        return Concat.apply(tensor, group)
+
+    def c_split(tensor: Any, group: Any = None) -> Any:
+        group = _group_or_default(group)
+        if not group.is_member():
+            return None
+        return Split.apply(tensor, group)
+
+    def mp_allreduce(
+        tensor: Any,
+        op: Any = None,
+        group: Any = None,
+        use_calc_stream: bool = True,
+        use_model_parallel: bool = True,
+        skip_c_identity_dynamic: bool = False,
+    ) -> Any:
+        group = _group_or_default(group)
+        if not group.is_member():
+            return None
+        return AllReduce.apply(tensor, group)
+
+    def c_softmax_with_cross_entropy(
+        logits: Any,
+        label: Any,
+        group: Any = None,
+        return_softmax: bool = False,
+        ignore_index: int = -100,
+    ) -> Any:
+        import paddle
+
+        group = _group_or_default(group)
+        if not group.is_member():
+            return None
+        if len(label.shape) == len(logits.shape) - 1:
+            label = paddle.unsqueeze(label, axis=-1)
+        loss = VocabCrossEntropy.apply(logits, label, group, ignore_index)
+        if return_softmax:
+            raise NotImplementedError("return_softmax is not supported by the CPU compatibility layer")
+        return loss
+
+    mp_ops._c_identity = c_identity
+    mp_ops._c_concat = c_concat
+    mp_ops._c_split = c_split
+    mp_ops._mp_allreduce = mp_allreduce
+    mp_ops._c_softmax_with_cross_entropy = c_softmax_with_cross_entropy
+
+
+def _patch_tensor_parallel_inputs() -> None:
+    from paddle.distributed.fleet.meta_parallel import tensor_parallel
+
+    def broadcast_input_data(hcg: Any, *inputs: Any, **kwargs: Any) -> Any:
+        import paddle
+        import paddle.distributed as dist
+
+        group = hcg.get_model_parallel_group()
+        src = hcg.get_model_parallel_group_src_rank()
+
+        def one(x: Any) -> Any:
+            if isinstance(x, paddle.Tensor):
+                dist.broadcast(x, src=src, group=group)
+                return x
+            if isinstance(x, dict):
+                return {k: one(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(one(v) for v in x)
+            return x
+
+        return one(tuple(inputs)), one(dict(kwargs))
+
+    tensor_parallel.broadcast_input_data = broadcast_input_data

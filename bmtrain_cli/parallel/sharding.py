@@ -1,0 +1,106 @@
+"""ZeRO sharding: stage 1 through fleet's sharding optimizer (DygraphShardingOptimizer, picked by fleet
+when hybrid_configs.sharding_degree > 1); stages 2 and 3, and CPU offload, through Paddle's group-sharded
+API (``paddle.distributed.sharding.group_sharded_parallel``).
+
+Paddle's CPU build refuses group_sharded_parallel ("only support gpu, xpu and custom_device"), so stages
+2/3 stop with a clear error there; :func:`group_sharded_arguments` is plain data and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Tuple
+
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from bmtrain_cli.parallel.context import ParallelContext
+
+LEVELS = {2: "os_g", 3: "p_g_os"}  # group_sharded_parallel levels: optimizer+grads, +parameters
+
+
+def uses_group_sharded(config: Config) -> bool:
+    par = config.parallel
+    return par.sharding_parallel > 1 and par.sharding_stage in (2, 3)
+
+
+def group_sharded_arguments(config: Config) -> Dict[str, Any]:
+    """Keyword arguments for group_sharded_parallel (besides model, optimizer and group)."""
+    par = config.parallel
+    if par.sharding_stage not in LEVELS:
+        raise ValueError(f"sharding stage {par.sharding_stage} is not handled by group_sharded_parallel")
+    return {
+        "level": LEVELS[par.sharding_stage],
+        # stage 2: optimizer states on the host; stage 3: parameters and optimizer states on the host
+        "offload": bool(par.offload_optimizer or par.offload_params),
+        "sync_buffers": True,
+        "segment_size": 2**20,
+        "sync_comm": False,
+    }
+
+
+def apply_sharding_strategy(strategy: Any, config: Config) -> None:
+    """Sharding options in fleet's DistributedStrategy (stage 1 is driven by hybrid_configs alone)."""
+    par = config.parallel
+    if par.sharding_parallel <= 1:
+        return
+    sc = strategy.hybrid_configs["sharding_configs"]
+    if par.sharding_stage == 1 and hasattr(sc, "tensor_fusion"):
+        sc.tensor_fusion = False  # per-parameter ownership: exact fp32 equivalence, simple state dicts
+    if uses_group_sharded(config) and par.offload_optimizer and hasattr(sc, "offload"):
+        sc.offload = True
+
+
+class GradSumOptimizer:
+    """fleet's optimizers average gradients over the data ranks; scale them first so the reduced result
+    is the sum (the context's gradient convention)."""
+
+    def __init__(self, inner: Any, ctx: ParallelContext) -> None:
+        self._inner = inner
+        self._ctx = ctx
+
+    def _scaled_parameters(self) -> Any:
+        inner = self._inner
+        while hasattr(inner, "_inner_opt") and not hasattr(inner, "_parameter_list"):
+            inner = inner._inner_opt
+        return getattr(inner, "_parameter_list", None) or []
+
+    def step(self) -> None:
+        factor = float(self._ctx.data_world)
+        if factor != 1.0:
+            for p in self._scaled_parameters():
+                if p.grad is not None:
+                    p.grad.scale_(factor)
+        self._inner.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelContext) -> Any:
+    """fleet.distributed_optimizer (hybrid parallel, sharding stage 1) with the data-rank rescaling."""
+    from paddle.distributed import fleet
+
+    if ctx.config is not None and uses_group_sharded(ctx.config):
+        raise UserError(
+            "sharding stage 2/3 wraps model and optimizer together: use ctx.wrap_model_and_optimizer"
+        )
+    return GradSumOptimizer(fleet.distributed_optimizer(optimizer), ctx)
+
+
+def group_sharded(model: Any, optimizer: Any, ctx: ParallelContext) -> Tuple[Any, Any]:
+    """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds)."""
+    if ctx.on_cpu:
+        par = ctx.config.parallel
+        raise UserError(
+            f"sharding_stage {par.sharding_stage}"
+            + (" with offload" if par.offload_optimizer or par.offload_params else "")
+            + " needs a GPU build of Paddle (group_sharded_parallel supports only gpu, xpu and custom "
+            "devices); on this machine use sharding_stage: 1"
+        )
+    from paddle.distributed.sharding import group_sharded_parallel
+
+    kwargs = group_sharded_arguments(ctx.config)
+    group = ctx.hcg.get_sharding_parallel_group() if ctx.hcg is not None else None
+    model, optimizer, _ = group_sharded_parallel(model, optimizer, group=group, **kwargs)
+    return model, GradSumOptimizer(optimizer, ctx)

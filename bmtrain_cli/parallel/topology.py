@@ -1,0 +1,118 @@
+"""Build fleet's hybrid topology (dp x tp x pp x sharding) from parallel_config.
+
+``init_distributed(config)`` is called once per launched process: it checks the launched world size
+against the config, applies the CPU compatibility layer when Paddle has no GPU, initialises fleet with a
+DistributedStrategy whose hybrid_configs carry the degrees, starts the fault watchdog and returns a
+ParallelContext describing this rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from bmtrain_cli.config.derived import derive
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.parallel.context import ParallelContext, launched_world_size
+
+
+def hybrid_configs(config: Config) -> Dict[str, Any]:
+    """The degrees as fleet's hybrid_configs dict (plain data, testable without processes)."""
+    par = config.parallel
+    derived = derive(config)
+    out: Dict[str, Any] = {
+        "dp_degree": par.data_parallel,
+        "mp_degree": par.tensor_parallel,
+        "pp_degree": par.pipeline_parallel,
+        "sharding_degree": par.sharding_parallel,
+    }
+    if par.pipeline_parallel > 1:
+        accumulate = pipeline_micro_batches(config)
+        per_rank_batch = derived.global_batch_size // derived.data_ranks
+        out["pp_configs"] = {
+            "delay_scale_loss": False,
+            "enable_timer": False,
+        }
+        out["_pipeline"] = {"accumulate_steps": accumulate, "micro_batch_size": per_rank_batch // accumulate}
+    return out
+
+
+def pipeline_micro_batches(config: Config) -> int:
+    """Micro-batches per optimizer step on each pipeline (default: the gradient accumulation steps)."""
+    derived = derive(config)
+    if config.parallel.pipeline_micro_batches is not None:
+        return config.parallel.pipeline_micro_batches
+    return derived.grad_accum_steps
+
+
+def build_strategy(config: Config) -> Any:
+    """A fleet DistributedStrategy for this config."""
+    from paddle.distributed import fleet
+
+    from bmtrain_cli.parallel.sharding import apply_sharding_strategy
+
+    strategy = fleet.DistributedStrategy()
+    configs = hybrid_configs(config)
+    pipeline = configs.pop("_pipeline", None)
+    pp_configs = configs.pop("pp_configs", None)
+    strategy.hybrid_configs = configs
+    if pp_configs:
+        hc = strategy.hybrid_configs
+        for key, value in pp_configs.items():
+            if hasattr(hc["pp_configs"], key):
+                setattr(hc["pp_configs"], key, value)
+    if pipeline is not None:
+        strategy.pipeline_configs = pipeline
+    # Inputs are identical on the ranks of one model-parallel group (the loader shards by data rank only).
+    mp = strategy.hybrid_configs["mp_configs"]
+    if hasattr(mp, "need_broadcast_data"):
+        mp.need_broadcast_data = False
+    apply_sharding_strategy(strategy, config)
+    strategy.find_unused_parameters = False
+    return strategy
+
+
+def init_distributed(config: Config) -> ParallelContext:
+    """Initialise fleet for this process and return its ParallelContext."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    from bmtrain_cli.parallel import cpu_compat, faults
+
+    launched = launched_world_size()
+    par = config.parallel
+    if launched != par.world_size:
+        raise UserError(
+            f"{launched} processes were launched but parallel_config asks for {par.world_size} (data "
+            f"{par.data_parallel} x tensor {par.tensor_parallel} x pipeline {par.pipeline_parallel} x "
+            f"sharding {par.sharding_parallel}); launch with `bmtrain run`, which starts the right number"
+        )
+    on_cpu = cpu_compat.apply_if_cpu()
+    if on_cpu:
+        paddle.set_device("cpu")
+    watchdog = faults.start_watchdog(config)
+    strategy = build_strategy(config)
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    dp_rank, dp_world = hcg.get_data_parallel_rank(), hcg.get_data_parallel_world_size()
+    sh_rank, sh_world = hcg.get_sharding_parallel_rank(), hcg.get_sharding_parallel_world_size()
+    ctx = ParallelContext(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        data_rank=dp_rank * sh_world + sh_rank,
+        data_world=dp_world * sh_world,
+        tp_rank=hcg.get_model_parallel_rank(),
+        tp_degree=hcg.get_model_parallel_world_size(),
+        pp_rank=hcg.get_stage_id(),
+        pp_degree=hcg.get_pipe_parallel_world_size(),
+        hcg=hcg,
+        config=config,
+        strategy=strategy,
+        on_cpu=on_cpu,
+        watchdog=watchdog,
+    )
+    if watchdog is not None:
+        watchdog.set_rank(ctx.rank, ctx.world_size)
+    faults.check_agreement(ctx, config)
+    return ctx

@@ -46,7 +46,7 @@ def resolve_source(spec: str) -> List[str]:
             raise UserError(f"data_path {spec!r}: the pattern matches no file")
         return files
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES)
+        files = sorted(str(f) for f in p.rglob("*") if _is_data_file(f, p))
         if not files:
             raise UserError(f"data_path {spec!r}: the directory holds no .jsonl or .json file")
         return files
@@ -55,6 +55,16 @@ def resolve_source(spec: str) -> List[str]:
     if not p.is_file():
         raise UserError(f"{spec}: not a regular file")
     return [str(p)]
+
+
+def _is_data_file(f: Path, root: Path) -> bool:
+    """A .jsonl/.json file under root, outside hidden folders and token-cache folders."""
+    if not f.is_file() or f.suffix not in DATA_SUFFIXES:
+        return False
+    rel = f.relative_to(root).parts
+    if any(part.startswith(".") for part in rel):
+        return False
+    return not (f.parent / "offsets.npy").exists()
 
 
 def _decode_error(line: bytes, exc: UnicodeDecodeError) -> str:

@@ -1,0 +1,100 @@
+"""`bmtrain prepare-data` (tokenise once into the cache) and `bmtrain data-stats` (read and report)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from bmtrain_cli.commands.common import set_option, user_errors
+from bmtrain_cli.errors import UserError
+
+
+def _overrides(set_: Optional[List[str]], data_path: Optional[str]) -> List[str]:
+    out = list(set_ or [])
+    if data_path is not None:
+        out.append(f"train_config.data_path={data_path}")
+    return out
+
+
+def resolve_tokenizer(config: Any, tokenizer: Optional[str]) -> Any:
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+
+    m = config.model
+    path = tokenizer or m.tokenizer_path or m.model_name_or_path
+    if path:
+        return load_tokenizer(path)
+    out = Path(config.train.output_dir) / "tokenizer"
+    if out.exists():
+        return load_tokenizer(str(out))
+    raise UserError(
+        "no tokenizer: set model_config.tokenizer_path (or model_name_or_path), or pass --tokenizer"
+    )
+
+
+def _load(config_path: Path, set_: Optional[List[str]], data_path: Optional[str]) -> Any:
+    from bmtrain_cli.config import load_config
+
+    cfg = load_config(str(config_path), _overrides(set_, data_path), mode="validate").config
+    if cfg.train.data_path is None:
+        raise UserError("no training data: set train_config.data_path or pass --data_path")
+    return cfg
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("prepare-data")
+    @user_errors
+    def prepare_data(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Training JSONL."),
+        tokenizer: Optional[str] = typer.Option(
+            None, "--tokenizer", help="Tokenizer path (overrides config)."
+        ),
+        set_: Optional[List[str]] = set_option(),
+    ) -> None:
+        """Validate and tokenise the training (and eval) data once into the memory-mapped token cache."""
+        from bmtrain_cli.data.loader import build_loader
+
+        cfg = _load(config, set_, data_path)
+        tok = resolve_tokenizer(cfg, tokenizer)
+        splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
+        for split in splits:
+            t0 = time.perf_counter()
+            loader = build_loader(cfg, tok, split=split)
+            st = loader.stats()
+            for s in loader.dataset.stores:
+                state = "tokenised" if s.built else "reused"
+                typer.echo(
+                    f"{split}: {s.file}: {len(s)} samples, {int(s.offsets[-1])} tokens -> {s.directory} ({state})"
+                )
+            typer.echo(
+                f"{split}: {st['records']} records, {st['samples']} usable, {st['rejected']} rejected, "
+                f"{st['tokens']} tokens in {time.perf_counter() - t0:.2f}s"
+            )
+
+    @app.command("data-stats")
+    @user_errors
+    def data_stats_cmd(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="JSONL to inspect."),
+        tokenizer: Optional[str] = typer.Option(
+            None, "--tokenizer", help="Tokenizer path (overrides config)."
+        ),
+        set_: Optional[List[str]] = set_option(),
+        as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+    ) -> None:
+        """Read every record and print counts, token-length percentiles, truncation and padding waste."""
+        from bmtrain_cli.data.loader import build_loader
+        from bmtrain_cli.data.stats import data_stats, format_stats
+
+        cfg = _load(config, set_, data_path)
+        tok = resolve_tokenizer(cfg, tokenizer)
+        st = data_stats(build_loader(cfg, tok))
+        if as_json:
+            typer.echo(json.dumps(st, indent=2))
+            return
+        for line in format_stats(st):
+            typer.echo(line)

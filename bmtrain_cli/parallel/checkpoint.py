@@ -31,11 +31,10 @@ def unwrap(model: Any) -> Any:
 def local_parameters(model: Any) -> List[Tuple[str, Any]]:
     """(single-process name, parameter) for the parameters this rank holds."""
     inner = unwrap(model)
-    names: Dict[str, str] = getattr(inner, NAME_MAP_ATTR, {}) or {}
-    out = []
-    for local, p in inner.state_dict().items():
-        out.append((names.get(local, local), p))
-    return out
+    names = getattr(inner, NAME_MAP_ATTR, None)
+    if names is not None:  # a pipeline stage: only its mapped weights
+        return [(names[n], p) for n, p in inner.named_parameters() if n in names]
+    return list(inner.state_dict().items())
 
 
 def _is_split(p: Any) -> bool:

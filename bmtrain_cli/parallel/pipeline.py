@@ -1,0 +1,351 @@
+"""Pipeline parallel: the decoder as a fleet PipelineLayer, stage boundaries, and a 1F1B training step.
+
+The built CausalLM is cut into a list of pipeline items: the embedding, one item per decoder layer and
+the head (final norm + LM head). Between stages travels the tuple (hidden, attention_mask, position_ids);
+each stage recomputes the rotary tables and the attention bias from the masks, so no float masks are
+sent. Partition methods (parallel_config.pipeline_partition):
+
+* ``uniform``: the same number of decoder layers per stage;
+* ``parameters``: balance parameter counts (the embedding and head weigh in);
+* ``measured``: time forward+backward of every item on a sample batch (rank 0 measures, everyone uses
+  its numbers) and balance the measured cost.
+
+The cut minimises the most expensive stage; the imbalance (max stage cost / mean) is reported.
+Training uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.parallel.checkpoint import NAME_MAP_ATTR
+
+if TYPE_CHECKING:
+    from bmtrain_cli.parallel.context import ParallelContext
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- partition (plain maths)
+
+
+def partition(costs: Sequence[float], stages: int) -> List[int]:
+    """Boundaries [0, b1, ..., len(costs)] of ``stages`` contiguous non-empty parts minimising the
+    largest part's cost (exact dynamic programme; n and stages are small)."""
+    n = len(costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"cannot cut {n} items into {stages} stages")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    inf = float("inf")
+    best = np.full((stages + 1, n + 1), inf)
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1, i], prefix[j] - prefix[i])
+                if value < best[k, j] - 1e-12:
+                    best[k, j], cut[k, j] = value, i
+    bounds = [n]
+    j = n
+    for k in range(stages, 0, -1):
+        j = int(cut[k, j])
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def stage_costs(costs: Sequence[float], bounds: Sequence[int]) -> List[float]:
+    return [float(sum(costs[bounds[i] : bounds[i + 1]])) for i in range(len(bounds) - 1)]
+
+
+def imbalance(costs: Sequence[float], bounds: Sequence[int]) -> float:
+    """Most expensive stage / mean stage cost (1.0 = perfectly balanced)."""
+    per = stage_costs(costs, bounds)
+    mean = sum(per) / len(per)
+    return max(per) / mean if mean > 0 else 1.0
+
+
+def uniform_costs(num_layers: int) -> List[float]:
+    """Embedding and head cost nothing, every decoder layer 1: equal layer counts."""
+    return [0.0] + [1.0] * num_layers + [0.0]
+
+
+# --------------------------------------------------------------------------- pipeline items
+
+
+def _build_items(model: Any, ctx: ParallelContext) -> Tuple[List[Any], Dict[int, str]]:
+    import paddle
+    from paddle import nn
+
+    from bmtrain_cli.models.decoder import CausalLM
+
+    arch = model.arch
+    if model.lm_head is None:
+        raise UserError(
+            "pipeline_parallel > 1 with tie_word_embeddings is not supported (the embedding and the LM head "
+            "would live on different stages); use tensor or data parallel for this model"
+        )
+    helper = types.SimpleNamespace(arch=arch, alibi=model.alibi)
+    rotary = model.rotary
+
+    def extras(mask: Any, pos: Any, s: int, dtype: Any) -> Tuple[Any, Any, Any]:
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary(pos)
+        bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)
+        return cos, sin, bias
+
+    class EmbedStage(nn.Layer):
+        def __init__(self, embed: Any) -> None:
+            super().__init__()
+            self.embed_tokens = embed
+
+        def forward(self, args: Any) -> Any:
+            input_ids, mask, pos = args
+            x = self.embed_tokens(input_ids)
+            mask.stop_gradient = True
+            pos.stop_gradient = True
+            return x, mask, pos
+
+    class DecoderStage(nn.Layer):
+        def __init__(self, layer: Any, recompute: bool) -> None:
+            super().__init__()
+            self.layer = layer
+            self.recompute = recompute
+
+        def forward(self, args: Any) -> Any:
+            x, mask, pos = args
+            cos, sin, bias = extras(mask, pos, x.shape[1], x.dtype)
+            if self.recompute and self.training:
+                from paddle.distributed.fleet.utils import recompute
+
+                x = recompute(self.layer, x, cos, sin, bias)
+            else:
+                x = self.layer(x, cos, sin, bias)
+            return x, mask, pos
+
+    class HeadStage(nn.Layer):
+        def __init__(self, norm: Any, lm_head: Any) -> None:
+            super().__init__()
+            self.norm = norm
+            self.lm_head = lm_head
+
+        def forward(self, args: Any) -> Any:
+            x = args[0]
+            return self.lm_head(self.norm(x))
+
+    recompute_layers = getattr(model, "_recompute_layers", set())
+    items = [EmbedStage(model.model.embed_tokens)]
+    items += [DecoderStage(layer, i in recompute_layers) for i, layer in enumerate(model.model.layers)]
+    items.append(HeadStage(model.model.norm, model.lm_head))
+    names = {id(p): n for n, p in model.named_parameters()}
+    del paddle
+    return items, names
+
+
+def item_parameter_counts(items: Sequence[Any]) -> List[float]:
+    return [float(sum(int(np.prod(p.shape)) for p in it.parameters())) for it in items]
+
+
+def measure_item_costs(items: Sequence[Any], batch: int, seq: int, vocab: int, steps: int = 3) -> List[float]:
+    """Seconds of forward+backward per item on a random batch (median of ``steps`` after one warm-up)."""
+    import paddle
+
+    ids = paddle.randint(0, vocab, [batch, seq])
+    mask = paddle.ones([batch, seq], dtype="int64")
+    pos = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
+    x = (ids, mask, pos)
+    costs = []
+    for item in items:
+        times = []
+        out = None
+        for i in range(steps + 1):
+            args = x if item is items[0] else (x[0].detach(), x[1], x[2])
+            if item is not items[0]:
+                args[0].stop_gradient = False
+            t0 = time.perf_counter()
+            out = item(args)
+            first = out[0] if isinstance(out, tuple) else out
+            first.mean().backward()
+            if i:
+                times.append(time.perf_counter() - t0)
+        for p in item.parameters():
+            p.clear_gradient()
+        costs.append(float(np.median(times)))
+        x = out if isinstance(out, tuple) else x
+    return costs
+
+
+def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
+    """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer)."""
+    import paddle.distributed as dist
+    from paddle.distributed.fleet.meta_parallel import PipelineLayer
+
+    config = ctx.config
+    method = config.parallel.pipeline_partition if config is not None else "uniform"
+    items, names = _build_items(model, ctx)
+    layers = len(items) - 2
+    if method == "uniform":
+        costs = uniform_costs(layers)
+    elif method == "parameters":
+        costs = item_parameter_counts(items)
+    else:
+        costs = None
+        if ctx.rank == 0:
+            seq = min(128, config.model.max_seq_len if config is not None else 128)
+            costs = measure_item_costs(items, 1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree)
+        box = [costs]
+        dist.broadcast_object_list(box, src=0)
+        costs = box[0]
+    bounds = partition(costs, ctx.pp_degree)
+    info = {
+        "method": method,
+        "boundaries": bounds,
+        "stage_costs": stage_costs(costs, bounds),
+        "imbalance": imbalance(costs, bounds),
+        "stage_layers": [
+            [i - 1 for i in range(bounds[s], bounds[s + 1]) if 0 < i <= layers] for s in range(ctx.pp_degree)
+        ],
+    }
+    ctx.pipeline_info = info
+    if ctx.rank == 0:
+        print(
+            f"pipeline partition ({method}): decoder layers per stage {info['stage_layers']}, "
+            f"stage costs {[round(c, 4) for c in info['stage_costs']]}, imbalance {info['imbalance']:.3f} "
+            "(max stage / mean)",
+            flush=True,
+        )
+    loss_fn = _PipelineLoss(ctx)
+    pipe = PipelineLayer(
+        layers=items,
+        num_stages=ctx.pp_degree,
+        topology=ctx.hcg.topology(),
+        loss_fn=loss_fn,
+        seg_method=bounds,
+    )
+    object.__setattr__(pipe, "_bmtrain_loss", loss_fn)
+    full_names = {n: names[id(p)] for n, p in pipe.named_parameters() if id(p) in names}
+    object.__setattr__(pipe, NAME_MAP_ATTR, full_names)
+    object.__setattr__(pipe, "arch", model.arch)
+    return pipe
+
+
+class _PipelineLoss:
+    """Token-weighted loss for train_batch: fleet divides each micro-batch loss by the number of
+    micro-batches, so return loss_sum x micro_batches / (tokens of the whole step over all data ranks)."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.ctx = ctx
+        self.scale = 1.0
+        self.sums: List[Any] = []
+
+    def __call__(self, logits: Any, target: Any) -> Any:
+        factory = self.ctx.factory
+        flat = logits.reshape([-1, logits.shape[-1]])
+        labels = target.reshape([-1])
+        if factory.tp_degree > 1:
+            loss_sum, _ = factory.vocab_cross_entropy_sum(flat, labels)
+        else:
+            from bmtrain_cli.ops import reference
+
+            loss_sum, _ = reference.cross_entropy_sum(flat, labels)
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+
+def shifted_targets(labels: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
+    """Per-position targets: position t predicts labels[t+1] within the same segment, else ignored."""
+    target = np.full_like(labels, IGNORE_INDEX)
+    target[:, :-1] = labels[:, 1:]
+    if mask is not None:
+        same = mask[:, 1:] == mask[:, :-1]
+        target[:, :-1] = np.where(same, target[:, :-1], IGNORE_INDEX)
+    return target
+
+
+def _pad_to(arr: np.ndarray, length: int, value: int) -> np.ndarray:
+    if arr.shape[1] == length:
+        return arr
+    pad = np.full((arr.shape[0], length - arr.shape[1]), value, dtype=arr.dtype)
+    return np.concatenate([arr, pad], axis=1)
+
+
+def stack_micro_batches(micro_batches: Sequence[Dict[str, Any]]) -> Dict[str, np.ndarray]:
+    """Concatenate micro-batches (padded to one length) and compute the shifted targets."""
+    arrays = [
+        {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in mb.items()}
+        for mb in micro_batches
+    ]
+    length = max(a["input_ids"].shape[1] for a in arrays)
+    out: Dict[str, List[np.ndarray]] = {
+        "input_ids": [],
+        "attention_mask": [],
+        "position_ids": [],
+        "target": [],
+    }
+    for a in arrays:
+        s = a["input_ids"].shape[1]
+        mask = a.get("attention_mask")
+        if mask is None:
+            mask = np.ones_like(a["input_ids"])
+        pos = a.get("position_ids")
+        if pos is None:
+            pos = np.broadcast_to(np.arange(s), a["input_ids"].shape).copy()
+        out["input_ids"].append(_pad_to(a["input_ids"], length, 0))
+        out["attention_mask"].append(_pad_to(mask, length, 0))
+        out["position_ids"].append(_pad_to(pos, length, 0))
+        out["target"].append(_pad_to(shifted_targets(a["labels"], mask), length, IGNORE_INDEX))
+    return {k: np.concatenate(v, axis=0).astype(np.int64) for k, v in out.items()}
+
+
+def pipeline_train_step(
+    ctx: ParallelContext,
+    model: Any,
+    micro_batches: Sequence[Dict[str, Any]],
+    optimizer: Any,
+    lr_scheduler: Any = None,
+) -> Tuple[float, float]:
+    """Forward+backward of all micro-batches (1F1B) and one optimizer step.
+
+    Returns (loss_sum, token_count) summed over micro-batches and data ranks, on every rank."""
+    import paddle
+    import paddle.distributed as dist
+
+    ctx.mark_progress()
+    data = stack_micro_batches(micro_batches)
+    count = float((data["target"] != IGNORE_INDEX).sum())
+    count = ctx.all_reduce_sum(count)
+    if count <= 0:
+        raise UserError("a training step has no target tokens (all labels are -100)")
+    inner = model._layers if hasattr(model, "_layers") else model
+    loss_fn: _PipelineLoss = inner._bmtrain_loss
+    loss_fn.sums = []
+    accumulate = getattr(model, "accumulate_steps", len(micro_batches))
+    # fleet averages gradients over the data ranks: scale by their number so the result is the sum
+    loss_fn.scale = accumulate * ctx.data_world / count
+    from bmtrain_cli.parallel.sharding import GradSumOptimizer
+
+    if isinstance(optimizer, GradSumOptimizer):
+        optimizer = optimizer._inner  # train_batch insists on fleet's own optimizer class
+    inputs = (
+        paddle.to_tensor(data["input_ids"]),
+        paddle.to_tensor(data["attention_mask"]),
+        paddle.to_tensor(data["position_ids"]),
+    )
+    for t in inputs:
+        t.stop_gradient = True
+    target = paddle.to_tensor(data["target"])
+    model.train_batch([inputs, target], optimizer, lr_scheduler)
+    local = float(sum(float(s) for s in loss_fn.sums)) if loss_fn.sums else 0.0
+    t = paddle.to_tensor([local], dtype="float64")
+    pp_group = ctx.hcg.get_pipe_parallel_group()
+    last_rank = pp_group.ranks[-1]
+    dist.broadcast(t, src=last_rank, group=pp_group)
+    total = ctx.all_reduce_sum(float(t.numpy()[0]))
+    ctx.mark_progress()
+    return total, count

@@ -1,0 +1,55 @@
+"""`bmtrain export`: a training checkpoint -> Paddle Inference model or Hugging Face directory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from bmtrain_cli.commands.common import user_errors
+
+
+@user_errors
+def export(
+    checkpoint: str = typer.Option(
+        ..., "--checkpoint", "-c", help="A step-N checkpoint, a checkpoints directory or a run's output_dir."
+    ),
+    output: str = typer.Option(..., "--output", "-o", help="Directory to write the export into."),
+    fmt: str = typer.Option("paddle-inference", "--format", "-f", help="paddle-inference or hf."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", "-q", help="int8: weight-only INT8, per-output-channel symmetric scales."
+    ),
+    eval_data: Optional[str] = typer.Option(
+        None,
+        "--eval_data",
+        "--eval-data",
+        help="Held-out JSONL to measure the eval-loss change of --quantize (default: the run's eval data).",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    quantize_embeddings: bool = typer.Option(
+        True, "--quantize-embeddings/--no-quantize-embeddings", help="With --quantize: embeddings too."
+    ),
+    max_eval_records: int = typer.Option(
+        200, "--max-eval-records", min=1, help="Records used for eval loss."
+    ),
+) -> None:
+    """Export a checkpoint for serving (Paddle Inference) or for the Hugging Face ecosystem."""
+    from bmtrain_cli.export.pipeline import describe, export_checkpoint  # noqa: PLC0415
+
+    result = export_checkpoint(
+        checkpoint,
+        output,
+        fmt=fmt,
+        quantize=quantize,
+        eval_data=eval_data,
+        overwrite=overwrite,
+        quantize_embeddings=quantize_embeddings,
+        max_eval_records=max_eval_records,
+        log=lambda m: typer.echo(m, err=True),
+    )
+    for line in describe(result):
+        typer.echo(line)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export)

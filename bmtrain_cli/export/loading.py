@@ -1,0 +1,196 @@
+"""Opening models for inference: training checkpoints, hf exports (fp32 or INT8) and paddle-inference
+exports, all behind one object with ``logits(input_ids) -> np.ndarray`` and the tokenizer.
+
+Also the checkpoint resolution shared by ``bmtrain export``: ``--checkpoint`` may name a ``step-N``
+directory, the ``checkpoints`` directory or the run's ``output_dir`` (the ``latest`` checkpoint is used).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+
+STATE_FILE = "trainer_state.json"  # written last-but-atomically by the trainer: marks a complete step-N
+LATEST = "latest"
+LORA_ADAPTER_CONFIG = "adapter_config.json"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def _latest_in(checkpoints: Path) -> Optional[Path]:
+    pointer = checkpoints / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        if name and (checkpoints / name).is_dir():
+            return checkpoints / name
+    elif pointer.is_dir():  # a symlink to the newest step
+        return pointer.resolve()
+    steps = []
+    for child in checkpoints.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir() and (child / STATE_FILE).is_file():
+            steps.append((int(m.group(1)), child))
+    return max(steps)[1] if steps else None
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """The model directory ``path`` designates: itself when it holds a config.json, else the latest
+    checkpoint of a checkpoints directory or of a run's output_dir."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {path} does not exist")
+    if not p.is_dir():
+        raise UserError(f"checkpoint {path} is not a directory")
+    if (p / "config.json").is_file() or _STEP_RE.match(p.name) or (p / LORA_ADAPTER_CONFIG).is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    has_steps = (root / LATEST).exists() or any(_STEP_RE.match(c.name) for c in root.iterdir())
+    if not has_steps:
+        raise UserError(
+            f"{path} is not a checkpoint: expected a step-N directory (with config.json and "
+            "model*.safetensors), a checkpoints directory or a training output_dir"
+        )
+    found = _latest_in(root)
+    if found is None:
+        raise UserError(f"{root}: no complete checkpoint (no step-N directory with {STATE_FILE})")
+    return found
+
+
+def check_checkpoint(ckpt: Path, need_tokenizer: bool = True) -> None:
+    """UserError naming what is missing when ``ckpt`` is not a complete checkpoint."""
+    from bmtrain_cli.export.hf import weight_files  # noqa: PLC0415
+
+    if (ckpt / LORA_ADAPTER_CONFIG).is_file():
+        return  # adapters only: checked by the LoRA merge hook
+    if _STEP_RE.match(ckpt.name) and not (ckpt / STATE_FILE).is_file():
+        raise UserError(f"{ckpt}: partial checkpoint (no {STATE_FILE}: the save did not finish)")
+    if not (ckpt / "config.json").is_file():
+        raise UserError(f"{ckpt}: partial checkpoint (no config.json)")
+    files = weight_files(ckpt)
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="np") as handle:
+                list(handle.keys())
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{f}: partial checkpoint, unreadable or truncated weights ({exc})") from None
+    if need_tokenizer and not any((ckpt / t).is_file() for t in TOKENIZER_FILES):
+        raise UserError(f"{ckpt}: partial checkpoint (no tokenizer file: {' or '.join(TOKENIZER_FILES)})")
+
+
+def load_checkpoint_model(ckpt: Path, kernels: str = "auto") -> Any:
+    """The fp32 CausalLM of a checkpoint or hf directory.
+
+    LoRA hook: a directory with adapter_config.json holds adapters plus the base model's path; it is
+    merged by ``bmtrain_cli.models.lora.merge_checkpoint(path) -> CausalLM`` once that exists.
+    """
+    if (ckpt / LORA_ADAPTER_CONFIG).is_file():
+        try:
+            from bmtrain_cli.models.lora import merge_checkpoint  # noqa: PLC0415
+        except ImportError:
+            raise UserError(
+                f"{ckpt} holds LoRA adapters only; merging them into the base model "
+                "(bmtrain_cli.models.lora.merge_checkpoint) is not available in this build"
+            ) from None
+        return merge_checkpoint(str(ckpt))
+    from bmtrain_cli.export.hf import is_quantized, load_quantized  # noqa: PLC0415
+
+    if is_quantized(ckpt):
+        return load_quantized(str(ckpt), kernels=kernels)
+    from bmtrain_cli.models import load_pretrained  # noqa: PLC0415
+
+    return load_pretrained(str(ckpt), kernels=kernels)
+
+
+def read_export_meta(path: Path) -> Dict[str, Any]:
+    from bmtrain_cli.export.paddle_inference import META_FILE  # noqa: PLC0415
+
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{f}: not valid JSON ({exc})") from None
+
+
+@dataclass
+class InferenceModel:
+    """Something that maps token ids to logits, with its tokenizer.
+
+    ``format``: "paddle-inference" (a predictor over the static graph), "hf" or "checkpoint" (a dygraph
+    CausalLM in ``model``). ``quantized`` tells whether the weights are INT8.
+    """
+
+    path: Path
+    format: str
+    tokenizer: Any
+    quantized: bool = False
+    model: Any = None
+    predictor: Any = None
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        """Logits [batch, seq, vocab] (float32) of int64 ``input_ids`` [batch, seq] (or [seq])."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if self.predictor is not None:
+            return self.predictor.logits(ids)
+        import paddle  # noqa: PLC0415
+
+        with paddle.no_grad():
+            out = self.model(paddle.to_tensor(ids))
+        return out.astype("float32").numpy()
+
+    @property
+    def arch(self) -> Any:
+        if self.model is not None:
+            return self.model.arch
+        from bmtrain_cli.models.arch import read_hf_config  # noqa: PLC0415
+
+        return read_hf_config(str(self.path))
+
+
+def _tokenizer_or_none(path: Path) -> Any:
+    if not any((path / t).is_file() for t in TOKENIZER_FILES):
+        return None
+    from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
+
+    return load_tokenizer(str(path))
+
+
+def load_for_inference(path: str, kernels: str = "auto") -> InferenceModel:
+    """Open a paddle-inference export, an hf export (fp32 or INT8), a checkpoint or a run directory."""
+    from bmtrain_cli.export.paddle_inference import Predictor  # noqa: PLC0415
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"model {path} does not exist")
+    meta = read_export_meta(p) if p.is_dir() else {}
+    has_graph = p.is_dir() and ((p / "model.json").is_file() or (p / "model.pdmodel").is_file())
+    if meta.get("format") == "paddle-inference" or (has_graph and (p / "model.pdiparams").is_file()):
+        return InferenceModel(
+            path=p,
+            format="paddle-inference",
+            tokenizer=_tokenizer_or_none(p),
+            quantized=bool(meta.get("quantization")),
+            predictor=Predictor(str(p)),
+        )
+    ckpt = resolve_checkpoint(path)
+    check_checkpoint(ckpt, need_tokenizer=False)
+    from bmtrain_cli.export.hf import is_quantized  # noqa: PLC0415
+
+    model = load_checkpoint_model(ckpt, kernels=kernels)
+    model.eval()
+    fmt = "hf" if meta.get("format") == "hf" or not (ckpt / STATE_FILE).is_file() else "checkpoint"
+    return InferenceModel(
+        path=ckpt, format=fmt, tokenizer=_tokenizer_or_none(ckpt), quantized=is_quantized(ckpt), model=model
+    )

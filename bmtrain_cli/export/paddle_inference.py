@@ -1,0 +1,114 @@
+"""Paddle Inference export: a static graph of the model's forward (input_ids -> logits) saved with
+``paddle.jit.save``, with dynamic batch and sequence dimensions, plus the tokenizer files, the model's
+config.json and ``bmtrain_export.json`` (what this directory holds).
+
+Serve it with ``paddle.inference.Config(model_file, params_file)`` + ``create_predictor`` (docs/deploy.md);
+:class:`Predictor` here does exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.errors import UserError
+
+MODEL_PREFIX = "model"
+META_FILE = "bmtrain_export.json"
+INPUT_NAME = "input_ids"
+
+
+class _LogitsOnly(paddle.nn.Layer):
+    """The graph that is exported: input_ids [batch, seq] int64 -> logits [batch, seq, vocab]."""
+
+    def __init__(self, model: paddle.nn.Layer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        # An all-ones mask (one segment, no padding) means plain causal attention; passing it as a tensor
+        # keeps the attention bias a tensor on every path, which the static-graph translator needs.
+        return self.model(input_ids, attention_mask=paddle.ones_like(input_ids))
+
+
+def model_files(out_dir: Path) -> Dict[str, Path]:
+    """The graph file (model.json under PIR, model.pdmodel for the legacy format) and the params file."""
+    out_dir = Path(out_dir)
+    for graph in (f"{MODEL_PREFIX}.json", f"{MODEL_PREFIX}.pdmodel"):
+        if (out_dir / graph).is_file():
+            return {"model": out_dir / graph, "params": out_dir / f"{MODEL_PREFIX}.pdiparams"}
+    raise UserError(
+        f"{out_dir}: no {MODEL_PREFIX}.json or {MODEL_PREFIX}.pdmodel (not a paddle-inference export)"
+    )
+
+
+def export_paddle_inference(
+    model: paddle.nn.Layer, out_dir: str, meta: Optional[Dict[str, Any]] = None
+) -> Dict[str, Path]:
+    """jit.save ``model``'s forward to ``out_dir/model.*`` with InputSpec([None, None], int64).
+
+    Quantised layers are traced through their dequantising path (int8 buffers + cast and multiply in the
+    graph), so the export runs on any device. Returns the written graph and params files.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    from bmtrain_cli.export.quantize import QuantLinear  # noqa: PLC0415
+
+    previous = {}
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, QuantLinear):
+            previous[name] = layer.use_kernel
+            layer.use_kernel = "never"
+    try:
+        spec = [paddle.static.InputSpec([None, None], "int64", name=INPUT_NAME)]
+        paddle.jit.save(_LogitsOnly(model), str(out / MODEL_PREFIX), input_spec=spec)
+    finally:
+        for name, layer in model.named_sublayers():
+            if name in previous:
+                layer.use_kernel = previous[name]
+    files = model_files(out)
+    info = {
+        "format": "paddle-inference",
+        "input": INPUT_NAME,
+        "output": "logits",
+        "paddle": paddle.__version__,
+    }
+    info.update(meta or {})
+    info["files"] = {k: v.name for k, v in files.items()}
+    (out / META_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    return files
+
+
+class Predictor:
+    """A paddle.inference predictor over an export directory: ``logits(input_ids) -> np.ndarray``."""
+
+    def __init__(self, export_dir: str, use_gpu: Optional[bool] = None, threads: int = 1):
+        from paddle import inference  # noqa: PLC0415
+
+        files = model_files(Path(export_dir))
+        config = inference.Config(str(files["model"]), str(files["params"]))
+        if use_gpu is None:
+            use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+        if use_gpu:
+            config.enable_use_gpu(256, 0)
+        else:
+            config.disable_gpu()
+            config.set_cpu_math_library_num_threads(threads)
+        config.disable_glog_info()
+        self.predictor = inference.create_predictor(config)
+        self._input = self.predictor.get_input_handle(self.predictor.get_input_names()[0])
+        self._output = self.predictor.get_output_handle(self.predictor.get_output_names()[0])
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        self._input.reshape(list(ids.shape))
+        self._input.copy_from_cpu(ids)
+        self.predictor.run()
+        return self._output.copy_to_cpu()

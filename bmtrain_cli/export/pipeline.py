@@ -1,0 +1,234 @@
+"""`bmtrain export` end to end: resolve and check the checkpoint, load it, optionally quantise (measuring
+the held-out loss before and after), write the chosen format into a temporary directory and move it into
+place, so that a failed export never leaves a half-written output behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from bmtrain_cli.errors import UserError
+
+FORMATS = ("paddle-inference", "hf")
+QUANTIZE = ("int8",)
+_ALIASES = {"paddle_inference": "paddle-inference", "paddle": "paddle-inference", "huggingface": "hf"}
+
+
+@dataclass
+class ExportResult:
+    checkpoint: Path
+    output: Path
+    format: str
+    quantize: Optional[str]
+    fp32_bytes: int  # what the same weights take in fp32
+    export_weight_bytes: int  # weight files written (pdiparams or safetensors)
+    quantized_linear: List[str] = field(default_factory=list)
+    quantized_embedding: List[str] = field(default_factory=list)
+    eval_data: Optional[str] = None
+    eval_records: int = 0
+    eval_loss_fp32: Optional[float] = None
+    eval_loss_quantized: Optional[float] = None
+
+    @property
+    def size_ratio(self) -> float:
+        return self.export_weight_bytes / self.fp32_bytes
+
+    @property
+    def eval_loss_change(self) -> Optional[float]:
+        """Relative change of the held-out loss caused by quantisation."""
+        if self.eval_loss_fp32 is None or self.eval_loss_quantized is None:
+            return None
+        return (self.eval_loss_quantized - self.eval_loss_fp32) / self.eval_loss_fp32
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "checkpoint": str(self.checkpoint),
+            "format": self.format,
+            "quantization": self.quantize,
+            "fp32_bytes": self.fp32_bytes,
+            "export_weight_bytes": self.export_weight_bytes,
+            "size_ratio": self.size_ratio,
+            "quantized_linear": self.quantized_linear,
+            "quantized_embedding": self.quantized_embedding,
+            "eval_data": self.eval_data,
+            "eval_records": self.eval_records,
+            "eval_loss_fp32": self.eval_loss_fp32,
+            "eval_loss_quantized": self.eval_loss_quantized,
+            "eval_loss_change": self.eval_loss_change,
+        }
+
+
+def normalize_format(fmt: str) -> str:
+    f = _ALIASES.get(fmt.strip().lower(), fmt.strip().lower())
+    if f not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    return f
+
+
+def check_output(output: str, overwrite: bool) -> Path:
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {output} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(
+            f"output directory {output} already exists and is not empty; pass --overwrite to replace it"
+        )
+    return out
+
+
+def _eval_data_from_run(ckpt: Path) -> Optional[str]:
+    """The held-out file the run that wrote ``ckpt`` evaluated on, when its trainer state records it."""
+    state_file = ckpt / "trainer_state.json"
+    if not state_file.is_file():
+        return None
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    candidates = [state.get("eval_data_path"), (state.get("config") or {}).get("train_config", {})]
+    for c in candidates:
+        if isinstance(c, dict):
+            c = c.get("eval_data_path")
+        if isinstance(c, list):
+            c = c[0] if c else None
+        if isinstance(c, str) and Path(c).is_file():
+            return c
+    return None
+
+
+def _weight_bytes(out: Path, fmt: str) -> int:
+    if fmt == "paddle-inference":
+        return sum(f.stat().st_size for f in out.glob("*.pdiparams"))
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def export_checkpoint(
+    checkpoint: str,
+    output: str,
+    fmt: str = "paddle-inference",
+    quantize: Optional[str] = None,
+    eval_data: Optional[str] = None,
+    overwrite: bool = False,
+    quantize_embeddings: bool = True,
+    max_eval_records: int = 200,
+    template: str = "auto",
+    log: Any = print,
+) -> ExportResult:
+    """Export ``checkpoint`` to ``output`` (see the module docstring). UserError for anything the user can
+    fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data."""
+    fmt = normalize_format(fmt)
+    if quantize is not None and quantize.lower() not in QUANTIZE:
+        raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
+    quantize = quantize.lower() if quantize else None
+    out = check_output(output, overwrite)
+    from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint  # noqa: PLC0415
+
+    ckpt = resolve_checkpoint(checkpoint)
+    check_checkpoint(ckpt)
+    if eval_data is not None and not Path(eval_data).is_file():
+        raise UserError(f"--eval_data {eval_data} does not exist")
+    if eval_data is None and quantize:
+        eval_data = _eval_data_from_run(ckpt)
+
+    import paddle  # noqa: PLC0415
+
+    from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
+    from bmtrain_cli.export.quantize import quantize_model  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(str(ckpt))
+    log(f"loading {ckpt}")
+    model = load_checkpoint_model(ckpt, kernels="reference")
+    model.eval()
+    if any(p.dtype != paddle.float32 for p in model.parameters()):
+        model.to(dtype="float32")
+    fp32_bytes = sum(int(p.numel()) * 4 for p in model.parameters())
+    result = ExportResult(ckpt, out, fmt, quantize, fp32_bytes, 0, eval_data=eval_data)
+
+    def logits_fn(ids: Any) -> Any:
+        with paddle.no_grad():
+            return model(paddle.to_tensor(ids)).astype("float32").numpy()
+
+    report = None
+    if quantize:
+        samples = None
+        if eval_data:
+            from bmtrain_cli.export.evaluate import encode_eval_file, eval_loss  # noqa: PLC0415
+
+            samples = encode_eval_file(eval_data, tokenizer, template=template, max_records=max_eval_records)
+            result.eval_records = len(samples)
+            result.eval_loss_fp32 = eval_loss(logits_fn, samples)
+        report = quantize_model(model, embeddings=quantize_embeddings)
+        result.quantized_linear, result.quantized_embedding = report.linear, report.embedding
+        if samples is not None:
+            result.eval_loss_quantized = eval_loss(logits_fn, samples)
+
+    source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    tmp = out.parent / f".{out.name}.tmp-export"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        if fmt == "paddle-inference":
+            from bmtrain_cli.export.hf import write_tokenizer  # noqa: PLC0415
+            from bmtrain_cli.export.paddle_inference import export_paddle_inference  # noqa: PLC0415
+
+            export_paddle_inference(model, str(tmp), meta={"source": str(ckpt), "quantization": quantize})
+            cfg = dict(source_config)
+            if report is not None:
+                from bmtrain_cli.export.hf import quantization_config  # noqa: PLC0415
+
+                cfg["quantization_config"] = quantization_config(report)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+            write_tokenizer(tokenizer, tmp)
+        else:
+            from bmtrain_cli.export.hf import export_hf  # noqa: PLC0415
+
+            export_hf(model, str(tmp), tokenizer=tokenizer, report=report, source_config=source_config)
+        result.export_weight_bytes = _weight_bytes(tmp, fmt)
+        meta_file = tmp / "bmtrain_export.json"
+        meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
+        meta.update(
+            {"format": fmt, "source": str(ckpt), "quantization": quantize, "report": result.to_dict()}
+        )
+        meta_file.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def describe(result: ExportResult) -> List[str]:
+    """The lines `bmtrain export` prints."""
+    lines = [
+        f"exported {result.checkpoint} -> {result.output} ({result.format}"
+        + (f", {result.quantize}" if result.quantize else "")
+        + ")",
+        f"weights: {result.export_weight_bytes / 2**20:.2f} MiB on disk vs {result.fp32_bytes / 2**20:.2f} MiB "
+        f"in fp32: size ratio {result.size_ratio:.3f}x",
+    ]
+    if result.quantize:
+        lines.append(
+            f"quantised to int8 (per-output-channel symmetric scales): {len(result.quantized_linear)} linear "
+            f"layers ({', '.join(sorted({n.rsplit('.', 1)[-1] for n in result.quantized_linear}))})"
+            + (
+                f" and embeddings ({', '.join(result.quantized_embedding)})"
+                if result.quantized_embedding
+                else ""
+            )
+            + "; norms and biases stay fp32"
+        )
+        if result.eval_loss_change is not None:
+            lines.append(
+                f"eval loss on {result.eval_data} ({result.eval_records} records): fp32 "
+                f"{result.eval_loss_fp32:.5f} -> int8 {result.eval_loss_quantized:.5f} "
+                f"({result.eval_loss_change * 100:+.3f}% relative)"
+            )
+        else:
+            lines.append("eval loss change: not measured (pass --eval_data FILE with held-out records)")
+    return lines

@@ -46,17 +46,18 @@ def build_optimizer(
     *,
     multi_precision: bool = False,
     grad_clip: Optional[float] = None,
-) -> paddle.optimizer.AdamW:
+    offload: bool = False,
+) -> Any:
     """AdamW over the trainable parameters. ``grad_clip`` attaches Paddle's global-norm clip to the
     optimizer (used under tensor/pipeline parallel, where fleet turns it into a cross-rank clip);
-    otherwise the trainer clips with :func:`clip_grads_` before ``step()``."""
+    otherwise the trainer clips with :func:`clip_grads_` before ``step()``. ``offload`` keeps the
+    optimizer state in host memory (train/offload.py)."""
     params = [p for _, p in trainable_parameters(model)]
     if not params:
         raise UserError("the model has no trainable parameters")
     with_decay = decay_names(model)
-    return paddle.optimizer.AdamW(
+    kwargs = dict(
         learning_rate=learning_rate,
-        parameters=params,
         beta1=train_cfg.adam_beta1,
         beta2=train_cfg.adam_beta2,
         epsilon=train_cfg.adam_epsilon,
@@ -65,6 +66,11 @@ def build_optimizer(
         grad_clip=paddle.nn.ClipGradByGlobalNorm(grad_clip) if grad_clip else None,
         multi_precision=multi_precision,
     )
+    if offload:
+        from bmtrain_cli.train.offload import OffloadOptimizer
+
+        return OffloadOptimizer(params, paddle.optimizer.AdamW, **kwargs)
+    return paddle.optimizer.AdamW(parameters=params, **kwargs)
 
 
 def grads_of(params: Sequence[paddle.Tensor]) -> List[paddle.Tensor]:

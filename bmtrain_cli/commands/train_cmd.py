@@ -1,0 +1,83 @@
+"""`bmtrain train`: fine-tune the model of a config on its data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from bmtrain_cli.commands.common import set_option, user_errors
+
+
+def train_overrides(
+    set_: Optional[List[str]],
+    data_path: Optional[str],
+    output_dir: Optional[str],
+    resume: bool,
+    overwrite: bool,
+) -> List[str]:
+    """The CLI options are sugar for --set overrides (applied after the user's --set values)."""
+    out = list(set_ or [])
+    if data_path is not None:
+        out.append(f"train_config.data_path={data_path}")
+    if output_dir is not None:
+        out.append(f"train_config.output_dir={output_dir}")
+    if resume:
+        out.append("train_config.resume=true")
+    if overwrite:
+        out.append("train_config.overwrite_output_dir=true")
+    return out
+
+
+def default_threads() -> None:
+    """Paddle sets OMP_NUM_THREADS=1 when it is unset; use the cores we have (up to 8) instead. Runs
+    before Paddle is imported, and only when the user has not chosen."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, min(os.cpu_count() or 1, 8)))
+
+
+def train_main(
+    config: str,
+    set_: Optional[List[str]] = None,
+    data_path: Optional[str] = None,
+    output_dir: Optional[str] = None,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> dict:
+    from bmtrain_cli.config import load_config
+    from bmtrain_cli.parallel.context import launched_world_size
+
+    default_threads()
+    overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
+    world = launched_world_size()
+    loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
+    for w in loaded.warnings:
+        typer.echo("  " + w.format(), err=True)
+    from bmtrain_cli.train.trainer import run_training
+
+    return run_training(loaded)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    @user_errors
+    def train(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        data_path: Optional[str] = typer.Option(
+            None, "--data_path", "--data-path", help="Training JSONL (sets train_config.data_path)."
+        ),
+        output_dir: Optional[str] = typer.Option(
+            None, "--output_dir", "--output-dir", help="Output directory (sets train_config.output_dir)."
+        ),
+        set_: Optional[List[str]] = set_option(),
+        resume: bool = typer.Option(
+            False, "--resume", help="Continue from the latest checkpoint in output_dir (if there is one)."
+        ),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Start over in an output_dir that holds another run's checkpoints."
+        ),
+    ) -> None:
+        """Fine-tune the model of model_config on the data of train_config."""
+        train_main(str(config), set_, data_path, output_dir, resume, overwrite)

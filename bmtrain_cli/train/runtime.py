@@ -1,0 +1,111 @@
+"""The runtime object: everything derived for one training run (paths, devices, batch arithmetic, the
+checkpoint to resume from). The config stays frozen; the trainer reads and writes only this.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from bmtrain_cli.config.derived import Derived, derive
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.checkpoint import find_latest, remove_stale_temporaries, step_dirs
+
+# Files and folders a run writes into output_dir (and --overwrite removes; nothing else is touched).
+RUN_OUTPUTS = ("checkpoints", "logs", "metrics.jsonl", "summary.json", "loss_curve.png", "rejected.jsonl")
+
+
+@dataclass
+class Runtime:
+    config: Config
+    derived: Derived
+    output_dir: Path
+    has_gpu: bool
+    resume_from: Optional[Path] = None
+    total_steps: int = 0
+    data_paths: Dict[str, Any] = field(default_factory=dict)  # train / eval paths actually used
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.output_dir / "logs"
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.derived.grad_accum_steps
+
+
+def detect_gpu() -> bool:
+    import paddle
+
+    try:
+        return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def resolve_resume(resume: Any, checkpoint_dir: Path) -> Optional[Path]:
+    """The checkpoint to continue from: ``true``/``auto`` = the latest one (None when there is none yet,
+    so a job can always be started with --resume), a path = that checkpoint (or a checkpoints folder)."""
+    if resume is False or resume is None or (isinstance(resume, str) and resume.lower() in ("false", "no")):
+        return None
+    if resume is True or (isinstance(resume, str) and resume.lower() in ("auto", "true", "yes", "latest")):
+        return find_latest(checkpoint_dir)
+    path = Path(str(resume))
+    if not path.exists():
+        raise UserError(f"train_config.resume: {path} does not exist")
+    if (path / "trainer_state.json").is_file():
+        return path
+    latest = find_latest(path) or find_latest(path / "checkpoints")
+    if latest is None:
+        raise UserError(f"train_config.resume: {path} holds no checkpoint (expected a step-N directory)")
+    return latest
+
+
+def prepare_output_dir(config: Config, *, is_main: bool = True) -> Optional[Path]:
+    """Refuse an output dir holding another run's checkpoints unless resuming or overwriting; with
+    overwrite, remove the previous run's outputs. Returns the checkpoint to resume from."""
+    t = config.train
+    out = Path(t.output_dir)
+    ckpt = out / "checkpoints"
+    resume_from = resolve_resume(t.resume, ckpt)
+    if resume_from is not None:
+        return resume_from
+    existing = step_dirs(ckpt)
+    if existing and not t.overwrite_output_dir:
+        names = ", ".join(p.name for _, p in existing[-3:])
+        raise UserError(
+            f"{out} already holds checkpoints of another run ({names}); pass --resume to continue it, "
+            "--overwrite to start over in it, or choose another --output_dir"
+        )
+    if is_main:
+        if t.overwrite_output_dir:
+            for name in RUN_OUTPUTS:
+                p = out / name
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+        remove_stale_temporaries(ckpt)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create output_dir {out}: {exc.strerror}") from None
+    return None
+
+
+def make_runtime(config: Config, has_gpu: Optional[bool] = None, *, is_main: bool = True) -> Runtime:
+    resume_from = prepare_output_dir(config, is_main=is_main)
+    return Runtime(
+        config=config,
+        derived=derive(config),
+        output_dir=Path(config.train.output_dir),
+        has_gpu=detect_gpu() if has_gpu is None else has_gpu,
+        resume_from=resume_from,
+    )

@@ -1,0 +1,653 @@
+"""The training loop behind `bmtrain train` and recipes/train.py.
+
+One optimizer step = ``grad_accum_steps`` micro-batches per data rank. The loss is token-weighted: each
+micro-batch's summed token loss is divided by the number of predicted tokens of the whole step (summed
+over micro-batches and data ranks) before backward, so the gradient equals the single-process gradient of
+the mean token loss whatever the layout. Checkpoints, metrics and signals are handled here; the pieces
+live in schedule.py, optim.py, checkpoint.py, metrics.py, evaluate.py and runtime.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, TextIO
+
+import numpy as np
+import yaml
+
+from bmtrain_cli.config.load import LoadedConfig
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.runtime import Runtime, make_runtime
+
+
+class TrainingStopped(UserError):
+    """Training ended early for a reason the user should see (non-finite losses, a signal)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _SignalGuard:
+    """SIGINT/SIGTERM ask the loop to save and stop at the end of the current step; a second one
+    interrupts at once."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._old: Dict[int, Any] = {}
+
+    def __enter__(self) -> _SignalGuard:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def seed_everything(seed: int) -> None:
+    import paddle
+
+    random.seed(seed)
+    np.random.seed(seed)
+    paddle.seed(seed)
+
+
+# ----------------------------------------------------------------------------- data and tokenizer
+
+
+def _prepare_data(rt: Runtime, is_main: bool, ctx: Any) -> Dict[str, Any]:
+    """Training/eval paths; the demo task is generated under output_dir/data when no data_path is set."""
+    t = rt.config.train
+    paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
+    if t.data_path is None and t.demo_data:
+        from bmtrain_cli.data.demo import write_demo_data
+
+        data_dir = rt.output_dir / "data"
+        if is_main:
+            write_demo_data(str(data_dir), task=t.demo_data, seed=0)
+        _barrier(ctx)
+        paths["train"] = str(data_dir / "train.jsonl")
+        paths["heldout"] = str(data_dir / "heldout.jsonl")
+        if paths["eval"] is None:
+            paths["eval"] = paths["heldout"]
+    return paths
+
+
+def _barrier(ctx: Any) -> None:
+    if getattr(ctx, "world_size", 1) > 1 and hasattr(ctx, "barrier"):
+        ctx.barrier()
+
+
+def _collect_texts(paths: Any, limit: int = 200000) -> List[str]:
+    """Strings of a JSONL data set (any format), for training a tokenizer when none is given."""
+    import json
+
+    from bmtrain_cli.data.readers import as_list, resolve_source
+
+    texts: List[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, str):
+            texts.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    files = [f for spec in as_list(paths) for f in resolve_source(spec)]
+    for p in files:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        walk(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue
+                if len(texts) >= limit:
+                    return texts
+    return texts
+
+
+def _load_tokenizer(rt: Runtime, paths: Dict[str, Any], is_main: bool, ctx: Any) -> Any:
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+
+    m, t = rt.config.model, rt.config.train
+    if rt.resume_from is not None:
+        return load_tokenizer(str(rt.resume_from))
+    if m.tokenizer_path:
+        return load_tokenizer(m.tokenizer_path)
+    if m.model_name_or_path:
+        return load_tokenizer(m.model_name_or_path)
+    tok_dir = rt.output_dir / "tokenizer"
+    if is_main:
+        if t.demo_data and t.data_path is None:
+            from bmtrain_cli.data.demo import train_demo_tokenizer
+
+            train_demo_tokenizer(str(tok_dir), [paths["train"], paths["heldout"]])
+        else:
+            from bmtrain_cli.data.tokenizers import train_sentencepiece
+
+            texts = _collect_texts(paths["train"])
+            vocab = m.vocab_size or min(8000, max(300, len(set("".join(texts[:20000]))) * 4))
+            train_sentencepiece(texts, str(tok_dir), vocab_size=vocab)
+    _barrier(ctx)
+    return load_tokenizer(str(tok_dir))
+
+
+def _data_config(config: Config, paths: Dict[str, Any]) -> Config:
+    """The config the loader reads: same as the user's, with the generated data paths filled in (a new
+    frozen object; the user's config is never modified)."""
+    train = config.train.model_copy(update={"data_path": paths["train"], "eval_data_path": paths["eval"]})
+    return config.model_copy(update={"train": train})
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _build_model(rt: Runtime, tokenizer: Any, ctx: Any) -> Any:
+    from bmtrain_cli.models import build, load_pretrained
+    from bmtrain_cli.models.arch import arch_from_model_config
+
+    m = rt.config.model
+    factory = getattr(ctx, "factory", None)
+    if rt.resume_from is not None:
+        return load_pretrained(str(rt.resume_from), kernels=m.kernels, factory=factory)
+    if m.model_name_or_path:
+        return load_pretrained(m.model_name_or_path, kernels=m.kernels, factory=factory)
+    arch = arch_from_model_config(m)
+    arch = dataclasses.replace(
+        arch,
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+    return build(arch, factory=factory, kernels=m.kernels)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    def __init__(self, loaded: LoadedConfig, ctx: Any = None, stream: Optional[TextIO] = None):
+        import paddle
+
+        from bmtrain_cli.parallel.context import init_parallel
+        from bmtrain_cli.train.metrics import MemoryMeter
+        from bmtrain_cli.train.optim import check_precision_supported
+
+        self.config = loaded.config
+        self.stream = stream or sys.stdout
+        self.ctx = ctx if ctx is not None else init_parallel(self.config)
+        self.is_main = getattr(self.ctx, "is_main", True)
+        self.rt = make_runtime(self.config, is_main=self.is_main)
+        check_precision_supported(self.config.train.precision, self.rt.has_gpu)
+        if not self.rt.has_gpu:
+            paddle.set_device("cpu")
+        self.t0 = time.time()
+        self.paddle = paddle
+        self.metrics: Any = None
+
+        t = self.config.train
+        seed_everything(t.seed)
+        self.paths = _prepare_data(self.rt, self.is_main, self.ctx)
+        self.rt.data_paths = dict(self.paths)
+        self.tokenizer = _load_tokenizer(self.rt, self.paths, self.is_main, self.ctx)
+        self.data_config = _data_config(self.config, self.paths)
+
+        from bmtrain_cli.data.loader import build_loader
+
+        self.loader = build_loader(
+            self.data_config,
+            self.tokenizer,
+            split="train",
+            data_rank=getattr(self.ctx, "data_rank", 0),
+            data_world=getattr(self.ctx, "data_world", 1),
+            seed=t.seed,
+        )
+        self.eval_loader = None
+        if self.paths["eval"] is not None:
+            self.eval_loader = build_loader(
+                self.data_config,
+                self.tokenizer,
+                split="eval",
+                data_rank=getattr(self.ctx, "data_rank", 0),
+                data_world=getattr(self.ctx, "data_world", 1),
+                seed=t.seed,
+            )
+
+        self.memory = MemoryMeter(self.rt.has_gpu)
+        self._build_model_and_optimizer()
+        self.rt.total_steps = self._total_steps()
+
+        from bmtrain_cli.train.schedule import build_schedule
+
+        self.schedule = build_schedule(t, self.rt.derived.learning_rate, self.rt.total_steps)
+        self.step = 0
+        self.best_eval_loss: Optional[float] = None
+        self.consecutive_nonfinite = 0
+        self.skipped_steps = 0
+        self.tokens_seen = 0
+        self.train_time = 0.0
+        self.last_saved_step: Optional[int] = None
+        self.history: Dict[str, Any] = {}
+        if self.rt.resume_from is not None:
+            self._restore(self.rt.resume_from)
+
+    # -- construction
+    def _build_model_and_optimizer(self) -> None:
+        from bmtrain_cli.train.optim import Precision, build_optimizer
+
+        t, p = self.config.train, self.config.parallel
+        self.model = _build_model(self.rt, self.tokenizer, self.ctx)
+        if t.gradient_checkpointing and t.recompute_granularity != "none":
+            self.model.enable_recompute(t.recompute_granularity, t.recompute_num_layers)
+        self.precision = Precision(t.precision, t.amp_level, t.loss_scale)
+        distributed = getattr(self.ctx, "world_size", 1) > 1
+        fleet_clip = distributed and getattr(self.ctx, "uses_fleet_model", False)
+        self.base_optimizer = build_optimizer(
+            self.model,
+            t,
+            self.rt.derived.learning_rate,
+            multi_precision=self.precision.master_weights,
+            grad_clip=t.max_grad_norm if (fleet_clip and t.max_grad_norm) else None,
+            offload=p.offload_optimizer,
+        )
+        self.own_clip = not fleet_clip
+        self.model, self.base_optimizer = self.precision.decorate(self.model, self.base_optimizer)
+        self.raw_model = self.model
+        self.train_model = self.ctx.wrap_model(self.model) if distributed else self.model
+        self.optimizer = self.ctx.wrap_optimizer(self.base_optimizer) if distributed else self.base_optimizer
+        self.params = [q for q in self.raw_model.parameters() if not q.stop_gradient]
+        from bmtrain_cli.models.arch import count_parameters
+
+        self.n_params = count_parameters(self.raw_model.arch)
+
+    def _total_steps(self) -> int:
+        t = self.config.train
+        if t.max_steps:
+            return t.max_steps
+        n = None
+        for attr in ("num_batches", "__len__"):
+            try:
+                n = len(self.loader) if attr == "__len__" else getattr(self.loader, attr)
+            except (TypeError, AttributeError):
+                n = None
+            if n:
+                break
+        if not n:
+            raise UserError("the data loader cannot tell its length; set train_config.max_steps")
+        return max(1, math.ceil(t.num_train_epochs * int(n) / self.rt.grad_accum_steps))
+
+    def _restore(self, ckpt: Path) -> None:
+        from bmtrain_cli.train.checkpoint import load_training_state
+
+        state = load_training_state(ckpt, model=self.raw_model, optimizer=self.base_optimizer)
+        if hasattr(self.base_optimizer, "sync_from_model"):
+            self.base_optimizer.sync_from_model()
+        self.step = int(state["step"])
+        self.precision.load_state_dict(state.get("scaler") or {})
+        if state.get("data") is not None:
+            self.loader.load_state_dict(state["data"])
+        c = state.get("counters", {})
+        self.best_eval_loss = c.get("best_eval_loss")
+        self.skipped_steps = int(c.get("skipped_steps", 0))
+        self.tokens_seen = int(c.get("tokens_seen", 0))
+        self.train_time = float(c.get("train_time", 0.0))
+        self.history = state.get("history", {})
+        self.last_saved_step = self.step
+
+    # -- helpers
+    def _micro_batches(self) -> List[Dict[str, np.ndarray]]:
+        out = []
+        for _ in range(self.rt.grad_accum_steps):
+            try:
+                out.append(next(self._iter))
+            except StopIteration:
+                self._iter = iter(self.loader)
+                try:
+                    out.append(next(self._iter))
+                except StopIteration:
+                    raise UserError("the training data produced no batches") from None
+        return out
+
+    def _say(self, text: str) -> None:
+        if self.is_main:
+            if self.metrics is not None:
+                self.metrics.message(text)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def save(self) -> Path:
+        from bmtrain_cli.train.checkpoint import save_checkpoint
+
+        state = {
+            "scaler": self.precision.state_dict(),
+            "data": self.loader.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "counters": {
+                "best_eval_loss": self.best_eval_loss,
+                "skipped_steps": self.skipped_steps,
+                "tokens_seen": self.tokens_seen,
+                "train_time": self.train_time,
+            },
+            "history": self.history,
+            "total_steps": self.rt.total_steps,
+        }
+        path = self.rt.checkpoint_dir / f"step-{self.step}"
+        if self.is_main:
+            path = save_checkpoint(
+                self.rt.checkpoint_dir,
+                self.step,
+                model=self.raw_model,
+                optimizer=self.base_optimizer,
+                state=state,
+                tokenizer=self.tokenizer,
+                keep=self.config.train.save_total_limit,
+                extra_files={"bmtrain_config.yaml": yaml.safe_dump(self.config.to_dict(), sort_keys=False)},
+            )
+            if self.metrics is not None:
+                self.metrics.log_event(self.step, "checkpoint", path=str(path))
+        _barrier(self.ctx)
+        self.last_saved_step = self.step
+        return path
+
+    def evaluate(self) -> Optional[float]:
+        from bmtrain_cli.train.evaluate import eval_loss
+
+        if self.eval_loader is None:
+            return None
+        loss, _ = eval_loss(self.raw_model, self.eval_loader, self.precision.autocast, self.ctx)
+        if math.isfinite(loss) and (self.best_eval_loss is None or loss < self.best_eval_loss):
+            self.best_eval_loss = loss
+        if self.metrics is not None:
+            self.metrics.log_eval(self.step, loss)
+        return loss
+
+    def demo_accuracy(self) -> Optional[Dict[str, Any]]:
+        """Held-out answer accuracy of the demo task (None for other data)."""
+        if not self.paths.get("heldout") or not self.is_main:
+            return None
+        from bmtrain_cli.train.evaluate import answer_accuracy, read_records
+
+        records = read_records(self.paths["heldout"])
+        t = self.config.train
+        return answer_accuracy(
+            self.raw_model, self.tokenizer, records, template=t.template, data_format=t.data_format
+        )
+
+    # -- one step
+    def train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
+        from bmtrain_cli.train.evaluate import count_targets, to_tensors
+        from bmtrain_cli.train.optim import clip_grads_, global_grad_norm
+
+        t = self.config.train
+        local_count = float(sum(count_targets(b) for b in micro))
+        local_tokens = float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
+        distributed = getattr(self.ctx, "data_world", 1) > 1
+        if distributed:
+            total_count = float(self.ctx.all_reduce_sum(local_count))
+            total_tokens = float(self.ctx.all_reduce_sum(local_tokens))
+        else:
+            total_count, total_tokens = local_count, local_tokens
+        denom = max(total_count, 1.0)
+        lr = self.schedule(self.step)
+        self.optimizer.set_lr(lr)
+        loss_acc = None
+        for b in micro:
+            tensors = to_tensors(b)
+            with self.precision.autocast():
+                loss_sum, _ = self.train_model.loss_sum(**tensors)
+            self.precision.backward(loss_sum / denom)
+            loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
+        loss_total = float(loss_acc)
+        if distributed:
+            loss_total = float(self.ctx.all_reduce_sum(loss_total))
+        loss = loss_total / denom
+        if self.own_clip and distributed and hasattr(self.optimizer, "reduce_gradients"):
+            self.optimizer.reduce_gradients()  # plain data parallel: sum gradients now, step the inner one
+            step_opt = self.base_optimizer
+        else:
+            step_opt = self.optimizer
+        self.precision.unscale(step_opt)
+        grad_norm = global_grad_norm(self.params)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite and self.own_clip and t.max_grad_norm:
+            clip_grads_(self.params, t.max_grad_norm, grad_norm)
+        applied = self.precision.step(step_opt, finite)
+        self.optimizer.clear_grad(set_to_zero=False)
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": total_tokens,
+            "applied": applied,
+            "finite": finite,
+        }
+
+    # -- the loop
+    def train(self) -> Dict[str, Any]:
+        from bmtrain_cli.train.metrics import MetricsWriter, flops_per_token, peak_flops
+
+        t = self.config.train
+        total = self.rt.total_steps
+        resumed = self.rt.resume_from is not None
+        self.metrics = MetricsWriter(
+            self.rt.output_dir,
+            total_steps=total,
+            logging_steps=t.logging_steps,
+            enabled=self.is_main,
+            resume_step=self.step if resumed else None,
+            stream=self.stream,
+        )
+        if self.is_main:
+            (self.rt.output_dir / "config.yaml").write_text(
+                yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8"
+            )
+            self.metrics.add_text(
+                "config", "```\n" + yaml.safe_dump(self.config.to_dict(), sort_keys=False) + "```"
+            )
+        arch = self.raw_model.arch
+        fpt = flops_per_token(
+            self.n_params, arch.num_hidden_layers, arch.hidden_size, self.config.model.max_seq_len
+        )
+        peak = peak_flops(self.rt.has_gpu, self.precision.dtype) * max(1, getattr(self.ctx, "world_size", 1))
+
+        self._say(
+            f"training {arch.family} ({self.n_params:,} parameters) for {total} steps: "
+            f"global batch {self.rt.derived.global_batch_size} (micro {t.micro_batch_size} x accumulation "
+            f"{self.rt.grad_accum_steps} x data ranks {self.rt.derived.data_ranks}), lr {self.rt.derived.learning_rate:.3g} "
+            f"{t.lr_scheduler}, precision {t.precision}, output {self.rt.output_dir}"
+            + (f" (resumed from {self.rt.resume_from.name})" if resumed else "")
+        )
+        if self.paths.get("heldout") and "accuracy_before" not in self.history:
+            acc = self.demo_accuracy()
+            if acc is not None:
+                self.history["accuracy_before"] = acc["accuracy"]
+                self._say(
+                    f"held-out accuracy before training: {100 * acc['accuracy']:.1f}% ({acc['n']} problems)"
+                )
+
+        self._iter = iter(self.loader)
+        recent: List[float] = []
+        tps_window: List[float] = []
+        stopped: Optional[str] = None
+        with _SignalGuard() as guard:
+            while self.step < total:
+                if guard.received is not None:
+                    stopped = signal.Signals(guard.received).name
+                    break
+                start = time.time()
+                micro = self._micro_batches()
+                out = self.train_step(micro)
+                elapsed = time.time() - start
+                self.train_time += elapsed
+                self.step += 1
+                self.tokens_seen += int(out["tokens"])
+                tps = out["tokens"] / elapsed if elapsed > 0 else 0.0
+                tps_window.append(tps)
+                if not out["finite"]:
+                    self.consecutive_nonfinite += 1
+                    self.skipped_steps += 1
+                    if self.metrics is not None:
+                        self.metrics.log_event(
+                            self.step, "nonfinite_skipped", loss=out["loss"], grad_norm=out["grad_norm"]
+                        )
+                    self._say(
+                        f"step {self.step}: non-finite loss/gradient (loss {out['loss']}, grad norm "
+                        f"{out['grad_norm']}); update skipped ({self.consecutive_nonfinite} in a row)"
+                    )
+                    if self.consecutive_nonfinite >= t.max_nonfinite_steps:
+                        raise TrainingStopped(
+                            f"training stopped at step {self.step}: {self.consecutive_nonfinite} consecutive "
+                            f"steps had a non-finite loss or gradient (max_nonfinite_steps "
+                            f"{t.max_nonfinite_steps}). Lower learning_rate, check the data, or use fp32/bf16; "
+                            f"the last good checkpoint is kept in {self.rt.checkpoint_dir}"
+                        )
+                    continue
+                self.consecutive_nonfinite = 0
+                recent.append(out["loss"])
+                recent = recent[-max(10, t.logging_steps) :]
+                mem = self.memory.peak()
+                values = {
+                    "loss": out["loss"],
+                    "lr": out["lr"],
+                    "grad_norm": out["grad_norm"],
+                    "tokens_per_sec": tps,
+                    "mfu": (tps * fpt / peak) if peak else 0.0,
+                    "memory": mem,
+                }
+                if self.precision.loss_scale is not None:
+                    values["loss_scale"] = self.precision.loss_scale
+                if self.metrics is not None:
+                    self.metrics.log_train(self.step, values)
+                if t.eval_steps and self.step % t.eval_steps == 0 and self.step < total:
+                    self.evaluate()
+                if t.save_steps and self.step % t.save_steps == 0 and self.step < total:
+                    self.save()
+            if stopped is not None:
+                path = self.save() if self.last_saved_step != self.step else self.rt.checkpoint_dir
+                self.metrics.close()
+                code = 130 if stopped == "SIGINT" else 143
+                raise TrainingStopped(
+                    f"{stopped} received: stopped at step {self.step}/{total}, checkpoint saved in {path}; "
+                    "continue with --resume",
+                    exit_code=code,
+                )
+            final_eval = self.evaluate() if self.eval_loader is not None else None
+            ckpt = (
+                self.save()
+                if self.last_saved_step != self.step
+                else self.rt.checkpoint_dir / f"step-{self.step}"
+            )
+        return self._finish(ckpt, recent, tps_window, final_eval)
+
+    def _finish(
+        self, ckpt: Path, recent: List[float], tps_window: List[float], final_eval: Optional[float]
+    ) -> Dict[str, Any]:
+        from bmtrain_cli.train.metrics import plot_loss_curve, write_summary
+
+        t = self.config.train
+        steady = tps_window[1:] if len(tps_window) > 1 else tps_window
+        summary: Dict[str, Any] = {
+            "steps": self.step,
+            "final_loss": float(np.mean(recent)) if recent else None,
+            "best_eval_loss": self.best_eval_loss,
+            "final_eval_loss": final_eval,
+            "tokens_per_sec": float(np.mean(steady)) if steady else 0.0,
+            "peak_memory_bytes": self.memory.peak(),
+            "wall_time_s": round(time.time() - self.t0, 3),
+            "train_time_s": round(self.train_time, 3),
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "parameters": self.n_params,
+            "checkpoint": str(ckpt),
+            "logs": str(self.rt.logs_dir),
+        }
+        if self.paths.get("heldout"):
+            acc = self.demo_accuracy()
+            if acc is not None:
+                summary["accuracy_before"] = self.history.get("accuracy_before")
+                summary["accuracy_after"] = acc["accuracy"]
+                summary["heldout_examples"] = acc["examples"]
+        if self.is_main:
+            png = plot_loss_curve(self.rt.output_dir / "metrics.jsonl", self.rt.output_dir / "loss_curve.png")
+            summary["plot"] = str(png) if png else None
+            self.metrics.add_hparams(
+                {
+                    "learning_rate": self.rt.derived.learning_rate,
+                    "global_batch_size": self.rt.derived.global_batch_size,
+                    "micro_batch_size": t.micro_batch_size,
+                    "lr_scheduler": t.lr_scheduler,
+                    "warmup_steps": self.schedule.warmup_steps,
+                    "weight_decay": t.weight_decay,
+                    "precision": t.precision,
+                    "max_seq_len": self.config.model.max_seq_len,
+                    "gradient_checkpointing": t.gradient_checkpointing,
+                    "steps": self.rt.total_steps,
+                    "seed": t.seed,
+                },
+                {"final_loss": summary["final_loss"], "best_eval_loss": self.best_eval_loss},
+            )
+            self.metrics.close()
+            write_summary(self.rt.output_dir, summary)
+            self._print_report(summary)
+        return summary
+
+    def _print_report(self, s: Dict[str, Any]) -> None:
+        out = self.stream
+        print(
+            f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s, final loss {s['final_loss']:.4f}"
+            if s["final_loss"] is not None
+            else f"done: {s['steps']} steps",
+            file=out,
+        )
+        if s.get("best_eval_loss") is not None:
+            print(f"  best eval loss   {s['best_eval_loss']:.4f}", file=out)
+        if s.get("accuracy_after") is not None:
+            before = s.get("accuracy_before")
+            before_txt = f"{100 * before:.1f}%" if before is not None else "?"
+            print(
+                f"  held-out accuracy: before {before_txt} -> after {100 * s['accuracy_after']:.1f}%",
+                file=out,
+            )
+        print(
+            f"  throughput       {s['tokens_per_sec']:.0f} tokens/s, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
+            file=out,
+        )
+        print(f"  checkpoint       {s['checkpoint']}", file=out)
+        print(f"  logs             {s['logs']}  (tensorboard --logdir {s['logs']})", file=out)
+        if s.get("plot"):
+            print(f"  loss curve       {s['plot']}", file=out)
+        print(f"  summary          {self.rt.output_dir / 'summary.json'}", file=out)
+        out.flush()
+
+
+def run_training(loaded: LoadedConfig, stream: Optional[TextIO] = None) -> Dict[str, Any]:
+    """Train with a loaded config; returns summary.json's content."""
+    trainer = Trainer(loaded, stream=stream)
+    try:
+        return trainer.train()
+    finally:
+        metrics = getattr(trainer, "metrics", None)
+        if metrics is not None:
+            metrics.close()

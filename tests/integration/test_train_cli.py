@@ -1,0 +1,216 @@
+"""`bmtrain train` end to end on a tiny model (in process): outputs, refusal, resume, robustness."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from bmtrain_cli.cli import app
+
+TINY = """
+model_config:
+  family: llama
+  hidden_size: 64
+  intermediate_size: 128
+  num_hidden_layers: 2
+  num_attention_heads: 4
+  max_seq_len: 24
+  kernels: reference
+train_config:
+  demo_data: arithmetic
+  output_dir: {out}
+  max_steps: {steps}
+  micro_batch_size: 8
+  global_batch_size: 16
+  learning_rate: 3.0e-3
+  warmup_steps: 2
+  logging_steps: 1
+  save_steps: 3
+  eval_steps: 3
+  num_workers: 0
+"""
+
+
+def _config(tmp_path: Path, steps: int = 6, out: str = "out") -> str:
+    p = tmp_path / f"cfg-{out}.yaml"
+    p.write_text(TINY.format(out=tmp_path / out, steps=steps), encoding="utf-8")
+    return str(p)
+
+
+def _train(*args: str):
+    return CliRunner().invoke(app, ["train", *args], catch_exceptions=False)
+
+
+def _losses(out: Path):
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    cfg = _config(tmp)
+    res = _train("--config", cfg)
+    assert res.exit_code == 0, res.output
+    return tmp, cfg, res.output
+
+
+def test_outputs_of_a_run(trained):
+    tmp, _, output = trained
+    out = tmp / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "steps",
+        "final_loss",
+        "best_eval_loss",
+        "tokens_per_sec",
+        "peak_memory_bytes",
+        "wall_time_s",
+    ):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 6 and summary["peak_memory_bytes"] > 0
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert all({"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(r) for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert (out / "config.yaml").is_file() and (out / "loss_curve.png").stat().st_size > 1000
+    assert (
+        "held-out accuracy: before" in output and "checkpoint" in output and "tensorboard --logdir" in output
+    )
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "logs"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "train/memory"}
+    assert want | {"eval/loss", "eval/ppl"} <= tags
+    assert (out / "logs" / "hparams").is_dir()
+
+
+def test_checkpoint_is_hf_loadable(trained):
+    tmp, _, _ = trained
+    ck = tmp / "out" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-6"
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-3", "step-6"]
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.models import load_pretrained
+
+    model = load_pretrained(str(ck / "step-6"), kernels="reference")
+    tok = load_tokenizer(str(ck / "step-6"))
+    assert model.arch.vocab_size == tok.vocab_size
+    assert (ck / "step-6" / "model.safetensors").is_file()
+
+
+def test_refuses_output_dir_of_another_run(trained):
+    _, cfg, _ = trained
+    res = CliRunner().invoke(app, ["train", "--config", cfg])
+    assert res.exit_code == 2
+    assert "already holds checkpoints" in res.output and "--resume" in res.output
+
+
+def test_resume_continues_exactly(trained, tmp_path):
+    src, cfg, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(src / "out", out)
+    shutil.rmtree(out / "checkpoints" / "step-6")
+    (out / "checkpoints" / "latest").write_text("step-3\n")
+    res = _train("--config", cfg, "--output_dir", str(out), "--resume")
+    assert res.exit_code == 0, res.output
+    assert "resumed from step-3" in res.output
+    assert _losses(out) == _losses(src / "out")
+
+
+def test_half_precision_refused_on_cpu(tmp_path):
+    res = CliRunner().invoke(
+        app, ["train", "--config", _config(tmp_path), "--set", "train_config.precision=bf16"]
+    )
+    assert res.exit_code == 2 and "GPU" in res.output
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+    from bmtrain_cli.models.decoder import CausalLM
+
+    real = CausalLM.loss_sum
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **k):
+        s, c = real(self, *a, **k)
+        calls["n"] += 1
+        # micro-batches 3-4 (= optimizer step 2) get a NaN, then every step from step 4 on
+        return (s * float("nan"), c) if calls["n"] in (3, 4) or calls["n"] > 6 else (s, c)
+
+    monkeypatch.setattr(CausalLM, "loss_sum", poisoned)
+    cfg = _config(tmp_path, steps=10)
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--config",
+            cfg,
+            "--set",
+            "train_config.max_nonfinite_steps=3",
+            "--set",
+            "train_config.eval_steps=100",
+        ],
+    )
+    assert res.exit_code == 1, res.output
+    assert "3 consecutive steps had a non-finite loss" in res.output
+    recs = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in recs if r.get("event") == "nonfinite_skipped"]
+    assert skipped == [2, 4, 5, 6]
+    assert [r["step"] for r in recs if "loss" in r and "event" not in r] == [1, 3]
+
+
+def test_sigterm_saves_a_checkpoint(tmp_path, monkeypatch):
+    from bmtrain_cli.train.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def step_then_signal(self, micro):
+        out = real(self, micro)
+        if self.step == 1:  # the step being run is step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=8)])
+    assert res.exit_code == 143, res.output
+    assert "SIGTERM received: stopped at step 2/8" in res.output
+    ck = tmp_path / "out" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-2"
+
+
+def test_failed_save_keeps_earlier_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.numpy as stn
+
+    from bmtrain_cli.train import checkpoint as ckmod
+
+    real = ckmod.save_checkpoint
+
+    def full_disk_after_first(root, step, **kw):
+        if step > 3:
+
+            def boom(*a, **k):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
+
+            monkeypatch.setattr(stn, "save_file", boom)
+        return real(root, step, **kw)
+
+    monkeypatch.setattr(ckmod, "save_checkpoint", full_disk_after_first)
+    res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=6)])
+    assert res.exit_code == 2, res.output
+    assert "no space left on the device" in res.output and "step-3" in res.output
+    ck = tmp_path / "out" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-3"
+    assert (ck / "step-3" / "trainer_state.json").is_file()

@@ -91,3 +91,32 @@ def load_full_state_dict(ctx: ParallelContext, model: Any, state: Dict[str, Any]
         p.set_value(paddle.to_tensor(np.ascontiguousarray(arr)).astype(p.dtype))
     if missing:
         raise UserError(f"checkpoint lacks {len(missing)} weights this model needs, e.g. {missing[:3]}")
+
+
+class _FullWeights:
+    """Whole weights with the interface models.save_pretrained reads (arch, state_dict, parameters)."""
+
+    def __init__(self, arch: Any, tensors: Dict[str, np.ndarray]) -> None:
+        import paddle
+
+        self.arch = arch
+        self._tensors = {k: paddle.to_tensor(v) for k, v in tensors.items()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(self._tensors)
+
+    def parameters(self) -> List[Any]:
+        return list(self._tensors.values())
+
+
+def full_weights_writer(ctx: ParallelContext, model: Any) -> Any:
+    """Gather now (collective); the returned writer saves the whole weights in Hugging Face layout."""
+    full = full_state_dict(ctx, model)
+    arch = unwrap(model).arch
+
+    def writer(_model: Any, out_dir: str) -> None:
+        from bmtrain_cli.models import save_pretrained
+
+        save_pretrained(_FullWeights(arch, full), out_dir)
+
+    return writer

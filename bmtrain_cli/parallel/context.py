@@ -36,6 +36,7 @@ class ParallelContext:
     watchdog: Optional[Any] = None
     _factory: Optional[Any] = field(default=None, repr=False)
     _compressor: Optional[Any] = field(default=None, repr=False)
+    _fleet_model: Optional[Any] = field(default=None, repr=False)
     pipeline_info: Dict[str, Any] = field(default_factory=dict)  # partition and imbalance when pp > 1
 
     # ------------------------------------------------------------------ facts
@@ -138,15 +139,55 @@ class ParallelContext:
         if self.pp_degree > 1:
             from bmtrain_cli.parallel.pipeline import to_pipeline_layer
 
+            if self.tp_degree > 1:
+                self._reinit_duplicated_shards(model)
             model = to_pipeline_layer(model, self)
             return fleet.distributed_model(model)
         if self.config is not None and uses_group_sharded(self.config):
             return model  # wrapped together with the optimizer in wrap_model_and_optimizer
         if self.uses_fleet_model:
-            return fleet.distributed_model(model)
+            if self.tp_degree > 1:
+                self._reinit_duplicated_shards(model)
+            self._fleet_model = fleet.distributed_model(model)
+            # fleet's TensorParallel/sharding wrappers only broadcast parameters at construction and inputs
+            # in forward (switched off: the ranks of a tensor-parallel group load the same batches); return
+            # the model itself so that its methods (loss_sum, hidden_states) stay callable.
+            return model
         for p in model.parameters():
             dist.broadcast(p, src=0)
         return model
+
+    def _reinit_duplicated_shards(self, model: Any) -> None:
+        """A fresh model's init draws the same numbers on every tensor-parallel rank, so each rank's
+        shard would be a copy of the others' (heads that never diverge). When all split parameters are
+        identical across the group, redraw them as slices of full-size tensors (same draws on all ranks).
+        Loaded checkpoints have distinct shards and are left alone."""
+        import numpy as np
+        import paddle
+        import paddle.distributed as dist
+
+        split = [(n, p) for n, p in model.named_parameters() if getattr(p, "is_distributed", False)]
+        if not split:
+            return
+        digest = float(
+            sum(float(p.astype("float64").abs().sum()) * (i + 1) for i, (_, p) in enumerate(split))
+        )
+        digests: List[Any] = []
+        dist.all_gather_object(digests, digest, group=self.hcg.get_model_parallel_group())
+        if len(set(digests)) > 1:
+            return
+        std = float(getattr(getattr(model, "arch", None), "initializer_range", 0.02))
+        for _, p in split:
+            axis = int(p.split_axis)
+            shape = list(p.shape)
+            shape[axis] *= self.tp_degree
+            if len(shape) >= 2:
+                full = paddle.normal(0.0, std, shape).astype(p.dtype)
+            else:
+                full = paddle.zeros(shape, dtype=p.dtype)
+            size = p.shape[axis]
+            idx = paddle.to_tensor(np.arange(self.tp_rank * size, (self.tp_rank + 1) * size))
+            p.set_value(paddle.index_select(full, idx, axis=axis))
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Wrap an optimizer so that step() reduces gradients over data ranks first (see module doc)."""
@@ -197,6 +238,22 @@ class ParallelContext:
         from bmtrain_cli.parallel.checkpoint import load_full_state_dict
 
         load_full_state_dict(self, model, state)
+
+    def checkpoint_weights_writer(self, model: Any) -> Optional[Any]:
+        """Collective (call on every rank before saving): gathers the whole weights under tensor/pipeline
+        parallel and returns a ``writer(model, dir)`` for train.checkpoint.save_checkpoint that writes them
+        in Hugging Face layout. None when this rank already holds whole weights (use the default writer)."""
+        if self.tp_degree == 1 and self.pp_degree == 1:
+            return None
+        from bmtrain_cli.parallel.checkpoint import full_weights_writer
+
+        return full_weights_writer(self, model)
+
+    @property
+    def optimizer_state_portable(self) -> bool:
+        """Whether rank 0's optimizer state is the whole state (not split by tensor/pipeline parallel or
+        sharding). When False, checkpoints carry weights only and a resume restarts the moments."""
+        return self.tp_degree == 1 and self.pp_degree == 1 and self.sharding_degree == 1
 
     @property
     def compression_stats(self) -> Dict[str, float]:

@@ -1,17 +1,27 @@
 """Fused ops used by the models, with a choice of implementation.
 
 ``select(mode)`` returns an :class:`OpSet`: ``reference`` is pure Paddle (always available); ``custom``
-uses our kernels from kernels/ (C++ on CPU, CUDA on GPU); ``paddle`` uses Paddle's built-in fused ops
-where the device has them; ``auto`` picks custom where built, else paddle where it exists, else
-reference. Models call ``self.ops.rms_norm(...)`` and never know which one they got.
+uses our kernels from kernels/ (C++ on CPU, CUDA on GPU) and fails with a UserError when they cannot be
+built; ``paddle`` uses Paddle's built-in fused ops where the device has them (reference elsewhere);
+``auto`` picks, op by op, custom where built, else paddle where it exists, else reference, and warns once
+when the custom build is unavailable. Models call ``self.ops.rms_norm(...)`` and never know which one
+they got; ``OpSet.sources`` says which implementation each op uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 from bmtrain_cli.ops import reference
+
+OP_NAMES = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy", "cross_entropy_sum")
+MODES = ("auto", "custom", "paddle", "reference")
+
+
+class KernelFallbackWarning(UserWarning):
+    """Custom kernels were requested by ``auto`` but could not be built; another implementation is used."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class OpSet:
     swiglu: Callable
     linear_cross_entropy: Callable
     cross_entropy_sum: Callable
+    sources: Dict[str, str] = field(default_factory=dict, compare=False)
 
 
 REFERENCE = OpSet(
@@ -31,11 +42,87 @@ REFERENCE = OpSet(
     swiglu=reference.swiglu,
     linear_cross_entropy=reference.linear_cross_entropy,
     cross_entropy_sum=reference.cross_entropy_sum,
+    sources={n: "reference" for n in OP_NAMES},
 )
 
+_cache: Dict[tuple, OpSet] = {}
+_warned = False
 
-def select(mode: str = "auto") -> OpSet:
-    """The op set for ``model_config.kernels``."""
-    if mode in ("reference", "auto", "paddle", "custom"):
+
+def _device() -> str:
+    import paddle
+
+    return paddle.get_device()
+
+
+def _custom_ops(device: str) -> Dict[str, Callable]:
+    """Our kernels for this device; raises KernelBuildError with the reason when they are unavailable."""
+    from bmtrain_cli.ops import build
+
+    build.load_extension()
+    if not device.startswith("cpu"):
+        if not device.startswith("gpu") or not build.plan()[3]:
+            raise build.KernelBuildError(
+                f"the custom kernels were built for CPU only, but the device is {device} "
+                "(a GPU build of Paddle and nvcc are needed for the CUDA kernels)"
+            )
+    from bmtrain_cli.ops import custom
+
+    return {n: getattr(custom, n) for n in OP_NAMES}
+
+
+def _compose(name: str, layers: list) -> OpSet:
+    chosen: Dict[str, Callable] = {}
+    sources: Dict[str, str] = {}
+    for op in OP_NAMES:
+        for source, ops in layers:
+            if op in ops:
+                chosen[op], sources[op] = ops[op], source
+                break
+    return OpSet(name=name, sources=sources, **chosen)
+
+
+def select(mode: str = "auto", device: Optional[str] = None) -> OpSet:
+    """The op set for ``model_config.kernels`` on ``device`` (default: Paddle's current device)."""
+    global _warned
+    if mode not in MODES:
+        raise ValueError(f"unknown kernels mode {mode!r} (choose one of {', '.join(MODES)})")
+    if mode == "reference":
         return REFERENCE
-    raise ValueError(f"unknown kernels mode {mode!r}")
+    device = device or _device()
+    key = (mode, device)
+    if key in _cache:
+        return _cache[key]
+    from bmtrain_cli.ops import build, paddle_fused
+
+    ref = {n: getattr(reference, n) for n in OP_NAMES}
+    fused = paddle_fused.available(device)
+    if mode == "paddle":
+        opset = _compose("paddle", [("paddle", fused), ("reference", ref)])
+    elif mode == "custom":
+        try:
+            ours = _custom_ops(device)
+        except build.KernelBuildError as exc:
+            from bmtrain_cli.errors import UserError
+
+            raise UserError(
+                f"model_config.kernels is 'custom' but the custom kernels are unavailable: {exc}"
+            ) from exc
+        opset = _compose("custom", [("custom", ours)])
+    else:
+        try:
+            ours = _custom_ops(device)
+        except build.KernelBuildError as exc:
+            ours = {}
+            if not _warned:
+                _warned = True
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                warnings.warn(
+                    f"custom kernels unavailable ({first}); using Paddle's fused ops where the device has "
+                    "them, else the reference ops",
+                    KernelFallbackWarning,
+                    stacklevel=2,
+                )
+        opset = _compose("auto", [("custom", ours), ("paddle", fused), ("reference", ref)])
+    _cache[key] = opset
+    return opset

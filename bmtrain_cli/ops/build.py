@@ -1,0 +1,186 @@
+"""Build (and cache) the custom-op extension from kernels/: ``python -m bmtrain_cli.ops.build``.
+
+One Paddle extension holds every op: the C++ CPU kernels always, plus the CUDA launchers when Paddle is a
+GPU build and nvcc is found. The build goes to ``<cache>/<key>`` where the key hashes the sources, the
+flags, the Paddle version, the Python version and the CPU's instruction set, so an unchanged tree loads in
+about a second and a changed one rebuilds. The cache root is ``$BMTRAIN_KERNELS_CACHE`` or
+``~/.cache/bmtrain_cli/kernels``. Concurrent processes (several ranks) serialise on a file lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, List, Optional, Tuple
+
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+CPU_SOURCES = ["cpu/fused_cpu.cc", "paddle/fused_ops.cc"]
+CUDA_SOURCES = ["cuda/fused_cuda.cu"]
+HEADERS = ["include/bmt_kernels.h"]
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LD_FLAGS = ["-fopenmp"]
+CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+
+
+class KernelBuildError(RuntimeError):
+    """The extension could not be built or loaded; the message says why."""
+
+
+_loaded: Dict[str, object] = {}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("BMTRAIN_KERNELS_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "bmtrain_cli" / "kernels"
+
+
+def find_nvcc() -> Optional[str]:
+    """Path of nvcc (PATH, then $CUDA_HOME/bin, then /usr/local/cuda/bin), or None."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if base and os.access(os.path.join(base, "bin", "nvcc"), os.X_OK):
+            return os.path.join(base, "bin", "nvcc")
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def plan() -> Tuple[List[str], List[str], List[str], bool]:
+    """(sources, cxx flags, cuda flags, with_cuda) for this machine."""
+    import paddle
+
+    with_cuda = bool(paddle.is_compiled_with_cuda()) and find_nvcc() is not None
+    sources = [str(KERNELS_DIR / s) for s in CPU_SOURCES]
+    cxx = list(CXX_FLAGS)
+    cuda: List[str] = []
+    if with_cuda:
+        sources += [str(KERNELS_DIR / s) for s in CUDA_SOURCES]
+        cxx.append("-DBMT_WITH_CUDA")
+        cuda = list(CUDA_FLAGS)
+    return sources, cxx, cuda, with_cuda
+
+
+def build_key(sources: List[str], cxx: List[str], cuda: List[str]) -> str:
+    import paddle
+
+    h = hashlib.sha256()
+    for path in sorted(sources) + [str(KERNELS_DIR / s) for s in HEADERS]:
+        h.update(path.encode())
+        h.update(Path(path).read_bytes())
+    for part in (cxx, cuda, LD_FLAGS):
+        h.update(" ".join(part).encode())
+    h.update(paddle.__version__.encode())
+    h.update(sys.version.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def load_extension(verbose: bool = False) -> ModuleType:
+    """Build if needed and import the extension; raises KernelBuildError with the reason on failure."""
+    if "module" in _loaded:
+        return _loaded["module"]  # type: ignore[return-value]
+    if "error" in _loaded:
+        raise KernelBuildError(str(_loaded["error"]))
+    try:
+        module = _build(verbose)
+    except KernelBuildError as exc:
+        _loaded["error"] = exc
+        raise
+    _loaded["module"] = module
+    return module
+
+
+def _build(verbose: bool) -> ModuleType:
+    missing = [s for s in CPU_SOURCES + HEADERS if not (KERNELS_DIR / s).is_file()]
+    if missing:
+        raise KernelBuildError(f"kernel sources not found under {KERNELS_DIR}: {', '.join(missing)}")
+    cxx_compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx_compiler) is None and shutil.which("g++") is None:
+        raise KernelBuildError("no C++ compiler found (install g++ to build the custom kernels)")
+    try:
+        import paddle  # noqa: F401
+        from paddle.utils import cpp_extension
+    except ImportError as exc:  # pragma: no cover - paddle is a precondition of the package
+        raise KernelBuildError(f"paddle.utils.cpp_extension unavailable: {exc}") from exc
+
+    sources, cxx, cuda, _ = plan()
+    key = build_key(sources, cxx, cuda)
+    build_dir = cache_root() / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log = io.StringIO()
+    with _file_lock(build_dir / ".lock"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with contextlib.redirect_stdout(log) if not verbose else contextlib.nullcontext():
+                    return cpp_extension.load(
+                        name=f"bmt_fused_ops_{key}",
+                        sources=sources,
+                        extra_cxx_cflags=cxx,
+                        extra_cuda_cflags=cuda,
+                        extra_ldflags=list(LD_FLAGS),
+                        extra_include_paths=[str(KERNELS_DIR / "include")],
+                        build_directory=str(build_dir),
+                        verbose=verbose,
+                    )
+        except Exception as exc:  # the build runs a compiler in a subprocess; any failure means fall back
+            tail = log.getvalue()[-2000:]
+            raise KernelBuildError(f"building the custom kernels failed: {exc}\n{tail}".rstrip()) from exc
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    sources, cxx, cuda, with_cuda = plan()
+    print(f"kernels: {KERNELS_DIR}")
+    print(f"cache:   {cache_root() / build_key(sources, cxx, cuda)}")
+    print("targets: CPU (C++/OpenMP)" + (" + CUDA (sm_80, sm_90)" if with_cuda else ""))
+    if not with_cuda:
+        nvcc = find_nvcc()
+        why = "Paddle is a CPU build" if nvcc else "nvcc not found"
+        print(f"CUDA ops not built into the extension: {why} (`make -C kernels cuda-check` compiles the .cu)")
+    try:
+        module = load_extension(verbose=args.verbose)
+    except KernelBuildError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    ops = sorted(n for n in dir(module) if n.startswith("bmt_"))
+    print(f"built:   {', '.join(ops)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Our fused kernels (kernels/) behind the OpSet signatures: thin checked wrappers and autograd ops.
+
+Layers: the launchers (kernels/cpu, kernels/cuda; C ABI) <- the Paddle custom operators
+(kernels/paddle/fused_ops.cc: shape/dtype/contiguity checks, grad ops) <- these wrappers (argument checks
+with a clear ValueError, dtype alignment, contiguity) and, for the cross-entropies, PyLayers.
+
+The fused linear + cross-entropy never holds the [tokens, vocab] logits: it walks over chunks of tokens,
+computing each chunk's logits with a matmul, its loss and logits gradient with one fused kernel, and
+folding that gradient straight into the hidden and weight gradients (when they are needed). Backward then
+only scales those by the incoming gradient, so the matmul count equals the unfused version's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import paddle
+from paddle.autograd import PyLayer
+
+from bmtrain_cli.ops.build import load_extension
+
+IGNORE_INDEX = -100
+# Logits elements per chunk of the fused linear + cross-entropy (fp32: 32 MiB).
+CHUNK_ELEMENTS = 1 << 23
+_FLOATS = (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
+
+
+def _ext():
+    return load_extension()
+
+
+def _need_float(name: str, op: str, t: paddle.Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
+    if t.place.is_cpu_place() and t.dtype not in (paddle.float32, paddle.float64):
+        raise ValueError(
+            f"{op}: {name} is {t.dtype} on CPU; the CPU kernels take float32/float64 "
+            "(use kernels: reference, or fp32 on CPU)"
+        )
+
+
+def _contig(t: paddle.Tensor) -> paddle.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """Fused RMSNorm over the last axis (same result as reference.rms_norm)."""
+    _need_float("x", "rms_norm", x)
+    if x.ndim < 1 or list(weight.shape) != [x.shape[-1]]:
+        raise ValueError(
+            f"rms_norm: weight must be [{x.shape[-1] if x.ndim else '?'}], got {list(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        weight = weight.astype(x.dtype)
+    y, _ = _ext().bmt_rms_norm(_contig(x), _contig(weight), float(eps))
+    return y
+
+
+def rotary(
+    q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Fused rotary embedding of q and k ("rotate half"); q, k: [b, s, h, d]; cos, sin: [b|1, s, d]."""
+    _need_float("q", "rotary", q)
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(
+            f"rotary: q and k must be [batch, seq, heads, head_dim], got {q.shape} and {k.shape}"
+        )
+    if cos.ndim == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    b, s, _, d = q.shape
+    if d % 2 or list(k.shape[:2]) != [b, s] or k.shape[3] != d:
+        raise ValueError(f"rotary: k {k.shape} does not match q {q.shape} (head_dim must be even)")
+    if cos.ndim != 3 or list(cos.shape[1:]) != [s, d] or cos.shape[0] not in (1, b) or sin.shape != cos.shape:
+        raise ValueError(f"rotary: cos/sin must be [{b} or 1, {s}, {d}], got {cos.shape} and {sin.shape}")
+    if k.dtype != q.dtype:
+        k = k.astype(q.dtype)
+    if cos.dtype != q.dtype:
+        cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
+    qo, ko = _ext().bmt_rotary(_contig(q), _contig(k), _contig(cos), _contig(sin), q.shape[2], k.shape[2])
+    return qo, ko
+
+
+def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
+    """Fused silu(gate) * up."""
+    _need_float("gate", "swiglu", gate)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have the same shape")
+    if up.dtype != gate.dtype:
+        up = up.astype(gate.dtype)
+    return _ext().bmt_swiglu(_contig(gate), _contig(up))
+
+
+def _check_labels(op: str, labels: paddle.Tensor, rows: int) -> paddle.Tensor:
+    labels = labels.reshape([-1])
+    if labels.shape[0] != rows:
+        raise ValueError(f"{op}: {labels.shape[0]} labels for {rows} rows")
+    if labels.dtype != paddle.int64:
+        labels = labels.astype("int64")
+    return _contig(labels)
+
+
+def _logits_dtype(t: paddle.Tensor) -> paddle.dtype:
+    return paddle.float64 if t.dtype == paddle.float64 else paddle.float32
+
+
+class _CrossEntropySum(PyLayer):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        lf = logits.astype(_logits_dtype(logits))
+        loss, dlogits = _ext().bmt_softmax_xent(_contig(lf), labels, int(ignore_index))
+        count = (labels != ignore_index).astype("float32").sum()
+        ctx.mark_non_differentiable(count)
+        ctx.save_for_backward(dlogits)
+        ctx.in_dtype = logits.dtype
+        return loss.sum().astype("float32"), count
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_count):
+        (dlogits,) = ctx.saved_tensor()
+        return (dlogits * grad_loss.astype(dlogits.dtype)).astype(ctx.in_dtype), None
+
+
+def cross_entropy_sum(
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """(fp32 sum of token losses over non-ignored labels, fp32 count), with one fused softmax-xent pass."""
+    _need_float("logits", "cross_entropy_sum", logits)
+    logits = logits.reshape([-1, logits.shape[-1]])
+    labels = _check_labels("cross_entropy_sum", labels, logits.shape[0])
+    if paddle.is_grad_enabled() and not logits.stop_gradient:
+        return _CrossEntropySum.apply(logits, labels, ignore_index)
+    lf = _contig(logits.astype(_logits_dtype(logits)))
+    loss = _ext().bmt_softmax_xent_loss(lf, labels, int(ignore_index))
+    return loss.sum().astype("float32"), (labels != ignore_index).astype("float32").sum()
+
+
+def _chunks(n: int, vocab: int, chunk_tokens: Optional[int]):
+    step = chunk_tokens or max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for lo in range(0, n, step):
+        yield lo, min(n, lo + step)
+
+
+class _LinearCrossEntropy(PyLayer):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, transpose_weight, chunk_tokens):
+        ext = _ext()
+        need_h, need_w = not hidden.stop_gradient, not weight.stop_gradient
+        n = hidden.shape[0]
+        vocab = weight.shape[0] if transpose_weight else weight.shape[1]
+        acc = _logits_dtype(hidden)
+        total = paddle.zeros([], dtype=acc)
+        dh = paddle.empty_like(hidden) if need_h else None
+        dw = paddle.zeros(weight.shape, dtype=acc) if need_w else None
+        for lo, hi in _chunks(n, vocab, chunk_tokens):
+            h = hidden[lo:hi]
+            logits = paddle.matmul(h, weight, transpose_y=transpose_weight).astype(acc)
+            loss, dlogits = ext.bmt_softmax_xent(logits, labels[lo:hi], int(ignore_index))
+            del logits
+            total = total + loss.sum()
+            dl = dlogits.astype(hidden.dtype)
+            if need_h:
+                dh[lo:hi] = paddle.matmul(dl, weight, transpose_y=not transpose_weight)
+            if need_w:
+                part = (
+                    paddle.matmul(dl, h, transpose_x=True) if transpose_weight else paddle.matmul(h, dl, True)
+                )
+                dw.add_(part.astype(acc))
+                del part
+        count = (labels != ignore_index).astype("float32").sum()
+        ctx.mark_non_differentiable(count)
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = weight.dtype
+        return total.astype("float32"), count
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_count):
+        dh, dw = ctx.saved_tensor()
+        gh = None if dh is None else dh * grad_loss.astype(dh.dtype)
+        gw = None if dw is None else (dw * grad_loss.astype(dw.dtype)).astype(ctx.w_dtype)
+        return gh, gw, None
+
+
+def linear_cross_entropy(
+    hidden: paddle.Tensor,
+    weight: paddle.Tensor,
+    labels: paddle.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    transpose_weight: bool = False,
+    chunk_tokens: Optional[int] = None,
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """LM-head loss (fp32 sum, fp32 count) in chunks of tokens, never materialising [tokens, vocab].
+
+    hidden: [tokens, hidden]; weight: [hidden, vocab], or [vocab, hidden] with transpose_weight (tied
+    embeddings); labels: [tokens] with ignore_index on tokens that do not count.
+    """
+    op = "linear_cross_entropy"
+    _need_float("hidden", op, hidden)
+    if hidden.ndim != 2 or weight.ndim != 2:
+        raise ValueError(
+            f"{op}: hidden must be [tokens, hidden] and weight 2-D, got {hidden.shape}, {weight.shape}"
+        )
+    h_dim = weight.shape[1] if transpose_weight else weight.shape[0]
+    if h_dim != hidden.shape[1]:
+        layout = "[vocab, hidden]" if transpose_weight else "[hidden, vocab]"
+        raise ValueError(f"{op}: weight {weight.shape} ({layout}) does not match hidden {hidden.shape}")
+    labels = _check_labels(op, labels, hidden.shape[0])
+    if weight.dtype != hidden.dtype:
+        weight = weight.astype(hidden.dtype)
+    hidden, weight = _contig(hidden), _contig(weight)
+    if paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, transpose_weight, chunk_tokens)
+    ext = _ext()
+    vocab = weight.shape[0] if transpose_weight else weight.shape[1]
+    acc = _logits_dtype(hidden)
+    total = paddle.zeros([], dtype=acc)
+    for lo, hi in _chunks(hidden.shape[0], vocab, chunk_tokens):
+        logits = paddle.matmul(hidden[lo:hi], weight, transpose_y=transpose_weight).astype(acc)
+        total = total + ext.bmt_softmax_xent_loss(logits, labels[lo:hi], int(ignore_index)).sum()
+    return total.astype("float32"), (labels != ignore_index).astype("float32").sum()

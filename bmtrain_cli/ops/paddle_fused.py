@@ -1,0 +1,64 @@
+"""Paddle's built-in fused ops behind the OpSet signatures, where the device has them.
+
+On the Paddle 3.3 CPU wheel only swiglu (forward and backward) and softmax_with_cross_entropy have CPU
+kernels; fused_rms_norm has no CPU backward and fused_rotary_position_embedding no CPU kernel at all, so
+``available(device)`` leaves those out on CPU and the caller falls back to the reference. The GPU entries
+follow Paddle's documented signatures; they cannot run on this CPU-only machine (see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import paddle
+import paddle.nn.functional as F
+
+from bmtrain_cli.ops.reference import IGNORE_INDEX
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    from paddle.incubate.nn.functional import fused_rms_norm
+
+    out = fused_rms_norm(x, weight.astype(x.dtype), None, eps, begin_norm_axis=x.ndim - 1)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def rotary(
+    q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    from paddle.incubate.nn.functional import fused_rotary_position_embedding
+
+    b, s, _, d = q.shape
+    if cos.shape[0] != 1:
+        # Per-row positions (packed samples): fold batch into the sequence, where the op takes [1, s, 1, d].
+        qf, kf = q.reshape([1, b * s, q.shape[2], d]), k.reshape([1, b * s, k.shape[2], d])
+        c, sn = cos.reshape([1, b * s, 1, d]), sin.reshape([1, b * s, 1, d])
+        qo, ko, _ = fused_rotary_position_embedding(qf, kf, None, sin=sn, cos=c, use_neox_rotary_style=False)
+        return qo.reshape(q.shape), ko.reshape(k.shape)
+    c, sn = cos.unsqueeze(2).astype(q.dtype), sin.unsqueeze(2).astype(q.dtype)
+    qo, ko, _ = fused_rotary_position_embedding(q, k, None, sin=sn, cos=c, use_neox_rotary_style=False)
+    return qo, ko
+
+
+def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
+    from paddle.incubate.nn.functional import swiglu as _swiglu
+
+    return _swiglu(gate, up)
+
+
+def cross_entropy_sum(
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """softmax_with_cross_entropy (one fused op, zero loss and gradient on ignored tokens), summed."""
+    logits = logits.reshape([-1, logits.shape[-1]]).astype("float32")
+    labels = labels.reshape([-1, 1]).astype("int64")
+    loss = F.softmax_with_cross_entropy(logits, labels, ignore_index=ignore_index)
+    return loss.sum(), (labels != ignore_index).astype("float32").sum()
+
+
+def available(device: str) -> Dict[str, Callable]:
+    """The built-in fused ops this device has (OpSet field name -> function)."""
+    ops: Dict[str, Callable] = {"swiglu": swiglu, "cross_entropy_sum": cross_entropy_sum}
+    if device.startswith("gpu"):
+        ops.update(rms_norm=rms_norm, rotary=rotary)
+    return ops

@@ -1,0 +1,66 @@
+// C ABI of the bmtrain-cli fused kernels: raw pointers, sizes and (for CUDA) a stream.
+//
+// Every launcher returns 0 on success and a non-zero code otherwise (see BMT_ERR_*). Tensors are dense,
+// row-major and contiguous. The Paddle operators in kernels/paddle/fused_ops.cc check shapes, dtypes and
+// contiguity and then call these; benchmarks/gpu_check.py calls the CUDA ones directly (no Paddle).
+//
+//   rms_norm:   x, y [rows, cols]; w [cols]; rstd [rows] (fp32, saved for backward)
+//               y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps)
+//   rotary:     q [batch, seq, q_heads, dim], k [batch, seq, k_heads, dim]; cos, sin [cos_batch, seq, dim]
+//               with cos_batch 1 or batch ("rotate half" convention, dim even)
+//   swiglu:     out = silu(gate) * up, all [n]
+//   softmax_xent: logits [rows, vocab] (fp32/fp64), labels [rows] int64; loss [rows] (0 where ignored);
+//               dlogits (optional) = softmax(logits) - onehot(label), 0 on ignored rows. Labels outside
+//               [0, vocab) other than ignore_index give BMT_ERR_LABEL.
+#ifndef BMT_KERNELS_H_
+#define BMT_KERNELS_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum bmt_dtype { BMT_F32 = 0, BMT_F16 = 1, BMT_BF16 = 2, BMT_F64 = 3 };
+enum bmt_status { BMT_OK = 0, BMT_ERR_DTYPE = 1, BMT_ERR_SHAPE = 2, BMT_ERR_LABEL = 3, BMT_ERR_CUDA = 4 };
+
+/* ---- CPU (kernels/cpu/fused_cpu.cc): dtypes BMT_F32, BMT_F64; parallel over rows with OpenMP ---- */
+int bmt_cpu_rms_norm_fwd(int dtype, const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                         int64_t cols, float eps);
+/* dw must hold cols elements of the dtype; it is overwritten (not accumulated). */
+int bmt_cpu_rms_norm_bwd(int dtype, const void* dy, const void* x, const void* w, const float* rstd, void* dx,
+                         void* dw, int64_t rows, int64_t cols);
+/* backward != 0 applies the transposed rotation (the gradient). q_out/k_out may not alias q/k. */
+int bmt_cpu_rotary(int dtype, const void* q, const void* k, const void* cos, const void* sin, void* q_out,
+                   void* k_out, int64_t batch, int64_t seq, int64_t q_heads, int64_t k_heads, int64_t dim,
+                   int64_t cos_batch, int backward);
+int bmt_cpu_swiglu_fwd(int dtype, const void* gate, const void* up, void* out, int64_t n);
+int bmt_cpu_swiglu_bwd(int dtype, const void* gate, const void* up, const void* dout, void* dgate, void* dup,
+                       int64_t n);
+/* dlogits may be NULL (loss only). */
+int bmt_cpu_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
+                         int64_t rows, int64_t vocab, int64_t ignore_index);
+
+/* ---- CUDA (kernels/cuda/fused_cuda.cu): dtypes BMT_F32, BMT_F16, BMT_BF16 (softmax_xent: BMT_F32);
+   stream is a cudaStream_t (NULL = default stream). Asynchronous: errors of the launch are returned,
+   errors inside a kernel (bad labels) are reported through the optional int flag `bad_label`. ---- */
+int bmt_cuda_rms_norm_fwd(int dtype, const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                          int64_t cols, float eps, void* stream);
+/* workspace: bmt_cuda_rms_norm_bwd_workspace(rows, cols) bytes of device memory (fp32 partial dw sums). */
+int64_t bmt_cuda_rms_norm_bwd_workspace(int64_t rows, int64_t cols);
+int bmt_cuda_rms_norm_bwd(int dtype, const void* dy, const void* x, const void* w, const float* rstd, void* dx,
+                          void* dw, void* workspace, int64_t rows, int64_t cols, void* stream);
+int bmt_cuda_rotary(int dtype, const void* q, const void* k, const void* cos, const void* sin, void* q_out,
+                    void* k_out, int64_t batch, int64_t seq, int64_t q_heads, int64_t k_heads, int64_t dim,
+                    int64_t cos_batch, int backward, void* stream);
+int bmt_cuda_swiglu_fwd(int dtype, const void* gate, const void* up, void* out, int64_t n, void* stream);
+int bmt_cuda_swiglu_bwd(int dtype, const void* gate, const void* up, const void* dout, void* dgate, void* dup,
+                        int64_t n, void* stream);
+int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
+                          int64_t rows, int64_t vocab, int64_t ignore_index, int* bad_label, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // BMT_KERNELS_H_

@@ -1,0 +1,89 @@
+"""select(): which implementation each mode picks, the single fallback warning, and custom's clear error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import bmtrain_cli.ops as ops
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.ops import build, custom, reference
+
+
+@pytest.fixture
+def broken_build(monkeypatch, tmp_path):
+    """Pretend the kernel sources are missing: a fresh process that cannot build."""
+    monkeypatch.setattr(build, "KERNELS_DIR", tmp_path / "no-kernels")
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(ops, "_cache", {})
+    monkeypatch.setattr(ops, "_warned", False)
+
+
+def test_reference_and_unknown_mode():
+    assert ops.select("reference") is ops.REFERENCE
+    with pytest.raises(ValueError, match="unknown kernels mode"):
+        ops.select("fast")
+
+
+def test_custom_and_auto_use_our_kernels_on_cpu(ext):
+    for mode in ("custom", "auto"):
+        opset = ops.select(mode, device="cpu")
+        assert set(opset.sources.values()) == {"custom"}
+        assert opset.rms_norm is custom.rms_norm and opset.linear_cross_entropy is custom.linear_cross_entropy
+
+
+def test_paddle_mode_on_cpu_uses_builtins_where_registered():
+    opset = ops.select("paddle", device="cpu")
+    assert opset.sources["swiglu"] == "paddle" and opset.sources["cross_entropy_sum"] == "paddle"
+    assert opset.sources["rms_norm"] == "reference" and opset.rotary is reference.rotary
+
+
+def test_paddle_builtin_ops_match_reference():
+    import numpy as np
+    import paddle
+
+    opset = ops.select("paddle", device="cpu")
+    g = paddle.randn([5, 9]) * 4
+    u = paddle.randn([5, 9])
+    np.testing.assert_allclose(
+        opset.swiglu(g, u).numpy(), reference.swiglu(g, u).numpy(), rtol=1e-5, atol=1e-6
+    )
+    logits = paddle.randn([6, 11])
+    labels = paddle.to_tensor([1, -100, 3, 10, -100, 0])
+    s, c = opset.cross_entropy_sum(logits, labels)
+    sr, cr = reference.cross_entropy_sum(logits, labels)
+    np.testing.assert_allclose(float(s), float(sr), rtol=1e-5)
+    assert float(c) == float(cr) == 4.0
+
+
+def test_auto_falls_back_with_one_warning(broken_build):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ops.select("auto", device="cpu")
+        ops.select("auto", device="cpu:1")  # another device: still no second warning
+    fallbacks = [w for w in caught if issubclass(w.category, ops.KernelFallbackWarning)]
+    assert len(fallbacks) == 1 and "kernel sources not found" in str(fallbacks[0].message)
+    assert "custom" not in first.sources.values()
+    assert first.sources["swiglu"] == "paddle" and first.sources["rms_norm"] == "reference"
+
+
+def test_custom_fails_clearly_when_unbuildable(broken_build):
+    with pytest.raises(UserError, match="kernels is 'custom'.*kernel sources not found"):
+        ops.select("custom", device="cpu")
+
+
+def test_custom_refuses_gpu_without_cuda_build(ext, monkeypatch):
+    monkeypatch.setattr(ops, "_cache", {})
+    if build.plan()[3]:
+        pytest.skip("this machine builds the CUDA kernels")
+    with pytest.raises(UserError, match="built for CPU only"):
+        ops.select("custom", device="gpu:0")
+
+
+def test_build_is_cached(ext):
+    """A second load in the same process returns the same module; the key depends on the sources."""
+    assert build.load_extension() is ext
+    sources, cxx, cuda, _ = build.plan()
+    assert build.build_key(sources, cxx, cuda) == build.build_key(sources, cxx, cuda)
+    assert build.build_key(sources, cxx + ["-DX"], cuda) != build.build_key(sources, cxx, cuda)

@@ -1,0 +1,96 @@
+"""Text generation with a KV cache: the prompt is run once (prefill), then each new token is one
+incremental forward step over the cached keys and values. Greedy, temperature and top-p sampling.
+
+Prompts of different lengths are left-padded; padding gets segment id 0 in the attention mask (so
+nothing attends to it) and positions count real tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.models.decoder import CausalLM, KVCache
+
+
+def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """Next token per row of ``logits`` [b, vocab]: argmax when temperature <= 0, else a sample from
+    softmax(logits / temperature) restricted to the smallest set of tokens whose probability mass
+    reaches top_p."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.empty(len(probs), dtype=np.int64)
+    for i, p in enumerate(probs):
+        order = np.argsort(-p, kind="stable")
+        sorted_p = p[order]
+        keep = (np.cumsum(sorted_p) - sorted_p) < top_p  # always keeps the most likely token
+        kept = sorted_p * keep
+        out[i] = order[rng.choice(len(kept), p=kept / kept.sum())]
+    return out
+
+
+def _left_pad(prompts: Sequence[Sequence[int]]) -> tuple:
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+@paddle.no_grad()
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: Optional[int] = None,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> List[List[int]]:
+    """New token ids for each prompt (stopping after ``eos_token_id``, which is included).
+
+    ``use_cache=False`` recomputes the whole sequence every step (the reference the cache is tested
+    against)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    was_training = model.training
+    model.eval()
+    rng = np.random.default_rng(seed)
+    ids, mask = _left_pad(prompts)
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    cache = KVCache(len(model.layers)) if use_cache else None
+    out: List[List[int]] = [[] for _ in prompts]
+    done = np.zeros(len(prompts), dtype=bool)
+    step_ids, step_pos = ids, pos
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(
+                paddle.to_tensor(step_ids),
+                attention_mask=paddle.to_tensor(mask),
+                position_ids=paddle.to_tensor(step_pos),
+                cache=cache,
+            )
+            nxt = sample_next(logits[:, -1].astype("float32").numpy(), temperature, top_p, rng)
+            for i, t in enumerate(nxt):
+                if not done[i]:
+                    out[i].append(int(t))
+                    done[i] = eos_token_id is not None and int(t) == eos_token_id
+            if done.all():
+                break
+            mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
+            new_pos = pos[:, -1:] + 1
+            pos = np.concatenate([pos, new_pos], axis=1)
+            ids = np.concatenate([ids, nxt[:, None]], axis=1)
+            step_ids, step_pos = (nxt[:, None], new_pos) if use_cache else (ids, pos)
+    finally:
+        model.train(was_training)
+    return out

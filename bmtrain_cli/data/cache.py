@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from bmtrain_cli.data.readers import read_records
 CACHE_VERSION = 1
 CACHE_DIRNAME = ".bmtrain_cache"
 MAX_REJECTED_KEPT = 100_000
+ENCODE_CHUNK = 1024  # records per batched tokenizer call
 
 
 def file_hash(path: str) -> str:
@@ -146,16 +147,34 @@ def tokenize_file(
     offsets = [0]
     lines: List[int] = []
     n_records = 0
+    pending: List[Tuple[int, Any, str]] = []  # (line, Conversation, raw) waiting for one batched encode
+
+    def flush(ftok: Any, fmask: Any) -> None:
+        nonlocal rejected_count
+        if not pending:
+            return
+        encoded = encoder.encode_many([conv for _, conv, _ in pending])
+        for (line, _, raw), (ids, mask) in zip(pending, encoded):
+            if not any(mask):
+                rejected_count += 1
+                if len(rejected) < MAX_REJECTED_KEPT:
+                    rejected.append({"file": path, "line": line, "reason": "no trained token", "record": raw})
+                continue
+            ftok.write(np.asarray(ids, dtype=np.int32).tobytes())
+            fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            lines.append(line)
+        pending.clear()
+        if progress is not None:
+            progress(len(lines))
+
     with open(sink_dir / "tokens.bin", "wb") as ftok, open(sink_dir / "mask.bin", "wb") as fmask:
         for rec in read_records(path):
             n_records += 1
             reason = rec.error
             if reason is None:
                 try:
-                    conv = parse_record(rec.value, data_format)
-                    ids, mask = encoder.encode(conv)
-                    if not any(mask):
-                        raise BadRecord("no trained token after templating")
+                    pending.append((rec.line, parse_record(rec.value, data_format), rec.raw))
                 except BadRecord as exc:
                     reason = str(exc)
             if reason is not None:
@@ -163,12 +182,9 @@ def tokenize_file(
                 if len(rejected) < MAX_REJECTED_KEPT:
                     rejected.append({"file": path, "line": rec.line, "reason": reason, "record": rec.raw})
                 continue
-            ftok.write(np.asarray(ids, dtype=np.int32).tobytes())
-            fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-            offsets.append(offsets[-1] + len(ids))
-            lines.append(rec.line)
-            if progress is not None and len(lines) % 10000 == 0:
-                progress(len(lines))
+            if len(pending) >= ENCODE_CHUNK:
+                flush(ftok, fmask)
+        flush(ftok, fmask)
     np.save(sink_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(sink_dir / "lines.npy", np.asarray(lines, dtype=np.int64))
     meta: Dict[str, object] = {

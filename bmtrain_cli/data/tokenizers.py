@@ -80,6 +80,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.encode(t) for t in texts]
+
     def token_to_id(self, token: str) -> Optional[int]:  # pragma: no cover
         raise NotImplementedError
 
@@ -240,6 +243,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> List[int]:
         return list(self.sp.encode(text))
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [list(x) for x in self.sp.encode(list(texts))] if texts else []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]

@@ -102,3 +102,14 @@ def test_formats_detected_per_record():
         {"conversations": None, "messages": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     )
     assert conv.messages == (("user", "q"), ("assistant", "a"))
+
+
+@pytest.mark.parametrize("name", ["plain", "chatml", "llama2"])
+def test_batched_encoding_matches_single(sp_tok, name):
+    enc = make_encoder(sp_tok, name)
+    convs = [
+        parse_record(CHAT),
+        parse_record({"text": "just text"}),
+        parse_record({"input": "1+2=", "output": "3"}),
+    ]
+    assert enc.encode_many(convs) == [enc.encode(c) for c in convs]

@@ -175,8 +175,7 @@ def load_for_inference(path: str, kernels: str = "auto") -> InferenceModel:
     if not p.exists():
         raise UserError(f"model {path} does not exist")
     meta = read_export_meta(p) if p.is_dir() else {}
-    has_graph = p.is_dir() and ((p / "model.json").is_file() or (p / "model.pdmodel").is_file())
-    if meta.get("format") == "paddle-inference" or (has_graph and (p / "model.pdiparams").is_file()):
+    if is_paddle_inference_export(p):
         return InferenceModel(
             path=p,
             format="paddle-inference",
@@ -194,3 +193,62 @@ def load_for_inference(path: str, kernels: str = "auto") -> InferenceModel:
     return InferenceModel(
         path=ckpt, format=fmt, tokenizer=_tokenizer_or_none(ckpt), quantized=is_quantized(ckpt), model=model
     )
+
+
+def is_paddle_inference_export(path: Any) -> bool:
+    """Whether ``path`` is a directory written by ``bmtrain export --format paddle-inference``."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if read_export_meta(p).get("format") == "paddle-inference":
+        return True
+    return ((p / "model.json").is_file() or (p / "model.pdmodel").is_file()) and (
+        p / "model.pdiparams"
+    ).is_file()
+
+
+def generate_static(
+    model: InferenceModel,
+    prompts: Any,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: Optional[int] = None,
+    seed: int = 0,
+) -> list:
+    """Generation over logits only (a paddle-inference predictor has no KV cache and no mask input):
+    each prompt runs alone and the whole sequence is recomputed per new token. Same sampling as
+    models.generate, so greedy output matches it."""
+    from bmtrain_cli.models.generate import sample_next  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    outs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        new: list = []
+        for _ in range(max_new_tokens):
+            logits = model.logits(np.asarray([ids], dtype=np.int64))[:, -1]
+            t = int(sample_next(logits.astype(np.float32), temperature, top_p, rng)[0])
+            new.append(t)
+            ids.append(t)
+            if eos_token_id is not None and t == eos_token_id:
+                break
+        outs.append(new)
+    return outs
+
+
+def score_static(model: InferenceModel, samples: Any) -> Dict[str, Any]:
+    """`bmtrain eval`'s numbers ({"loss", "ppl", "tokens", "records"}) over logits only."""
+    import math  # noqa: PLC0415
+
+    from bmtrain_cli.export.evaluate import next_token_loss_sum  # noqa: PLC0415
+
+    total, count = 0.0, 0
+    for ids, labels in samples:
+        s, n = next_token_loss_sum(model.logits(ids[None, :])[0], labels)
+        total += s
+        count += n
+    if count == 0:
+        raise UserError("no tokens to score (every record is empty after encoding)")
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "records": len(samples)}

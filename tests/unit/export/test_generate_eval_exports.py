@@ -1,0 +1,55 @@
+"""`bmtrain generate` and `bmtrain eval` open both exported formats (and INT8) like a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bmtrain_cli.cli import app
+from bmtrain_cli.export.pipeline import export_checkpoint
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def models(trained_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen_exports")
+    ckpt = trained_run / "checkpoints" / "step-60"
+    paths = {"checkpoint": ckpt}
+    for fmt, q in (("paddle-inference", None), ("hf", "int8"), ("paddle-inference", "int8")):
+        name = f"{fmt}-{q}"
+        export_checkpoint(str(ckpt), str(out / name), fmt=fmt, quantize=q, log=lambda m: None)
+        paths[name] = out / name
+    return paths
+
+
+def _cmd(*args):
+    r = runner.invoke(app, list(args))
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+def test_generate_same_greedy_text_from_exports(models):
+    texts = {
+        k: _cmd("generate", "--model_path", str(p), "--prompt", "12+35=", "--max_new_tokens", "6").strip()
+        for k, p in models.items()
+    }
+    assert texts["paddle-inference-None"] == texts["checkpoint"]
+    assert texts["hf-int8"] == texts["paddle-inference-int8"]
+
+
+def test_eval_loss_matches_across_formats(models, heldout, tmp_path):
+    small = tmp_path / "heldout-60.jsonl"
+    with open(heldout, encoding="utf-8") as f:
+        small.write_text("".join(f.readlines()[:60]), encoding="utf-8")
+    res = {
+        k: json.loads(_cmd("eval", "--model_path", str(p), "--data_path", str(small), "--json"))
+        for k, p in models.items()
+    }
+    ref = res["checkpoint"]
+    assert res["paddle-inference-None"]["tokens"] == ref["tokens"] > 0
+    assert res["paddle-inference-None"]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert res["hf-int8"]["loss"] == pytest.approx(res["paddle-inference-int8"]["loss"], rel=1e-5)
+    assert res["hf-int8"]["loss"] == pytest.approx(ref["loss"], rel=0.02)

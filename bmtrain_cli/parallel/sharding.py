@@ -66,11 +66,14 @@ class GradSumOptimizer:
         return getattr(inner, "_parameter_list", None) or []
 
     def step(self) -> None:
+        import paddle
+
         factor = float(self._ctx.data_world)
         if factor != 1.0:
-            for p in self._scaled_parameters():
-                if p.grad is not None:
-                    p.grad.scale_(factor)
+            with paddle.no_grad():
+                for p in self._scaled_parameters():
+                    if p.grad is not None:
+                        p.grad.scale_(factor)
         self._inner.step()
 
     def __getattr__(self, name: str) -> Any:

@@ -166,7 +166,11 @@ class ParallelContext:
         import paddle
         import paddle.distributed as dist
 
-        split = [(n, p) for n, p in model.named_parameters() if getattr(p, "is_distributed", False)]
+        split = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if getattr(p, "is_distributed", False) and not getattr(p, "is_lora", False)  # LoRA: own init
+        ]
         if not split:
             return
         digest = float(

@@ -203,16 +203,20 @@ def read_records(directory: Path) -> List[Dict[str, Any]]:
 
 
 def first_failure(records: List[Dict[str, Any]], exclude: Optional[int] = None) -> Optional[Dict[str, Any]]:
-    """The rank to blame: a rank that raised a non-communication error, else one that died without a
-    record of why (killed), else the earliest failed rank."""
+    """The rank to blame: a rank that raised a non-communication error, else a watchdog's timeout report
+    (it names the ranks it waited on), else a rank that died without a record of why (killed), else the
+    earliest failed rank."""
     candidates = [r for r in records if r.get("rank") != exclude]
     raised = [r for r in candidates if r.get("state") == "failed" and not is_comm_error(r.get("error") or "")]
     if raised:
         return min(raised, key=lambda r: r.get("time", 0))
+    aborted = [r for r in candidates if r.get("state") == "aborted"]
+    if aborted:  # a watchdog timed out and named the ranks it waited on (they were killed afterwards)
+        return min(aborted, key=lambda r: r.get("time", 0))
     died = [r for r in candidates if r.get("state") == "running" and not _pid_alive_record(r)]
     if died:
         return dict(min(died, key=lambda r: r.get("time", 0)), state="died")
-    failed = [r for r in candidates if r.get("state") in ("failed", "aborted")]
+    failed = [r for r in candidates if r.get("state") == "failed"]
     if failed:
         return min(failed, key=lambda r: r.get("time", 0))
     return None
@@ -223,6 +227,7 @@ def describe_failure(rec: Dict[str, Any]) -> str:
         what = f"died (pid {rec.get('pid')} ended without an error: killed or crashed)"
     elif rec.get("state") == "aborted":
         what = f"aborted: {rec.get('error')}"
+        return f"rank {rec.get('rank')} {what}"
     else:
         what = f"raised: {rec.get('error')}"
     return f"rank {rec.get('rank')} {what}; see its log {rec.get('log')}"

@@ -1,0 +1,42 @@
+"""Worker for test_parallel_faults.py: 2 data-parallel ranks all-reduce once per step; at step 3 rank 1
+misbehaves as told by --mode (raise | kill | hang)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from bmtrain_cli.config.schema import Config  # noqa: E402
+from bmtrain_cli.parallel.context import init_parallel  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mode", required=True)
+ap.add_argument("--output_dir", required=True)
+ap.add_argument("--timeout", type=float, default=5.0)
+a = ap.parse_args()
+
+cfg = Config.model_validate(
+    {
+        "parallel_config": {"data_parallel": 2, "fault_timeout_s": a.timeout},
+        "train_config": {"output_dir": a.output_dir},
+    }
+)
+ctx = init_parallel(cfg)
+for step in range(8):
+    if ctx.rank == 1 and step == 3:
+        if a.mode == "raise":
+            raise ValueError("injected failure on rank 1")
+        if a.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if a.mode == "hang":
+            while True:  # stuck without communicating (e.g. a deadlock in user code)
+                time.sleep(0.5)
+    ctx.all_reduce_sum(1.0)
+    time.sleep(0.2)
+print("rank", ctx.rank, "finished", flush=True)

@@ -295,6 +295,11 @@ class DataParallelOptimizer:
         self._inner.step()
         self._reduced = False
 
+    def clear_grad(self, *args: Any, **kwargs: Any) -> None:
+        """Start the next step: its gradients have not been reduced yet."""
+        self._reduced = False
+        self._inner.clear_grad(*args, **kwargs)
+
     def minimize(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("call loss.backward() then step()")
 

@@ -26,6 +26,12 @@ def export(
         help="Held-out JSONL to measure the eval-loss change of --quantize (default: the run's eval data).",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    merge: bool = typer.Option(
+        True,
+        "--merge/--no-merge",
+        help="LoRA checkpoints: merge the adapters into the base (default), or write them alone in the "
+        "Hugging Face PEFT layout (adapter_config.json + adapter_model.safetensors).",
+    ),
     quantize_embeddings: bool = typer.Option(
         True, "--quantize-embeddings/--no-quantize-embeddings", help="With --quantize: embeddings too."
     ),
@@ -45,6 +51,7 @@ def export(
         overwrite=overwrite,
         quantize_embeddings=quantize_embeddings,
         max_eval_records=max_eval_records,
+        merge=merge,
         log=lambda m: typer.echo(m, err=True),
     )
     for line in describe(result):

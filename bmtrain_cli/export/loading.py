@@ -89,18 +89,13 @@ def check_checkpoint(ckpt: Path, need_tokenizer: bool = True) -> None:
 def load_checkpoint_model(ckpt: Path, kernels: str = "auto") -> Any:
     """The fp32 CausalLM of a checkpoint or hf directory.
 
-    LoRA hook: a directory with adapter_config.json holds adapters plus the base model's path; it is
-    merged by ``bmtrain_cli.models.lora.merge_checkpoint(path) -> CausalLM`` once that exists.
+    LoRA hook: a directory with adapter_config.json holds adapters plus the base model's path and hash;
+    ``bmtrain_cli.lora.merge_checkpoint`` finds and verifies the base and merges the adapters into it.
     """
     if (ckpt / LORA_ADAPTER_CONFIG).is_file():
-        try:
-            from bmtrain_cli.models.lora import merge_checkpoint  # noqa: PLC0415
-        except ImportError:
-            raise UserError(
-                f"{ckpt} holds LoRA adapters only; merging them into the base model "
-                "(bmtrain_cli.models.lora.merge_checkpoint) is not available in this build"
-            ) from None
-        return merge_checkpoint(str(ckpt))
+        from bmtrain_cli.lora.checkpoint import merge_checkpoint  # noqa: PLC0415
+
+        return merge_checkpoint(str(ckpt), kernels=kernels)
     from bmtrain_cli.export.hf import is_quantized, load_quantized  # noqa: PLC0415
 
     if is_quantized(ckpt):

@@ -117,6 +117,7 @@ def export_checkpoint(
     max_eval_records: int = 200,
     template: str = "auto",
     log: Any = print,
+    merge: bool = True,
 ) -> ExportResult:
     """Export ``checkpoint`` to ``output`` (see the module docstring). UserError for anything the user can
     fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data."""
@@ -129,6 +130,10 @@ def export_checkpoint(
 
     ckpt = resolve_checkpoint(checkpoint)
     check_checkpoint(ckpt)
+    if not merge:  # LoRA: the adapters alone, in PEFT layout (merging is load_checkpoint_model's default)
+        from bmtrain_cli.lora.export import export_adapters  # noqa: PLC0415
+
+        return export_adapters(ckpt, out, log=log)
     if eval_data is not None and not Path(eval_data).is_file():
         raise UserError(f"--eval_data {eval_data} does not exist")
     if eval_data is None and quantize:

@@ -170,6 +170,12 @@ def _build_model(rt: Runtime, tokenizer: Any, ctx: Any) -> Any:
     m = rt.config.model
     factory = getattr(ctx, "factory", None)
     if rt.resume_from is not None:
+        if rt.config.train.finetuning == "lora":  # adapters-only checkpoint: load its verified base
+            from bmtrain_cli.lora.checkpoint import find_base
+
+            alternatives = [m.model_name_or_path] if m.model_name_or_path else []
+            base = find_base(rt.resume_from, alternatives)
+            return load_pretrained(str(base), kernels=m.kernels, factory=factory)
         return load_pretrained(str(rt.resume_from), kernels=m.kernels, factory=factory)
     if m.model_name_or_path:
         return load_pretrained(m.model_name_or_path, kernels=m.kernels, factory=factory)
@@ -259,6 +265,11 @@ class Trainer:
 
         t, p = self.config.train, self.config.parallel
         self.model = _build_model(self.rt, self.tokenizer, self.ctx)
+        self.lora = None
+        if t.finetuning == "lora":  # freeze the base, only the adapters train (bmtrain_cli/lora)
+            from bmtrain_cli.lora.checkpoint import LoRARun
+
+            self.lora = LoRARun.start(self.model, t, resume_from=self.rt.resume_from)
         if t.gradient_checkpointing and t.recompute_granularity != "none":
             self.model.enable_recompute(t.recompute_granularity, t.recompute_num_layers)
         self.precision = Precision(t.precision, t.amp_level, t.loss_scale)
@@ -281,6 +292,9 @@ class Trainer:
         from bmtrain_cli.models.arch import count_parameters
 
         self.n_params = count_parameters(self.raw_model.arch)
+        if self.lora is not None:
+            self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
+            self._say(self.lora.describe(self.raw_model, self.n_params))
 
     def _total_steps(self) -> int:
         t = self.config.train
@@ -354,6 +368,8 @@ class Trainer:
             "total_steps": self.rt.total_steps,
         }
         path = self.rt.checkpoint_dir / f"step-{self.step}"
+        # LoRA: adapters only (+ base path and hash); gathering them is collective under tensor parallel
+        writer = self.lora.weights_writer(self.train_model, self.ctx) if self.lora is not None else None
         if self.is_main:
             path = save_checkpoint(
                 self.rt.checkpoint_dir,
@@ -363,6 +379,7 @@ class Trainer:
                 state=state,
                 tokenizer=self.tokenizer,
                 keep=self.config.train.save_total_limit,
+                weights_writer=writer,
                 extra_files={"bmtrain_config.yaml": yaml.safe_dump(self.config.to_dict(), sort_keys=False)},
             )
             if self.metrics is not None:

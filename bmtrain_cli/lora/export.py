@@ -1,0 +1,59 @@
+"""`bmtrain export --no-merge` on a LoRA checkpoint: the adapters alone, in the layout Hugging Face PEFT
+reads (adapter_config.json + adapter_model.safetensors), plus the tokenizer and the base record."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.lora.checkpoint import BASE_FILE, find_base, is_lora_checkpoint
+from bmtrain_cli.lora.merge import (
+    ADAPTER_CONFIG,
+    load_adapter_arrays,
+    read_adapter_config,
+    save_adapters,
+    settings_from_adapter_config,
+)
+
+
+def export_adapters(ckpt: Path, out: Path, log: Any = print) -> Any:
+    """Write ``ckpt``'s adapters to ``out`` in PEFT layout (atomically); returns an ExportResult."""
+    from bmtrain_cli.export.hf import write_tokenizer  # noqa: PLC0415
+    from bmtrain_cli.export.pipeline import ExportResult  # noqa: PLC0415
+
+    ckpt, out = Path(ckpt), Path(out)
+    if not is_lora_checkpoint(ckpt):
+        raise UserError(
+            f"--no-merge applies to LoRA checkpoints (with {ADAPTER_CONFIG}); {ckpt} is a full model"
+        )
+    settings = settings_from_adapter_config(read_adapter_config(ckpt), str(ckpt / ADAPTER_CONFIG))
+    arrays = load_adapter_arrays(ckpt)
+    base = find_base(ckpt)  # PEFT needs the base too: name a verified one
+    log(f"writing the LoRA adapters of {ckpt} (base {base}) in PEFT layout")
+    tmp = out.parent / f".{out.name}.tmp-export"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        save_adapters(str(tmp), settings, arrays, str(base))
+        shutil.copy2(ckpt / BASE_FILE, tmp / BASE_FILE)
+        tokenizer = None
+        if any((ckpt / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
+            from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
+
+            tokenizer = load_tokenizer(str(ckpt))
+        write_tokenizer(tokenizer, tmp)
+        size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+        fp32 = sum(int(a.size) * 4 for a in arrays.values())
+        result = ExportResult(ckpt, out, "peft", None, fp32, size)
+        meta = {"format": "peft", "source": str(ckpt), "base_model": str(base), "report": result.to_dict()}
+        (tmp / "bmtrain_export.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result

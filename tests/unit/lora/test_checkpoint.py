@@ -1,0 +1,150 @@
+"""Adapters-only checkpoints: size, PEFT layout, base path + hash, merge on export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import paddle
+import pytest
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.lora import LoRARun, load_lora_checkpoint
+from tests.unit.lora.conftest import lora_cfg, randomize_adapters, tiny_model
+
+
+def _logits(model, ids):
+    with paddle.no_grad():
+        return model(paddle.to_tensor(ids)).numpy()
+
+
+@pytest.fixture
+def ids():
+    return np.random.default_rng(3).integers(0, 96, (2, 12))
+
+
+@pytest.fixture
+def lora_ckpt(tmp_path):
+    """A base model on disk and a LoRA checkpoint written by the trainer's writer (+ a tokenizer)."""
+    from bmtrain_cli.config.schema import Config
+    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+    from bmtrain_cli.models import save_pretrained
+
+    base_dir = tmp_path / "base"
+    save_pretrained(tiny_model(), base_dir)
+    model = tiny_model()
+    cfg = Config.model_validate(
+        {
+            "model_config": {"model_name_or_path": str(base_dir)},
+            "train_config": lora_cfg(["q_proj", "v_proj", "down_proj"]).model_dump(),
+        }
+    )
+    run = LoRARun.start(model, cfg.train)
+    randomize_adapters(model)
+    run.record_base(cfg, tmp_path / "out", model)
+    ckpt = tmp_path / "step-3"
+    ckpt.mkdir()
+    run.weights_writer(model)(model, str(ckpt))
+    train, held = write_demo_data(str(tmp_path / "data"))
+    train_demo_tokenizer(str(ckpt), [train, held])
+    return {"base": base_dir, "ckpt": ckpt, "model": model, "run": run}
+
+
+def test_checkpoint_holds_adapters_only_and_is_small(lora_ckpt):
+    ckpt, model = lora_ckpt["ckpt"], lora_ckpt["model"]
+    assert not list(ckpt.glob("model*.safetensors"))
+    tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+    n_adapter = sum(int(p.numel()) for n, p in model.named_parameters() if ".lora_" in n)
+    assert sum(t.size for t in tensors.values()) == n_adapter
+    adapter_bytes = (ckpt / "adapter_model.safetensors").stat().st_size
+    base_bytes = (lora_ckpt["base"] / "model.safetensors").stat().st_size
+    assert adapter_bytes < 4 * n_adapter + 8192
+    assert adapter_bytes < 0.05 * base_bytes  # rank 4 on q, v, down of a 64-wide model: about 3%
+
+
+def test_peft_layout(lora_ckpt):
+    ckpt, model = lora_ckpt["ckpt"], lora_ckpt["model"]
+    cfg = json.loads((ckpt / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM"
+    assert (
+        cfg["r"] == 4
+        and cfg["lora_alpha"] == 8.0
+        and cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
+    )
+    assert cfg["base_model_name_or_path"] == str(lora_ckpt["base"].resolve())
+    tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+    a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"]
+    assert a.shape == (4, 64) and b.shape == (64, 4)  # Hugging Face [out, in]
+    ours = dict(model.named_parameters())
+    np.testing.assert_array_equal(a, ours["model.layers.0.self_attn.q_proj.lora_A.weight"].numpy().T)
+    record = json.loads((ckpt / "lora_base.json").read_text())
+    assert len(record["base_model_sha256"]) == 64
+    assert json.loads((ckpt / "config.json").read_text())["hidden_size"] == 64
+
+
+def test_reload_and_merge(lora_ckpt, ids):
+    want = _logits(lora_ckpt["model"], ids)
+    again = load_lora_checkpoint(lora_ckpt["ckpt"], kernels="reference")
+    np.testing.assert_allclose(_logits(again, ids), want, atol=1e-6, rtol=0)
+    merged = load_lora_checkpoint(lora_ckpt["ckpt"], merge=True, kernels="reference")
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    np.testing.assert_allclose(_logits(merged, ids), want, atol=1e-4, rtol=0)
+    assert np.abs(_logits(tiny_model(), ids) - want).max() > 1e-2
+
+
+def test_missing_or_changed_base(lora_ckpt, tmp_path, ids):
+    base, ckpt = lora_ckpt["base"], lora_ckpt["ckpt"]
+    moved = tmp_path / "moved-base"
+    shutil.move(str(base), str(moved))
+    with pytest.raises(UserError, match="base model .* cannot be found"):
+        load_lora_checkpoint(ckpt)
+    # a copy elsewhere is accepted when its weights hash the same
+    model = load_lora_checkpoint(ckpt, alternatives=[str(moved)], kernels="reference")
+    np.testing.assert_allclose(_logits(model, ids), _logits(lora_ckpt["model"], ids), atol=1e-6)
+    # a different base at the recorded path is refused
+    from bmtrain_cli.models import save_pretrained
+
+    save_pretrained(tiny_model(seed=5), base)
+    with pytest.raises(UserError, match="weights changed since training"):
+        load_lora_checkpoint(ckpt)
+    (ckpt / "lora_base.json").unlink()
+    with pytest.raises(UserError, match="LoRA adapters only"):
+        load_lora_checkpoint(ckpt)
+
+
+def _export(*args):
+    from bmtrain_cli.cli import app
+
+    r = CliRunner().invoke(app, ["export", *args])
+    return r, (r.stdout or "") + (getattr(r, "stderr", "") or "")
+
+
+def test_export_merges_by_default(lora_ckpt, tmp_path, ids):
+    from bmtrain_cli.models import load_pretrained
+
+    out = tmp_path / "merged"
+    r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(out), "--format", "hf")
+    assert r.exit_code == 0, text
+    merged = load_pretrained(str(out), kernels="reference")
+    np.testing.assert_allclose(_logits(merged, ids), _logits(lora_ckpt["model"], ids), atol=1e-4, rtol=0)
+
+
+def test_export_no_merge_writes_peft(lora_ckpt, tmp_path, ids):
+    out = tmp_path / "peft"
+    r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(out), "--no-merge")
+    assert r.exit_code == 0, text
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not list(out.glob("model*.safetensors"))
+    assert (out / "tokenizer.model").is_file()
+    again = load_lora_checkpoint(out, kernels="reference")  # the export keeps the base record too
+    np.testing.assert_allclose(_logits(again, ids), _logits(lora_ckpt["model"], ids), atol=1e-6)
+
+
+def test_export_missing_base_is_a_clear_error(lora_ckpt, tmp_path):
+    shutil.rmtree(lora_ckpt["base"])
+    r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(tmp_path / "x"), "--format", "hf")
+    assert r.exit_code == 2 and "cannot be found" in text and "Traceback" not in text

@@ -40,7 +40,15 @@ def tensor_parallel_kind(layer: nn.Layer) -> Tuple[Optional[str], int, int, Any]
     kind = {1: "column", 0: "row"}.get(split_axis)
     if kind is None:
         return None, 1, 0, None
-    return kind, world, int(getattr(layer, "rank", 0)), getattr(layer, "model_parallel_group", None)
+    group = getattr(layer, "model_parallel_group", None)
+    rank = getattr(layer, "rank", None)  # RowParallelLinear has it, ColumnParallelLinear does not
+    if rank is None and group is not None:
+        rank = group.rank
+    if rank is None:
+        from paddle.distributed import fleet  # noqa: PLC0415
+
+        rank = fleet.get_hybrid_communicate_group().get_model_parallel_rank()
+    return kind, world, int(rank), group
 
 
 class LoRALinear(nn.Layer):

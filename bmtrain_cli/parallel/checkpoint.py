@@ -120,3 +120,16 @@ def full_weights_writer(ctx: ParallelContext, model: Any) -> Any:
         save_pretrained(_FullWeights(arch, full), out_dir)
 
     return writer
+
+
+def full_model(ctx: ParallelContext, model: Any, kernels: str = "auto") -> Any:
+    """A plain CausalLM with the whole weights (gathered collectively), in eval mode."""
+    import paddle
+
+    from bmtrain_cli.models import build
+
+    full = full_state_dict(ctx, model)
+    plain = build(unwrap(model).arch, kernels=kernels)
+    plain.set_state_dict({k: paddle.to_tensor(v) for k, v in full.items()})
+    plain.eval()
+    return plain

@@ -253,6 +253,18 @@ class ParallelContext:
 
         return full_weights_writer(self, model)
 
+    def gather_full_model(self, model: Any, kernels: str = "auto") -> Any:
+        """Collective (call on every rank): a plain single-process CausalLM holding the whole weights, for
+        work that runs on one rank only (demo accuracy, generation, export) under tensor/pipeline parallel.
+        Returns the model itself when this rank already holds whole weights."""
+        if self.tp_degree == 1 and self.pp_degree == 1:
+            from bmtrain_cli.parallel.checkpoint import unwrap
+
+            return unwrap(model)
+        from bmtrain_cli.parallel.checkpoint import full_model
+
+        return full_model(self, model, kernels)
+
     @property
     def optimizer_state_portable(self) -> bool:
         """Whether rank 0's optimizer state is the whole state (not split by tensor/pipeline parallel or

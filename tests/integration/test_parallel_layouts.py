@@ -71,6 +71,7 @@ def _assert_same_losses(got, want):
 def test_layout_matches_single_process(tmp_path, reference, name, nproc, par):
     result = _launch(tmp_path, name, nproc, par)
     _assert_same_losses(result["losses"], reference[0])
+    assert result["gathered_model_ok"]
     if name == "pp2":
         assert result["pipeline"]["boundaries"][0] == 0 and result["pipeline"]["imbalance"] >= 1.0
 
@@ -81,6 +82,7 @@ def test_tp2_matches_and_its_checkpoint_is_layout_independent(tmp_path, referenc
     ckpt = tmp_path / "tp2-ckpt"
     result = _launch(tmp_path, "tp2", 2, {"tensor_parallel": 2}, "--save_dir", str(ckpt))
     _assert_same_losses(result["losses"], reference[0])
+    assert result["gathered_model_ok"]
     # whole tensors in Hugging Face layout: one process loads them and gets the single-process weights
     model = load_pretrained(str(ckpt), kernels="reference")
     final_single = reference[1]

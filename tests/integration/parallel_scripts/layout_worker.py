@@ -139,6 +139,8 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
             opt.clear_grad()
         losses.append(total / count)
     full = ctx.full_state_dict(model)
+    plain = ctx.gather_full_model(model, kernels="reference")  # collective; a whole single-process model
+    plain_ok = all(np.array_equal(v.numpy(), full[k]) for k, v in plain.state_dict().items())
     if save_dir:
         writer = ctx.checkpoint_weights_writer(model)
         if ctx.rank == 0:
@@ -152,7 +154,12 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
     if ctx.rank == 0:
         out.write_text(
             json.dumps(
-                {"losses": losses, "compression": ctx.compression_stats, "pipeline": ctx.pipeline_info}
+                {
+                    "losses": losses,
+                    "compression": ctx.compression_stats,
+                    "pipeline": ctx.pipeline_info,
+                    "gathered_model_ok": plain_ok,
+                }
             )
         )
         np.savez(str(out) + ".npz", **full)

@@ -60,8 +60,8 @@ def inv_frequencies(
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
     elif kind == "yarn":
-        factor = float(scaling["factor"])
         original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        factor = float(scaling.get("factor") or max_position_embeddings / original)
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
         attention_factor = scaling.get("attention_factor")
         if attention_factor is None:

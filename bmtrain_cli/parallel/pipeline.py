@@ -275,13 +275,17 @@ def _pad_to(arr: np.ndarray, length: int, value: int) -> np.ndarray:
     return np.concatenate([arr, pad], axis=1)
 
 
-def stack_micro_batches(micro_batches: Sequence[Dict[str, Any]]) -> Dict[str, np.ndarray]:
-    """Concatenate micro-batches (padded to one length) and compute the shifted targets."""
+def stack_micro_batches(
+    micro_batches: Sequence[Dict[str, Any]], length: Optional[int] = None
+) -> Dict[str, np.ndarray]:
+    """Concatenate micro-batches padded to one length (``length``, or the longest) and compute the
+    shifted targets. Fleet's pipeline fixes the shapes sent between stages at the first step, so
+    training pads every step to the same length (max_seq_len)."""
     arrays = [
         {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in mb.items()}
         for mb in micro_batches
     ]
-    length = max(a["input_ids"].shape[1] for a in arrays)
+    length = max([length or 0] + [a["input_ids"].shape[1] for a in arrays])
     out: Dict[str, List[np.ndarray]] = {
         "input_ids": [],
         "attention_mask": [],
@@ -317,7 +321,9 @@ def pipeline_train_step(
     import paddle.distributed as dist
 
     ctx.mark_progress()
-    data = stack_micro_batches(micro_batches)
+    data = stack_micro_batches(
+        micro_batches, ctx.config.model.max_seq_len if ctx.config is not None else None
+    )
     count = float((data["target"] != IGNORE_INDEX).sum())
     count = ctx.all_reduce_sum(count)
     if count <= 0:

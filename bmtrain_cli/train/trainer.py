@@ -370,6 +370,9 @@ class Trainer:
         path = self.rt.checkpoint_dir / f"step-{self.step}"
         # LoRA: adapters only (+ base path and hash); gathering them is collective under tensor parallel
         writer = self.lora.weights_writer(self.train_model, self.ctx) if self.lora is not None else None
+        if writer is None and hasattr(self.ctx, "checkpoint_weights_writer"):
+            # collective: under tensor/pipeline parallel gather whole tensors (None: the default writer)
+            writer = self.ctx.checkpoint_weights_writer(self.train_model)
         if self.is_main:
             path = save_checkpoint(
                 self.rt.checkpoint_dir,
@@ -393,7 +396,7 @@ class Trainer:
 
         if self.eval_loader is None:
             return None
-        loss, _ = eval_loss(self.raw_model, self.eval_loader, self.precision.autocast, self.ctx)
+        loss, _ = eval_loss(self._whole_model(), self.eval_loader, self.precision.autocast, self.ctx)
         if math.isfinite(loss) and (self.best_eval_loss is None or loss < self.best_eval_loss):
             self.best_eval_loss = loss
         if self.metrics is not None:
@@ -402,15 +405,40 @@ class Trainer:
 
     def demo_accuracy(self) -> Optional[Dict[str, Any]]:
         """Held-out answer accuracy of the demo task (None for other data)."""
-        if not self.paths.get("heldout") or not self.is_main:
+        if not self.paths.get("heldout"):
+            return None
+        model = self._whole_model()  # collective under tensor/pipeline parallel
+        if not self.is_main:
             return None
         from bmtrain_cli.train.evaluate import answer_accuracy, read_records
 
         records = read_records(self.paths["heldout"])
         t = self.config.train
-        return answer_accuracy(
-            self.raw_model, self.tokenizer, records, template=t.template, data_format=t.data_format
-        )
+        return answer_accuracy(model, self.tokenizer, records, template=t.template, data_format=t.data_format)
+
+    def _whole_model(self) -> Any:
+        """The model with whole weights: raw_model, or (collective) a gathered copy under tp/pp > 1."""
+        if getattr(self.ctx, "tp_degree", 1) > 1 or getattr(self.ctx, "pp_degree", 1) > 1:
+            return self.ctx.gather_full_model(self.train_model, kernels=self.config.model.kernels)
+        return self.raw_model
+
+    def _pipeline_train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
+        """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet."""
+        lr = self.schedule(self.step)
+        self.optimizer.set_lr(lr)
+        loss_total, count = self.ctx.pipeline_step(self.train_model, micro, self.optimizer)
+        local_tokens = float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
+        tokens = float(self.ctx.all_reduce_sum(local_tokens))
+        loss = loss_total / max(count, 1.0)
+        # fleet clips inside the step; the norm is not exposed by train_batch
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float("nan"),
+            "tokens": tokens,
+            "applied": True,
+            "finite": math.isfinite(loss),
+        }
 
     # -- one step
     def train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
@@ -418,6 +446,8 @@ class Trainer:
         from bmtrain_cli.train.optim import clip_grads_, global_grad_norm
 
         t = self.config.train
+        if getattr(self.ctx, "pp_degree", 1) > 1:
+            return self._pipeline_train_step(micro)
         local_count = float(sum(count_targets(b) for b in micro))
         local_tokens = float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
         distributed = getattr(self.ctx, "data_world", 1) > 1

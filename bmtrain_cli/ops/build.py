@@ -26,7 +26,7 @@ KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 CPU_SOURCES = ["cpu/fused_cpu.cc", "paddle/fused_ops.cc"]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h"]
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LD_FLAGS = ["-fopenmp"]
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 

@@ -33,7 +33,6 @@ inline int thread_id() {
 #endif
 }
 
-#pragma omp declare simd
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.5f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -51,7 +50,6 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-#pragma omp declare simd
 inline double exp_approx(double x) { return std::exp(x); }
 
 template <typename T>
@@ -155,16 +153,33 @@ void rotary(const T* q, const T* k, const T* cos, const T* sin, T* q_out, T* k_o
 constexpr int64_t kBlock = 4096;
 
 template <typename T>
+inline void swiglu_fwd_block(const T* __restrict g, const T* __restrict u, T* __restrict out, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const T sg = static_cast<T>(1) / (static_cast<T>(1) + exp_approx(-g[i]));
+    out[i] = g[i] * sg * u[i];
+  }
+}
+
+template <typename T>
+inline void swiglu_bwd_block(const T* __restrict g, const T* __restrict u, const T* __restrict dout,
+                             T* __restrict dg, T* __restrict du, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const T sg = static_cast<T>(1) / (static_cast<T>(1) + exp_approx(-g[i]));
+    const T silu = g[i] * sg;
+    du[i] = dout[i] * silu;
+    dg[i] = dout[i] * u[i] * (sg + silu * (static_cast<T>(1) - sg));
+  }
+}
+
+template <typename T>
 void swiglu_fwd(const T* g, const T* u, T* out, int64_t n) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t bi = 0; bi < blocks; ++bi) {
-    const int64_t lo = bi * kBlock, hi = std::min(n, lo + kBlock);
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-      const T sg = static_cast<T>(1) / (static_cast<T>(1) + exp_approx(-g[i]));
-      out[i] = g[i] * sg * u[i];
-    }
+    const int64_t lo = bi * kBlock, len = std::min(n - lo, kBlock);
+    swiglu_fwd_block(g + lo, u + lo, out + lo, len);
   }
 }
 
@@ -173,14 +188,8 @@ void swiglu_bwd(const T* g, const T* u, const T* dout, T* dg, T* du, int64_t n) 
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t bi = 0; bi < blocks; ++bi) {
-    const int64_t lo = bi * kBlock, hi = std::min(n, lo + kBlock);
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-      const T sg = static_cast<T>(1) / (static_cast<T>(1) + exp_approx(-g[i]));
-      const T silu = g[i] * sg;
-      du[i] = dout[i] * silu;
-      dg[i] = dout[i] * u[i] * (sg + silu * (static_cast<T>(1) - sg));
-    }
+    const int64_t lo = bi * kBlock, len = std::min(n - lo, kBlock);
+    swiglu_bwd_block(g + lo, u + lo, dout + lo, dg + lo, du + lo, len);
   }
 }
 

@@ -261,3 +261,30 @@ def test_rope_default_matches_closed_form():
     np.testing.assert_allclose(cos.numpy()[0], np.cos(np.concatenate([ang, ang], -1)), atol=1e-6)
     np.testing.assert_allclose(sin.numpy()[0, 2, :4], np.sin(5 * inv), atol=1e-6)
     assert math.isclose(float(cos.numpy()[0, 0, 0]), 1.0)
+
+
+def test_to_static_loss_and_grads_match_dygraph():
+    ids = _ids([2, 10])
+    mask = paddle.to_tensor([[1] * 10, [1] * 4 + [2] * 4 + [0] * 2])
+
+    class MeanLoss(paddle.nn.Layer):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids, labels, mask):
+            total, count = self.lm.loss_sum(ids, labels, attention_mask=mask)
+            return total / count
+
+    results = []
+    for static in (False, True):
+        m = _model(kernels="reference")
+        m.train()
+        fn = MeanLoss(m)
+        if static:
+            fn = paddle.jit.to_static(fn)
+        loss = fn(ids, ids, mask)
+        loss.backward()
+        results.append((float(loss), m.model.layers[0].self_attn.q_proj.weight.grad.numpy().copy()))
+    assert abs(results[0][0] - results[1][0]) < 1e-5
+    np.testing.assert_allclose(results[1][1], results[0][1], atol=1e-6)

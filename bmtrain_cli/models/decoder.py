@@ -272,8 +272,9 @@ class CausalLM(nn.Layer):
 
     # ---- forward paths ----
     def _position_ids(self, input_ids: paddle.Tensor, past: int) -> paddle.Tensor:
+        """[1, s] (broadcast over the batch, so the rotary tables are computed once per step)."""
         s = input_ids.shape[1]
-        return paddle.arange(past, past + s, dtype="int64").unsqueeze(0).expand([input_ids.shape[0], s])
+        return paddle.arange(past, past + s, dtype="int64").unsqueeze(0)
 
     def hidden_states(
         self,

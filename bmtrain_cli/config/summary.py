@@ -101,4 +101,9 @@ def format_summary(config: Config, source: str) -> List[str]:
     lines.append(
         f"  optimizer  AdamW, lr {s['learning_rate']:.3g} ({s['lr_scheduler']}), precision {s['precision']}"
     )
+    from bmtrain_cli.plan.estimator import summary_line
+
+    memory = summary_line(config)
+    if memory:
+        lines.append(memory)
     return lines

@@ -209,6 +209,9 @@ class Trainer:
         check_precision_supported(self.config.train.precision, self.rt.has_gpu)
         if not self.rt.has_gpu:
             paddle.set_device("cpu")
+            from bmtrain_cli.plan.host_memory import pin_mmap_threshold
+
+            pin_mmap_threshold()  # freed tensors go back to the OS: lower, predictable peak RSS (docs/plan.md)
         self.t0 = time.time()
         self.paddle = paddle
         self.metrics: Any = None
@@ -241,6 +244,11 @@ class Trainer:
                 seed=t.seed,
             )
 
+        from bmtrain_cli.plan.estimator import memory_warning
+
+        warning = memory_warning(self.config, vocab_size=getattr(self.tokenizer, "vocab_size", None))
+        if warning:
+            self._say(warning)
         self.memory = MemoryMeter(self.rt.has_gpu)
         self._build_model_and_optimizer()
         self.rt.total_steps = self._total_steps()

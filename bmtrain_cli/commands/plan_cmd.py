@@ -1,0 +1,92 @@
+"""`bmtrain plan`: per-device memory of a config's layout, and a search for the fastest layout that fits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from bmtrain_cli.commands.common import set_option, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    @user_errors
+    def plan(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        gpus: Optional[int] = typer.Option(
+            None, "--gpus", min=1, help="Devices per node (default: the config's world size)."
+        ),
+        gpu_memory: Optional[str] = typer.Option(
+            None, "--gpu_memory", "--gpu-memory", help="Memory per device, e.g. 80GiB."
+        ),
+        nodes: int = typer.Option(1, "--nodes", min=1, help="Number of nodes."),
+        device: Optional[str] = typer.Option(
+            None,
+            "--device",
+            help="Device preset: A100-40GB, A100-80GB, H100-80GB, H200, V100-32GB, L40S, RTX4090, cpu.",
+        ),
+        do_search: bool = typer.Option(
+            False, "--search", help="Search the layouts that fit and rank them by step time."
+        ),
+        top: int = typer.Option(8, "--top", min=1, help="Layouts to list with --search."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        set_: Optional[List[str]] = set_option(),
+    ) -> None:
+        """Estimate per-device memory (parameters, gradients, optimizer states, activations, logits,
+        buffers) and whether it fits; with --search, print the fastest layout that fits as a config block."""
+        from bmtrain_cli.config import load_config
+        from bmtrain_cli.plan.devices import format_bytes, get_device
+        from bmtrain_cli.plan.estimator import Layout, Workload, default_device, estimate_layout
+        from bmtrain_cli.plan.search import search, yaml_block
+
+        loaded = load_config(str(config), set_ or [], mode="validate")
+        cfg = loaded.config
+        world = cfg.parallel.world_size
+        if device is None:
+            wants_gpu = gpus is not None or gpu_memory is not None
+            dev = get_device("A100-80GB", gpu_memory) if wants_gpu else default_device(cfg)
+        else:
+            dev = get_device(device, gpu_memory)
+        workload = Workload.from_config(cfg)
+        layout = Layout.from_config(cfg)
+        current = estimate_layout(workload, layout, dev)
+        per_node = gpus if gpus is not None else max(1, world // nodes)
+        result = {"config": str(config), "device": dev.name, "estimate": current.to_dict()}
+        lines = current.lines()
+        if do_search:
+            found = search(workload, dev, per_node, nodes, top=top)
+            result["search"] = {
+                "gpus": per_node,
+                "nodes": nodes,
+                "tried": found["tried"],
+                "fitting": found["fitting"],
+                "ranked": [c.to_dict() for c in found["ranked"]],
+                "best_yaml": yaml_block(found["best"].layout) if found["best"] else None,
+            }
+            lines.append("")
+            lines.append(
+                f"search over {per_node * nodes} x {dev.name} ({nodes} node{'s' if nodes > 1 else ''}): "
+                f"{found['fitting']} of {found['tried']} layouts fit; fastest first (estimated step time):"
+            )
+            for i, c in enumerate(found["ranked"], 1):
+                lines.append(
+                    f"  {i:>2}. {c.step_time_s:8.2f} s  peak {format_bytes(c.memory.peak):>11}  {c.layout.describe()}"
+                )
+            if found["best"] is None:
+                lines.append(
+                    "  nothing fits: use more devices, LoRA, a shorter max_seq_len or a smaller model"
+                )
+            else:
+                b = found["best"]
+                parts = ", ".join(f"{k} {v:.2f} s" for k, v in b.breakdown.items() if k != "total" and v > 0)
+                lines += ["", f"best layout ({parts}):", yaml_block(b.layout)]
+        if as_json:
+            typer.echo(json.dumps(result, indent=2))
+            return
+        for line in lines:
+            typer.echo(line)
+        for w in loaded.warnings:
+            typer.echo("  " + w.format(), err=True)

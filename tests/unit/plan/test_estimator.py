@@ -1,0 +1,151 @@
+"""The memory estimator, the layout search and `bmtrain plan` (no Paddle needed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from bmtrain_cli.cli import app
+from bmtrain_cli.config import load_config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.models.arch import count_parameters
+from bmtrain_cli.plan.devices import GiB, get_device, parse_bytes
+from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout, memory_warning
+from bmtrain_cli.plan.search import search, step_time, yaml_block
+
+SEVEN_B = "configs/llama2-7b-sft-8gpu.yaml"
+
+
+@pytest.fixture
+def seven_b(repo_root):
+    return load_config(str(repo_root / SEVEN_B)).config
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * GiB
+    assert parse_bytes("40GB") == 40 * 10**9
+    assert parse_bytes("24g") == 24 * GiB
+    with pytest.raises(UserError):
+        parse_bytes("lots")
+    assert get_device("h100").memory_bytes == 80 * GiB
+    assert get_device("A100-80GB", "40GiB").memory_bytes == 40 * GiB
+    with pytest.raises(UserError, match="presets"):
+        get_device("TPU")
+
+
+def test_seven_b_state_accounting(seven_b) -> None:
+    """bf16 O2: 2 (weights) + 2 (grads) + 4 (master) + 8 (Adam) bytes per parameter, split by tp 2."""
+    n = count_parameters(Workload.from_config(seven_b).arch)
+    est = estimate(seven_b, "A100-80GB")
+    assert est.layout == Layout(dp=4, tp=2, micro_batch=2, recompute="full")
+    assert abs(est.parameters - 2 * n / 2) / (n) < 0.01
+    assert abs(est.gradients - 2 * n / 2) / n < 0.01
+    assert abs(est.master_weights - 4 * n / 2) / n < 0.01
+    assert abs(est.optimizer_states - 8 * n / 2) / n < 0.01
+    assert est.fits
+    # recompute full keeps one hidden-size tensor per layer: far less than without
+    rec = est.activations_by_recompute
+    assert rec["full"] * 5 < rec["none"]
+    d = est.to_dict()
+    assert d["fits"] and d["device"] == "A100-80GB" and d["peak"] == est.peak
+
+
+def test_layout_changes_move_memory_the_right_way(seven_b) -> None:
+    w = Workload.from_config(seven_b)
+    dev = get_device("A100-80GB")
+    base = estimate_layout(w, Layout(dp=8, micro_batch=1), dev)
+    assert not base.fits  # full 7B AdamW state (16 bytes/param) on one 80 GB device
+    z1 = estimate_layout(w, Layout(sharding=8, stage=1, micro_batch=1), dev)
+    z2 = estimate_layout(w, Layout(sharding=8, stage=2, micro_batch=1), dev)
+    z3 = estimate_layout(w, Layout(sharding=8, stage=3, micro_batch=1), dev)
+    assert z1.optimizer_states * 8 == pytest.approx(base.optimizer_states, rel=1e-6)
+    assert z3.peak < z2.peak < z1.peak < base.peak
+    assert z2.gradients < z1.gradients and z3.parameters < z2.parameters
+    off = estimate_layout(w, Layout(dp=1, micro_batch=1, offload_optimizer=True), dev)
+    assert (
+        off.optimizer_states == 0 and off.master_weights == 0 and off.host_bytes > 70 * GiB
+    )  # 12 bytes/param on the host
+    pp = estimate_layout(w, Layout(dp=2, pp=4, micro_batch=1), dev)
+    assert pp.parameters < base.parameters / 3
+    more_batch = estimate_layout(w, Layout(sharding=8, stage=1, micro_batch=4), dev)
+    assert more_batch.activations > 3.5 * z1.activations
+
+
+def test_lora_needs_a_fraction_of_full(seven_b) -> None:
+    w = Workload.from_config(seven_b)
+    dev = get_device("A100-80GB")
+    lay = Layout(micro_batch=1, recompute="full")
+    full = estimate_layout(w, lay, dev)
+    lora = estimate_layout(replace(w, finetuning="lora", lora_rank=8), lay, dev)
+    assert lora.trainable_parameters < full.trainable_parameters / 100
+    assert lora.optimizer_states < full.optimizer_states / 100
+    assert lora.parameters >= full.parameters  # frozen base weights stay
+    assert lora.fits and not full.fits
+
+
+def test_seven_b_search_is_sensible(seven_b) -> None:
+    w = Workload.from_config(seven_b)
+    found = search(w, get_device("A100-80GB"), gpus=8)
+    best = found["best"]
+    assert best is not None and found["fitting"] > 10
+    lay = best.layout
+    assert lay.world_size == 8 and best.memory.fits
+    # a 7B model fits one node without pipeline or 8-way tensor parallel; data ranks carry the batch
+    assert lay.pp == 1 and lay.tp <= 2 and lay.data_ranks >= 4
+    # every state that full replication would need (16 bytes/param = 108 GB) is sharded or split
+    assert lay.sharding > 1 or lay.tp > 1
+    # the seed's layout (dp 4, tp 2, recompute) fits but is ranked slower: TP all-reduces + recompute
+    seed = Layout(dp=4, tp=2, micro_batch=2, recompute="full")
+    assert estimate_layout(w, seed, get_device("A100-80GB")).fits
+    assert step_time(w, seed, get_device("A100-80GB"))["total"] > best.step_time_s
+    block = yaml_block(lay)
+    assert block.startswith("parallel_config:") and f"sharding_parallel: {lay.sharding}" in block
+
+
+def test_small_memory_forces_memory_savers(seven_b) -> None:
+    w = Workload.from_config(seven_b)
+    found = search(w, get_device("A100-40GB"), gpus=8)
+    best = found["best"].layout
+    assert best.recompute != "none" or best.stage >= 2 or best.tp > 1
+    assert search(w, get_device("RTX4090"), gpus=1)["best"] is None  # 7B full FT on one 24 GB card
+
+
+def test_cli_plan_and_search(repo_root) -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B)])
+    assert res.exit_code == 0, res.output
+    for word in (
+        "parameters",
+        "gradients",
+        "optimizer states",
+        "master weights",
+        "activations",
+        "logits and loss",
+        "comm buffers",
+        "fits",
+    ):
+        assert word in res.output
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--search", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{") :])
+    assert out["search"]["best_yaml"].startswith("parallel_config:")
+    assert out["search"]["ranked"][0]["fits"]
+    res = runner.invoke(
+        app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "1", "--gpu_memory", "8GiB", "--search"]
+    )
+    assert res.exit_code == 0 and "nothing fits" in res.output
+
+
+def test_validate_config_shows_estimate(repo_root) -> None:
+    res = CliRunner().invoke(app, ["validate-config", str(repo_root / SEVEN_B)])
+    assert res.exit_code == 0, res.output
+    assert "memory" in res.output and "A100-80GB" in res.output
+
+
+def test_memory_warning(seven_b) -> None:
+    assert memory_warning(seven_b, device=get_device("A100-80GB")) is None
+    msg = memory_warning(seven_b, device=get_device("RTX4090"))
+    assert msg is not None and "bmtrain plan" in msg

@@ -202,7 +202,7 @@ def check_config(
                 )
 
     # --- data
-    if t.eval_steps is not None and t.eval_data_path is None:
+    if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
     if strict and t.data_path is None and t.demo_data is None:
         err(

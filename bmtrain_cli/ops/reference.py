@@ -52,10 +52,10 @@ def cross_entropy_sum(
     labels = labels.reshape([-1])
     valid = labels != ignore_index
     safe = paddle.where(valid, labels, paddle.zeros_like(labels))
-    logp = F.log_softmax(logits, axis=-1)
-    picked = paddle.take_along_axis(logp, safe.unsqueeze(-1).astype("int64"), axis=-1).squeeze(-1)
+    # logsumexp - picked logit, not log_softmax: Paddle 3.3.1's CPU log_softmax takes ~40 s on [2040, 8000]
+    picked = paddle.take_along_axis(logits, safe.unsqueeze(-1).astype("int64"), axis=-1).squeeze(-1)
     validf = valid.astype("float32")
-    return -(picked * validf).sum(), validf.sum()
+    return ((paddle.logsumexp(logits, axis=-1) - picked) * validf).sum(), validf.sum()
 
 
 def linear_cross_entropy(

@@ -19,15 +19,15 @@ MODEL_HELP = (
 
 
 def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple[Any, Any]:
+    if not model_path.exists():
+        raise UserError(f"--model_path {model_path} does not exist")
+    if not model_path.is_dir():
+        raise UserError(f"--model_path {model_path} is not a directory")
     from bmtrain_cli.data.tokenizers import load_tokenizer
     from bmtrain_cli.export.hf import is_quantized, load_quantized
     from bmtrain_cli.export.loading import is_paddle_inference_export, load_for_inference
     from bmtrain_cli.models import load_pretrained
 
-    if not model_path.exists():
-        raise UserError(f"--model_path {model_path} does not exist")
-    if not model_path.is_dir():
-        raise UserError(f"--model_path {model_path} is not a directory")
     tok_src = tokenizer_path or model_path
     try:
         tokenizer = load_tokenizer(str(tok_src))

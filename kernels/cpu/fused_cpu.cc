@@ -17,6 +17,10 @@
 
 namespace {
 
+constexpr int64_t kBlock = 4096;
+// Below this many elements a kernel runs on one thread: waking the team costs more than it saves.
+constexpr int64_t kParallelMin = 1 << 15;
+
 inline int num_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();
@@ -65,7 +69,7 @@ struct Acc<double> {
 template <typename T>
 void rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t cols, float eps) {
   using A = typename Acc<T>::type;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
@@ -83,9 +87,10 @@ template <typename T>
 void rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw, int64_t rows,
                   int64_t cols) {
   using A = typename Acc<T>::type;
-  const int nt = num_threads();
+  const bool par = rows * cols >= kParallelMin;
+  const int nt = par ? num_threads() : 1;
   std::vector<A> parts(static_cast<size_t>(nt) * cols, static_cast<A>(0));
-#pragma omp parallel
+#pragma omp parallel if (par)
   {
     A* dwp = parts.data() + static_cast<int64_t>(thread_id()) * cols;
 #pragma omp for schedule(static)
@@ -105,7 +110,7 @@ void rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx,
       }
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (par && cols >= 4096)
   for (int64_t c = 0; c < cols; ++c) {
     A s = 0;
     for (int t = 0; t < nt; ++t) s += parts[static_cast<int64_t>(t) * cols + c];
@@ -140,7 +145,7 @@ template <typename T>
 void rotary(const T* q, const T* k, const T* cos, const T* sin, T* q_out, T* k_out, int64_t batch, int64_t seq,
             int64_t qh, int64_t kh, int64_t dim, int64_t cos_batch, bool bwd) {
   const int64_t tokens = batch * seq;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tokens * (qh + kh) * dim >= kParallelMin)
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t b = t / seq, p = t % seq;
     const int64_t crow = ((cos_batch == 1) ? p : b * seq + p) * dim;
@@ -150,7 +155,6 @@ void rotary(const T* q, const T* k, const T* cos, const T* sin, T* q_out, T* k_o
 }
 
 // ---------------------------------------------------------------- SwiGLU
-constexpr int64_t kBlock = 4096;
 
 template <typename T>
 inline void swiglu_fwd_block(const T* __restrict g, const T* __restrict u, T* __restrict out, int64_t len) {
@@ -176,7 +180,7 @@ inline void swiglu_bwd_block(const T* __restrict g, const T* __restrict u, const
 template <typename T>
 void swiglu_fwd(const T* g, const T* u, T* out, int64_t n) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const int64_t lo = bi * kBlock, len = std::min(n - lo, kBlock);
     swiglu_fwd_block(g + lo, u + lo, out + lo, len);
@@ -186,7 +190,7 @@ void swiglu_fwd(const T* g, const T* u, T* out, int64_t n) {
 template <typename T>
 void swiglu_bwd(const T* g, const T* u, const T* dout, T* dg, T* du, int64_t n) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const int64_t lo = bi * kBlock, len = std::min(n - lo, kBlock);
     swiglu_bwd_block(g + lo, u + lo, dout + lo, dg + lo, du + lo, len);
@@ -198,7 +202,7 @@ template <typename T>
 int softmax_xent(const T* logits, const int64_t* labels, T* loss, T* dlogits, int64_t rows, int64_t vocab,
                  int64_t ignore_index) {
   int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad)
+#pragma omp parallel for schedule(static) reduction(| : bad) if (rows * vocab >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = logits + r * vocab;
     T* d = dlogits ? dlogits + r * vocab : nullptr;

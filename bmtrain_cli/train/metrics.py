@@ -169,7 +169,7 @@ class MetricsWriter:
             return
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
-        if self.tb is not None:
+        if self.tb is not None and self._is_logging_step(step):
             for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory"):
                 v = values.get(key)
                 if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
@@ -177,6 +177,11 @@ class MetricsWriter:
             if values.get("loss_scale") is not None:
                 self.tb.add_scalar("train/loss_scale", values["loss_scale"], step)
         self._progress(step, values)
+
+    def _is_logging_step(self, step: int) -> bool:
+        """TensorBoard scalars and plain progress lines: every logging_steps, the first and the last step
+        (metrics.jsonl gets every step: it is one small line and resume checks compare step by step)."""
+        return step % self.logging_steps == 0 or step == 1 or step == self.total_steps
 
     def log_eval(self, step: int, loss: float, extra: Optional[Dict[str, Any]] = None) -> None:
         if not self.enabled:
@@ -233,7 +238,7 @@ class MetricsWriter:
             self.stream.write("\r[" + "#" * filled + "-" * (width - filled) + "] " + body + "   ")
             self.stream.flush()
             self._bar_open = True
-        elif step % self.logging_steps == 0 or step == self.total_steps or step == 1:
+        elif self._is_logging_step(step):
             self.stream.write(body + "\n")
             self.stream.flush()
 

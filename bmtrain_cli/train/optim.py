@@ -77,15 +77,24 @@ def grads_of(params: Sequence[paddle.Tensor]) -> List[paddle.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def global_grad_norm(params: Sequence[paddle.Tensor]) -> float:
-    """sqrt(sum of squared gradients), accumulated in fp32. inf/nan when any gradient is non-finite."""
+def grad_norm_tensor(params: Sequence[paddle.Tensor]) -> Optional[paddle.Tensor]:
+    """sqrt(sum of squared gradients) as a 0-d fp32 tensor on the device (no host sync); None when no
+    parameter has a gradient. inf/nan when any gradient is non-finite."""
     grads = grads_of(params)
     if not grads:
-        return 0.0
+        return None
     with paddle.no_grad():
-        squares = [paddle.sum(paddle.square(g.astype("float32"))) for g in grads]
+        squares = [
+            paddle.sum(paddle.square(g if g.dtype == paddle.float32 else g.astype("float32"))) for g in grads
+        ]
         total = paddle.add_n(squares) if len(squares) > 1 else squares[0]
-        return float(paddle.sqrt(total))
+        return paddle.sqrt(total)
+
+
+def global_grad_norm(params: Sequence[paddle.Tensor]) -> float:
+    """sqrt(sum of squared gradients), accumulated in fp32. inf/nan when any gradient is non-finite."""
+    norm = grad_norm_tensor(params)
+    return 0.0 if norm is None else float(norm)
 
 
 def clip_grads_(params: Sequence[paddle.Tensor], max_norm: float, total_norm: float) -> float:

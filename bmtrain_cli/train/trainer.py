@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 import numpy as np
 import yaml
@@ -207,6 +207,10 @@ class Trainer:
         self.is_main = getattr(self.ctx, "is_main", True)
         self.rt = make_runtime(self.config, is_main=self.is_main)
         check_precision_supported(self.config.train.precision, self.rt.has_gpu)
+        if self.config.train.to_static:
+            from bmtrain_cli.train.static import check_to_static_supported
+
+            check_to_static_supported(self.config, self.ctx)  # before any data or model work
         if not self.rt.has_gpu:
             paddle.set_device("cpu")
             from bmtrain_cli.plan.host_memory import pin_mmap_threshold
@@ -264,6 +268,8 @@ class Trainer:
         self.train_time = 0.0
         self.last_saved_step: Optional[int] = None
         self.history: Dict[str, Any] = {}
+        # called as fn(trainer, step_output) at the end of every optimizer step (benchmarks, tests)
+        self.step_callbacks: List[Callable[[Trainer, Dict[str, Any]], None]] = []
         if self.rt.resume_from is not None:
             self._restore(self.rt.resume_from)
 
@@ -297,12 +303,29 @@ class Trainer:
         self.train_model = self.ctx.wrap_model(self.model) if distributed else self.model
         self.optimizer = self.ctx.wrap_optimizer(self.base_optimizer) if distributed else self.base_optimizer
         self.params = [q for q in self.raw_model.parameters() if not q.stop_gradient]
+        self.loss_fn = self._loss_function()
         from bmtrain_cli.models.arch import count_parameters
 
         self.n_params = count_parameters(self.raw_model.arch)
         if self.lora is not None:
             self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
             self._say(self.lora.describe(self.raw_model, self.n_params))
+
+    def _loss_function(self) -> Callable[..., Any]:
+        """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
+        (the forward and its backward become one static program; the optimizer step stays eager)."""
+        t = self.config.train
+        if not t.to_static:
+            return self.train_model.loss_sum
+        from bmtrain_cli.train.static import check_to_static_supported, compile_loss_sum
+
+        check_to_static_supported(self.config, self.ctx)
+        if t.batching == "longest":
+            self._say(
+                "note: to_static with batching: longest compiles one program per distinct batch length; "
+                "batching: max_length or packed gives one fixed shape"
+            )
+        return compile_loss_sum(self.train_model)
 
     def _total_steps(self) -> int:
         t = self.config.train
@@ -451,7 +474,7 @@ class Trainer:
     # -- one step
     def train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
         from bmtrain_cli.train.evaluate import count_targets, to_tensors
-        from bmtrain_cli.train.optim import clip_grads_, global_grad_norm
+        from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
 
         t = self.config.train
         if getattr(self.ctx, "pp_degree", 1) > 1:
@@ -471,20 +494,26 @@ class Trainer:
         for b in micro:
             tensors = to_tensors(b)
             with self.precision.autocast():
-                loss_sum, _ = self.train_model.loss_sum(**tensors)
+                loss_sum, _ = self.loss_fn(**tensors)
             self.precision.backward(loss_sum / denom)
             loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
-        loss_total = float(loss_acc)
-        if distributed:
-            loss_total = float(self.ctx.all_reduce_sum(loss_total))
-        loss = loss_total / denom
         if self.own_clip and distributed and hasattr(self.optimizer, "reduce_gradients"):
             self.optimizer.reduce_gradients()  # plain data parallel: sum gradients now, step the inner one
             step_opt = self.base_optimizer
         else:
             step_opt = self.optimizer
         self.precision.unscale(step_opt)
-        grad_norm = global_grad_norm(self.params)
+        # the loss and the fp32 global grad norm come to the host together: one sync per step
+        norm_t = grad_norm_tensor(self.params)
+        parts = [loss_acc.astype("float32").reshape([1])]
+        if norm_t is not None:
+            parts.append(norm_t.reshape([1]))
+        host = self.paddle.concat(parts).numpy() if len(parts) > 1 else parts[0].numpy()
+        loss_total = float(host[0])
+        grad_norm = float(host[1]) if norm_t is not None else 0.0
+        if distributed:
+            loss_total = float(self.ctx.all_reduce_sum(loss_total))
+        loss = loss_total / denom
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite and self.own_clip and t.max_grad_norm:
             clip_grads_(self.params, t.max_grad_norm, grad_norm)
@@ -578,6 +607,8 @@ class Trainer:
                             f"{t.max_nonfinite_steps}). Lower learning_rate, check the data, or use fp32/bf16; "
                             f"the last good checkpoint is kept in {self.rt.checkpoint_dir}"
                         )
+                    for fn in self.step_callbacks:
+                        fn(self, out)
                     continue
                 self.consecutive_nonfinite = 0
                 recent.append(out["loss"])
@@ -599,6 +630,8 @@ class Trainer:
                     self.evaluate()
                 if t.save_steps and self.step % t.save_steps == 0 and self.step < total:
                     self.save()
+                for fn in self.step_callbacks:
+                    fn(self, out)
             if stopped is not None:
                 path = self.save() if self.last_saved_step != self.step else self.rt.checkpoint_dir
                 self.metrics.close()

@@ -6,6 +6,9 @@ Layout under ``output_dir/checkpoints``::
       config.json + model*.safetensors  Hugging Face layout (models.save_pretrained; load_pretrained reads it)
       tokenizer files                    (when a tokenizer is given)
       optimizer.safetensors              AdamW moments / beta powers / master weights, keyed by parameter name
+                                         (the whole state: single process or plain data parallel)
+      optimizer-rank-R.safetensors       instead, one per rank when the state is split (tensor/pipeline
+                                         parallel, sharding); reused only under the same layout
       trainer_state.json                 step, schedule, loss scaler, RNG states, data position, counters
     latest                               text file naming the newest complete step-N
 
@@ -33,6 +36,8 @@ from bmtrain_cli.errors import UserError
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_SHARD = "optimizer-rank-{rank}.safetensors"
+NOT_CARRIED = "optimizer state is not carried over; moments restart"
 NATIVE_WEIGHTS_FILE = "weights.safetensors"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -237,6 +242,68 @@ def _to_numpy(t: Any) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+# ----------------------------------------------------------------------------- optimizer layout
+
+
+def optimizer_layout(ctx: Any = None) -> Dict[str, Any]:
+    """The layout the optimizer state is split by. ``portable``: rank 0 holds the whole state (one
+    process or plain data parallel, where every rank holds the same state), so any such layout can
+    reuse it; otherwise each rank's part is saved and only the same layout can reuse it."""
+    config = getattr(ctx, "config", None)
+    par = getattr(config, "parallel", None)
+    layout = {
+        "world_size": int(getattr(ctx, "world_size", 1)),
+        "data_world": int(getattr(ctx, "data_world", 1)),
+        "tensor_parallel": int(getattr(ctx, "tp_degree", 1)),
+        "pipeline_parallel": int(getattr(ctx, "pp_degree", 1)),
+        "sharding_parallel": int(getattr(ctx, "sharding_degree", 1)),
+        "sharding_stage": int(getattr(par, "sharding_stage", 1)) if par is not None else 1,
+    }
+    portable = getattr(ctx, "optimizer_state_portable", None)
+    layout["portable"] = bool(portable) if portable is not None else True
+    return layout
+
+
+def describe_layout(layout: Optional[Dict[str, Any]]) -> str:
+    if not layout:
+        return "one process"
+    parts = [
+        f"{key} {layout.get(key, 1)}"
+        for key in ("data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+        if layout.get(key, 1) > 1
+    ]
+    if layout.get("sharding_parallel", 1) > 1:
+        parts.append(f"sharding_stage {layout.get('sharding_stage', 1)}")
+    return ", ".join(parts) if parts else "one process"
+
+
+def _same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    keys = ("world_size", "data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+    keys_stage = keys + ("sharding_stage",)
+    return all(int(a.get(k, 1)) == int(b.get(k, 1)) for k in keys_stage)
+
+
+def shard_staging_dir(root: Path, step: int) -> Path:
+    """Where every rank puts its optimizer part before rank 0 assembles checkpoint step-<step>."""
+    return Path(root) / f".tmp-optim-step-{step}"
+
+
+def write_optimizer_shard(root: Path, step: int, rank: int, optimizer: Any, model: paddle.nn.Layer) -> Path:
+    """This rank's optimizer state, written atomically into the staging folder (all ranks, before the
+    barrier that precedes rank 0's save_checkpoint)."""
+    from safetensors.numpy import save_file
+
+    staging = shard_staging_dir(root, step)
+    staging.mkdir(parents=True, exist_ok=True)
+    final = staging / OPTIMIZER_SHARD.format(rank=rank)
+    tmp = staging / f".{final.name}.tmp-{os.getpid()}"
+    tensors, _ = optimizer_state(optimizer, model)
+    save_file(tensors, str(tmp))
+    _fsync_file(tmp)
+    os.replace(tmp, final)
+    return final
+
+
 # ----------------------------------------------------------------------------- weights for plain layers
 
 
@@ -287,8 +354,14 @@ def save_checkpoint(
     keep: Optional[int] = None,
     weights_writer: Optional[WeightsWriter] = None,
     extra_files: Optional[Dict[str, str]] = None,
+    layout: Optional[Dict[str, Any]] = None,
 ) -> Path:
-    """Write checkpoint ``step-<step>`` atomically and prune to the newest ``keep``; returns its path."""
+    """Write checkpoint ``step-<step>`` atomically and prune to the newest ``keep``; returns its path.
+
+    ``layout`` (:func:`optimizer_layout`) not portable: the per-rank optimizer parts written by
+    :func:`write_optimizer_shard` are moved in (all of them must be there, else the checkpoint records
+    that it carries no optimizer state); otherwise ``optimizer``'s whole state goes to optimizer.safetensors.
+    """
     from safetensors.numpy import save_file
 
     root = Path(root)
@@ -303,8 +376,23 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save(str(tmp))
         tensors, extra = optimizer_state(optimizer, model)
-        save_file(tensors, str(tmp / OPTIMIZER_FILE))
-        full_state = dict(state, step=step, optimizer_extra=_jsonable(extra), rng=rng_state())
+        layout = dict(layout or optimizer_layout(None))
+        if layout["portable"]:
+            save_file(tensors, str(tmp / OPTIMIZER_FILE))
+            layout["optimizer_files"] = [OPTIMIZER_FILE]
+        else:
+            staging = shard_staging_dir(root, step)
+            names = [OPTIMIZER_SHARD.format(rank=r) for r in range(layout["world_size"])]
+            if all((staging / n).is_file() for n in names):
+                for n in names:
+                    shutil.copyfile(staging / n, tmp / n)
+                layout["optimizer_files"] = names
+            else:  # e.g. ranks on other nodes without a shared output_dir
+                layout["optimizer_files"] = []
+            shutil.rmtree(staging, ignore_errors=True)
+        full_state = dict(
+            state, step=step, optimizer_extra=_jsonable(extra), optimizer_layout=layout, rng=rng_state()
+        )
         with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
             json.dump(full_state, f, indent=1)
         for name, text in (extra_files or {}).items():
@@ -347,19 +435,54 @@ def read_state(ckpt_dir: Path) -> Dict[str, Any]:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
+def optimizer_file_for(
+    ckpt_dir: Path, state: Dict[str, Any], layout: Dict[str, Any], rank: int
+) -> Tuple[Optional[Path], str]:
+    """(optimizer file this rank restores, or None with the reason it cannot)."""
+    saved = state.get("optimizer_layout")
+    if saved is None or saved.get("portable", True):  # the whole state (older checkpoints: always)
+        if not layout.get("portable", True):
+            return None, (
+                f"the checkpoint holds the whole optimizer state (saved under {describe_layout(saved)}) and "
+                f"this run splits it ({describe_layout(layout)})"
+            )
+        return Path(ckpt_dir) / OPTIMIZER_FILE, ""
+    if not _same_layout(saved, layout):
+        return None, (
+            f"the checkpoint's optimizer state is split for {describe_layout(saved)} and this run uses "
+            f"{describe_layout(layout)}"
+        )
+    name = OPTIMIZER_SHARD.format(rank=rank)
+    if name not in saved.get("optimizer_files", []):
+        return None, f"the checkpoint was saved without the per-rank optimizer files ({name} is missing)"
+    return Path(ckpt_dir) / name, ""
+
+
 def load_training_state(
-    ckpt_dir: Path, *, model: paddle.nn.Layer, optimizer: Any, restore_rng: bool = True
+    ckpt_dir: Path,
+    *,
+    model: paddle.nn.Layer,
+    optimizer: Any,
+    restore_rng: bool = True,
+    layout: Optional[Dict[str, Any]] = None,
+    rank: int = 0,
 ) -> Dict[str, Any]:
     """Restore optimizer state (and RNG) from a checkpoint; the weights are loaded by the caller
-    (models.load_pretrained, or load_native_weights for plain layers). Returns trainer_state.json."""
+    (models.load_pretrained, or load_native_weights for plain layers). Returns trainer_state.json with
+    ``optimizer_restored`` (bool) and, when False, ``optimizer_message`` saying why."""
     from safetensors.numpy import load_file
 
     ckpt_dir = Path(ckpt_dir)
     state = read_state(ckpt_dir)
-    opt_file = ckpt_dir / OPTIMIZER_FILE
-    if not opt_file.is_file():
-        raise CheckpointError(f"{ckpt_dir} has no {OPTIMIZER_FILE}: not a training checkpoint")
-    restore_optimizer(optimizer, model, load_file(str(opt_file)))
+    opt_file, reason = optimizer_file_for(ckpt_dir, state, layout or optimizer_layout(None), rank)
+    if opt_file is None:
+        state["optimizer_restored"] = False
+        state["optimizer_message"] = f"{NOT_CARRIED}: {reason}"
+    else:
+        if not opt_file.is_file():
+            raise CheckpointError(f"{ckpt_dir} has no {opt_file.name}: not a training checkpoint")
+        restore_optimizer(optimizer, model, load_file(str(opt_file)))
+        state["optimizer_restored"] = True
     if restore_rng and state.get("rng"):
         set_rng_state(state["rng"])
     return state

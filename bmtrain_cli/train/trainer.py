@@ -344,9 +344,17 @@ class Trainer:
         return max(1, math.ceil(t.num_train_epochs * int(n) / self.rt.grad_accum_steps))
 
     def _restore(self, ckpt: Path) -> None:
-        from bmtrain_cli.train.checkpoint import load_training_state
+        from bmtrain_cli.train.checkpoint import load_training_state, optimizer_layout
 
-        state = load_training_state(ckpt, model=self.raw_model, optimizer=self.base_optimizer)
+        state = load_training_state(
+            ckpt,
+            model=self.raw_model,
+            optimizer=self.base_optimizer,
+            layout=optimizer_layout(self.ctx),
+            rank=getattr(self.ctx, "rank", 0),
+        )
+        if not state.get("optimizer_restored", True):
+            self._say(f"note: {state['optimizer_message']} (weights, schedule and data position are resumed)")
         if hasattr(self.base_optimizer, "sync_from_model"):
             self.base_optimizer.sync_from_model()
         self.step = int(state["step"])
@@ -383,9 +391,15 @@ class Trainer:
                 print(text, file=self.stream, flush=True)
 
     def save(self) -> Path:
-        from bmtrain_cli.train.checkpoint import save_checkpoint
+        from bmtrain_cli.train.checkpoint import optimizer_layout, save_checkpoint, write_optimizer_shard
 
+        eval_path = self.paths.get("eval")
+        if isinstance(eval_path, list):
+            eval_path = eval_path[0] if eval_path else None
         state = {
+            # export compares eval loss before/after on the file this run evaluated on
+            "eval_data_path": str(Path(eval_path).resolve()) if isinstance(eval_path, str) else None,
+            "data_paths": {k: v for k, v in self.paths.items() if v is not None},
             "scaler": self.precision.state_dict(),
             "data": self.loader.state_dict(),
             "schedule": self.schedule.state_dict(),
@@ -399,6 +413,18 @@ class Trainer:
             "total_steps": self.rt.total_steps,
         }
         path = self.rt.checkpoint_dir / f"step-{self.step}"
+        layout = optimizer_layout(self.ctx)
+        if not layout["portable"]:
+            # the optimizer state is split over the ranks: every rank saves its part (reused by a resume
+            # under the same layout only); rank 0 moves them into the checkpoint after the barrier
+            write_optimizer_shard(
+                self.rt.checkpoint_dir,
+                self.step,
+                getattr(self.ctx, "rank", 0),
+                self.base_optimizer,
+                self.raw_model,
+            )
+            _barrier(self.ctx)
         # LoRA: adapters only (+ base path and hash); gathering them is collective under tensor parallel
         writer = self.lora.weights_writer(self.train_model, self.ctx) if self.lora is not None else None
         if writer is None and hasattr(self.ctx, "checkpoint_weights_writer"):
@@ -415,6 +441,7 @@ class Trainer:
                 keep=self.config.train.save_total_limit,
                 weights_writer=writer,
                 extra_files={"bmtrain_config.yaml": yaml.safe_dump(self.config.to_dict(), sort_keys=False)},
+                layout=layout,
             )
             if self.metrics is not None:
                 self.metrics.log_event(self.step, "checkpoint", path=str(path))

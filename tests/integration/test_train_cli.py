@@ -108,6 +108,11 @@ def test_checkpoint_is_hf_loadable(trained):
     tok = load_tokenizer(str(ck / "step-6"))
     assert model.arch.vocab_size == tok.vocab_size
     assert (ck / "step-6" / "model.safetensors").is_file()
+    state = json.loads((ck / "step-6" / "trainer_state.json").read_text())
+    # export's eval-loss comparison reads the file this run evaluated on (the demo's held-out split)
+    assert state["eval_data_path"] == str((tmp / "out" / "data" / "heldout.jsonl").resolve())
+    assert state["optimizer_layout"]["portable"] is True
+    assert state["optimizer_layout"]["optimizer_files"] == ["optimizer.safetensors"]
 
 
 def test_refuses_output_dir_of_another_run(trained):

@@ -121,3 +121,78 @@ def test_write_failure_keeps_earlier_checkpoints(tmp_path, monkeypatch, err, nee
     assert not (root / "step-2").exists()
     assert [p for p in os.listdir(root) if p.startswith(".tmp")] == []
     assert ck.find_latest(root) == root / "step-1"
+
+
+class _FakeCtx:
+    """The facts optimizer_layout reads from a ParallelContext (tensor parallel 2 here)."""
+
+    def __init__(self, tp=2, rank=0):
+        self.world_size = tp
+        self.data_world = 1
+        self.tp_degree = tp
+        self.pp_degree = 1
+        self.sharding_degree = 1
+        self.config = None
+        self.rank = rank
+        self.optimizer_state_portable = tp == 1
+
+
+def test_split_optimizer_state_per_rank_and_layout_check(tmp_path):
+    cfg = TrainConfig(learning_rate=0.05)
+    root = tmp_path / "checkpoints"
+    layout = ck.optimizer_layout(_FakeCtx(tp=2))
+    assert layout["portable"] is False and layout["tensor_parallel"] == 2
+    ranks = []
+    for rank in (0, 1):  # two "ranks", each with its own part of the state
+        m = _model(seed=rank)
+        opt = build_optimizer(m, cfg, 0.05)
+        _steps(m, opt, 2, seed=10 + rank)
+        ck.write_optimizer_shard(root, 2, rank, opt, m)
+        ranks.append((m, opt))
+    path = ck.save_checkpoint(root, 2, model=ranks[0][0], optimizer=ranks[0][1], state={}, layout=layout)
+    assert not (path / ck.OPTIMIZER_FILE).exists()
+    assert sorted(p.name for p in path.glob("optimizer-rank-*")) == [
+        "optimizer-rank-0.safetensors",
+        "optimizer-rank-1.safetensors",
+    ]
+    assert not ck.shard_staging_dir(root, 2).exists()
+    saved = ck.read_state(path)["optimizer_layout"]
+    assert saved["tensor_parallel"] == 2 and saved["portable"] is False
+
+    # same layout: rank 1 gets rank 1's moments back and continues exactly
+    m1, opt1 = ranks[1]
+    weights = {k: v.numpy().copy() for k, v in m1.state_dict().items()}
+    ref = _steps(m1, opt1, 2, seed=20)
+    m2 = _model(seed=9)
+    m2.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})  # rank 1's weights at step 2
+    opt2 = build_optimizer(m2, cfg, 0.05)
+    state = ck.load_training_state(path, model=m2, optimizer=opt2, layout=layout, rank=1)
+    assert state["optimizer_restored"] is True
+    assert _steps(m2, opt2, 2, seed=20) == ref
+
+    # another layout: nothing restored, and the message says so
+    m3 = _model()
+    opt3 = build_optimizer(m3, cfg, 0.05)
+    state = ck.load_training_state(path, model=m3, optimizer=opt3, layout=ck.optimizer_layout(_FakeCtx(tp=1)))
+    assert state["optimizer_restored"] is False
+    assert ck.NOT_CARRIED in state["optimizer_message"] and "tensor_parallel 2" in state["optimizer_message"]
+    assert not opt3.state_dict() or all(
+        float(np.abs(v.numpy()).sum()) == 0 for k, v in opt3.state_dict().items() if "moment" in k
+    )
+
+
+def test_whole_state_is_not_reused_under_a_split_layout_and_missing_parts(tmp_path):
+    m = _model()
+    opt = build_optimizer(m, TrainConfig(), 0.01)
+    _steps(m, opt, 1, seed=0)
+    whole = _save(tmp_path / "a", 1, m, opt)
+    assert ck.read_state(whole)["optimizer_layout"]["portable"] is True
+    split = ck.optimizer_layout(_FakeCtx(tp=2))
+    state = ck.load_training_state(whole, model=m, optimizer=opt, layout=split, rank=0)
+    assert state["optimizer_restored"] is False and ck.NOT_CARRIED in state["optimizer_message"]
+    # only rank 0 wrote its part (e.g. ranks on another node without a shared disk)
+    ck.write_optimizer_shard(tmp_path / "b", 1, 0, opt, m)
+    path = ck.save_checkpoint(tmp_path / "b", 1, model=m, optimizer=opt, state={}, layout=split)
+    assert ck.read_state(path)["optimizer_layout"]["optimizer_files"] == []
+    state = ck.load_training_state(path, model=m, optimizer=opt, layout=split, rank=0)
+    assert state["optimizer_restored"] is False and "missing" in state["optimizer_message"]

@@ -131,6 +131,12 @@ def _bf16_supported() -> bool:
         return False
 
 
+def is_offload_optimizer(optimizer: Any) -> bool:
+    from bmtrain_cli.train.offload import OffloadOptimizer
+
+    return isinstance(optimizer, OffloadOptimizer)
+
+
 class Precision:
     """Everything precision-specific in one place: autocast, loss scaling, the optimizer step."""
 
@@ -148,8 +154,14 @@ class Precision:
         return self.enabled and self.amp_level == "O2"
 
     def decorate(self, model: paddle.nn.Layer, optimizer: Any) -> Tuple[paddle.nn.Layer, Any]:
-        """Cast the model for O2 (fp32 master weights stay in the optimizer)."""
+        """Cast the model for O2 (fp32 master weights stay in the optimizer).
+
+        The optimizer-offload wrapper (train/offload.py) is not a Paddle optimizer that paddle.amp.decorate
+        accepts, and it keeps fp32 master copies on the host itself: only the model is decorated then."""
         if not self.master_weights:
+            return model, optimizer
+        if is_offload_optimizer(optimizer):
+            model = paddle.amp.decorate(models=model, level="O2", dtype=self.dtype, master_weight=False)
             return model, optimizer
         return paddle.amp.decorate(
             models=model, optimizers=optimizer, level="O2", dtype=self.dtype, master_weight=True

@@ -45,6 +45,12 @@ def check_to_static_supported(config: Config, ctx: Any = None) -> None:
             "train_config.to_static cannot be combined with pipeline_parallel > 1: fleet's 1F1B scheduler "
             "runs each stage eagerly (set to_static: false, or pipeline_parallel: 1)"
         )
+    if p.sharding_parallel > 1 and p.sharding_stage in (2, 3):
+        raise UserError(
+            "train_config.to_static cannot be combined with sharding_stage 2/3: the group-sharded wrapper "
+            "gathers and releases parameters around an eager forward (set to_static: false, or "
+            "sharding_stage: 1)"
+        )
     if tp > 1:
         raise UserError(
             "train_config.to_static cannot be combined with tensor_parallel > 1: the tensor-parallel layers "

@@ -289,19 +289,32 @@ class Trainer:
         self.precision = Precision(t.precision, t.amp_level, t.loss_scale)
         distributed = getattr(self.ctx, "world_size", 1) > 1
         fleet_clip = distributed and getattr(self.ctx, "uses_fleet_model", False)
+        # sharding stage 2/3 (and their offload) wrap model and optimizer together (parallel/sharding.py)
+        self.group_sharded = distributed and p.sharding_parallel > 1 and p.sharding_stage in (2, 3)
         self.base_optimizer = build_optimizer(
             self.model,
             t,
             self.rt.derived.learning_rate,
             multi_precision=self.precision.master_weights,
             grad_clip=t.max_grad_norm if (fleet_clip and t.max_grad_norm) else None,
-            offload=p.offload_optimizer,
+            offload=p.offload_optimizer and not self.group_sharded,  # group-sharded offload is Paddle's
         )
         self.own_clip = not fleet_clip
         self.model, self.base_optimizer = self.precision.decorate(self.model, self.base_optimizer)
         self.raw_model = self.model
         self.train_model = self.ctx.wrap_model(self.model) if distributed else self.model
-        self.optimizer = self.ctx.wrap_optimizer(self.base_optimizer) if distributed else self.base_optimizer
+        self.sharded_loss: Any = None
+        if self.group_sharded:
+            from bmtrain_cli.train.static import LossSum
+
+            # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
+            self.sharded_loss, self.optimizer = self.ctx.wrap_model_and_optimizer(
+                LossSum(self.train_model), self.base_optimizer
+            )
+        else:
+            self.optimizer = (
+                self.ctx.wrap_optimizer(self.base_optimizer) if distributed else self.base_optimizer
+            )
         self.params = [q for q in self.raw_model.parameters() if not q.stop_gradient]
         self.loss_fn = self._loss_function()
         from bmtrain_cli.models.arch import count_parameters
@@ -315,6 +328,8 @@ class Trainer:
         """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
         (the forward and its backward become one static program; the optimizer step stays eager)."""
         t = self.config.train
+        if self.sharded_loss is not None:
+            return self.sharded_loss
         if not t.to_static:
             return self.train_model.loss_sum
         from bmtrain_cli.train.static import check_to_static_supported, compile_loss_sum
@@ -413,6 +428,7 @@ class Trainer:
             "total_steps": self.rt.total_steps,
         }
         path = self.rt.checkpoint_dir / f"step-{self.step}"
+        self._gather_sharded_parameters()
         layout = optimizer_layout(self.ctx)
         if not layout["portable"]:
             # the optimizer state is split over the ranks: every rank saves its part (reused by a resume
@@ -474,8 +490,16 @@ class Trainer:
         t = self.config.train
         return answer_accuracy(model, self.tokenizer, records, template=t.template, data_format=t.data_format)
 
+    def _gather_sharded_parameters(self) -> None:
+        """Sharding stage 3 keeps only a slice of each parameter on a rank: gather them whole (collective)
+        before weights are read for a checkpoint or an evaluation."""
+        gather = getattr(self.sharded_loss, "get_all_parameters", None)
+        if gather is not None:
+            gather()
+
     def _whole_model(self) -> Any:
         """The model with whole weights: raw_model, or (collective) a gathered copy under tp/pp > 1."""
+        self._gather_sharded_parameters()
         if getattr(self.ctx, "tp_degree", 1) > 1 or getattr(self.ctx, "pp_degree", 1) > 1:
             return self.ctx.gather_full_model(self.train_model, kernels=self.config.model.kernels)
         return self.raw_model

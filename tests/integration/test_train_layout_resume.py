@@ -92,3 +92,26 @@ def test_tp2_resume_reuses_per_rank_optimizer_state_and_tp1_restarts_moments(tmp
     text = res.stdout + res.stderr
     assert "optimizer state is not carried over; moments restart" in text and "tensor_parallel 2" in text
     assert sorted(_losses(tmp_path / "tp1")) == [3, 4]
+
+
+@pytest.mark.parametrize("stage,offload", [(2, False), (3, True)], ids=["stage2", "stage3-offload"])
+def test_group_sharded_stages_refuse_cpu_with_a_clear_message(tmp_path, stage, offload):
+    """Sharding stage 2/3 go through ctx.wrap_model_and_optimizer (group_sharded_parallel), which the CPU
+    build of Paddle cannot run: the trainer stops with the parallel layer's message and exit code 2."""
+    cfg = tmp_path / "sharded.yaml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out").replace("tensor_parallel: 2", "sharding_parallel: 2"))
+    sets = ["--set", f"parallel_config.sharding_stage={stage}", "--set", "train_config.global_batch_size=8"]
+    if offload:
+        sets += [
+            "--set",
+            "parallel_config.offload_params=true",
+            "--set",
+            "parallel_config.offload_optimizer=true",
+        ]
+    res = _bmtrain("run", "--config", str(cfg), *sets)
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, text[-3000:]
+    assert f"sharding_stage {stage}" in text and "needs a GPU build of Paddle" in text
+    if offload:
+        assert "with offload" in text
+    assert "Traceback" not in text

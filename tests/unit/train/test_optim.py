@@ -78,3 +78,46 @@ def test_half_precision_refused_on_cpu_with_reason():
     for p in ("bf16", "fp16"):
         with pytest.raises(UserError, match="GPU build of Paddle"):
             check_precision_supported(p, has_gpu=False)
+
+
+def test_o2_decorates_only_the_model_with_optimizer_offload(monkeypatch):
+    """paddle.amp.decorate rejects the offload wrapper (it keeps fp32 masters on the host itself): with
+    offload only the model is decorated; a stock optimizer is decorated with it (fp32 master weights)."""
+    from bmtrain_cli.config.schema import TrainConfig
+    from bmtrain_cli.train.offload import OffloadOptimizer
+    from bmtrain_cli.train.optim import Precision, build_optimizer
+
+    calls = []
+
+    def fake_decorate(models, optimizers=None, level="O1", dtype="float16", master_weight=None, **kw):
+        calls.append(
+            {
+                "models": models,
+                "optimizers": optimizers,
+                "level": level,
+                "dtype": dtype,
+                "master_weight": master_weight,
+            }
+        )
+        return models if optimizers is None else (models, optimizers)
+
+    monkeypatch.setattr(paddle.amp, "decorate", fake_decorate)
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+    prec = Precision("bf16", "O2")
+    offload = build_optimizer(model, TrainConfig(), 1e-3, multi_precision=True, offload=True)
+    assert isinstance(offload, OffloadOptimizer)
+    m, opt = prec.decorate(model, offload)
+    assert m is model and opt is offload
+    assert calls == [
+        {"models": model, "optimizers": None, "level": "O2", "dtype": "bfloat16", "master_weight": False}
+    ]
+
+    calls.clear()
+    plain = build_optimizer(model, TrainConfig(), 1e-3, multi_precision=True)
+    m, opt = prec.decorate(model, plain)
+    assert opt is plain and calls[0]["optimizers"] is plain and calls[0]["master_weight"] is True
+
+    calls.clear()
+    assert Precision("bf16", "O1").decorate(model, plain) == (model, plain)  # O1: no cast, no masters
+    assert Precision("fp32").decorate(model, offload) == (model, offload)
+    assert calls == []

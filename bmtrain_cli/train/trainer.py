@@ -324,12 +324,14 @@ class Trainer:
             self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
             self._say(self.lora.describe(self.raw_model, self.n_params))
 
-    def _loss_function(self) -> Callable[..., Any]:
+    def _loss_function(self) -> Optional[Callable[..., Any]]:
         """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
         (the forward and its backward become one static program; the optimizer step stays eager)."""
         t = self.config.train
         if self.sharded_loss is not None:
             return self.sharded_loss
+        if getattr(self.ctx, "pp_degree", 1) > 1:
+            return None  # fleet's pipeline schedule computes the loss (ctx.pipeline_step)
         if not t.to_static:
             return self.train_model.loss_sum
         from bmtrain_cli.train.static import check_to_static_supported, compile_loss_sum

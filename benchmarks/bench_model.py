@@ -94,7 +94,7 @@ def _worker_ours(static: bool, kernels: str = "reference") -> Dict[str, float]:
 
     fn = MeanLoss(model)
     if static:
-        fn = paddle.jit.to_static(fn)
+        fn = paddle.jit.to_static(fn, full_graph=True)
     ids = _inputs()
 
     def step():

@@ -7,6 +7,7 @@ from typing import Tuple
 import paddle
 import paddle.nn.functional as F
 
+# The signatures below spell -100: to_static(full_graph=True) cannot resolve a module constant there.
 IGNORE_INDEX = -100
 
 
@@ -41,7 +42,7 @@ def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
 
 
 def cross_entropy_sum(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """(sum of token losses over non-ignored labels, number of non-ignored labels), in fp32.
 
@@ -62,7 +63,7 @@ def linear_cross_entropy(
     hidden: paddle.Tensor,
     weight: paddle.Tensor,
     labels: paddle.Tensor,
-    ignore_index: int = IGNORE_INDEX,
+    ignore_index: int = -100,
     transpose_weight: bool = False,
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """Loss of the LM head without the caller holding the logits: (loss sum, valid count).

@@ -263,7 +263,8 @@ def test_rope_default_matches_closed_form():
     assert math.isclose(float(cos.numpy()[0, 0, 0]), 1.0)
 
 
-def test_to_static_loss_and_grads_match_dygraph():
+@pytest.mark.parametrize("full_graph", [True, False], ids=["ast", "sot"])
+def test_to_static_loss_and_grads_match_dygraph(full_graph):
     ids = _ids([2, 10])
     mask = paddle.to_tensor([[1] * 10, [1] * 4 + [2] * 4 + [0] * 2])
 
@@ -282,7 +283,7 @@ def test_to_static_loss_and_grads_match_dygraph():
         m.train()
         fn = MeanLoss(m)
         if static:
-            fn = paddle.jit.to_static(fn)
+            fn = paddle.jit.to_static(fn, full_graph=full_graph)
         loss = fn(ids, ids, mask)
         loss.backward()
         results.append((float(loss), m.model.layers[0].self_attn.q_proj.weight.grad.numpy().copy()))

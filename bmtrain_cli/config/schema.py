@@ -79,7 +79,7 @@ class TrainConfig(_Section):
     data_cache_dir: Optional[str] = Field(
         None, description="Token cache directory (default: beside the data)."
     )
-    demo_data: Optional[Literal["arithmetic"]] = Field(
+    demo_data: Optional[Literal["reverse", "rotate", "arithmetic"]] = Field(
         None,
         description="Generate the built-in demo task (train + held-out split) under output_dir/data "
         "and train on it when data_path is not set.",

@@ -27,7 +27,13 @@ def test_there_are_shipped_configs():
 def test_shipped_config_validates(path):
     loaded = load_config(str(path))
     s = summarize(loaded.config)
-    assert s["world_size"] >= 1 and s["parameters"] > 0
+    base = loaded.config.model.model_name_or_path
+    if base and base.startswith("output/") and not Path(base).exists():
+        # a second-stage config (llama-tiny-lora.yaml) whose base is the checkpoint another shipped config
+        # writes: before that run, validation warns about the missing base instead of sizing the model
+        assert s["world_size"] >= 1 and any(base in w.message for w in loaded.warnings)
+    else:
+        assert s["world_size"] >= 1 and s["parameters"] > 0
     first = path.read_text().splitlines()[0]
     assert first.startswith("#")
     assert "bmtrain" in path.read_text().split("model_config")[0]

@@ -5,7 +5,7 @@ Tasks (each record is JSONL ``{"input": ..., "output": ...}``):
 - ``reverse``: reverse a string of five lowercase letters, ``"kqzfa="`` -> ``"afzqk"``. The quickstart task:
   with one token per character every answer letter is a copy of one prompt letter at a fixed distance, so a
   2-layer model learns it in a couple of hundred steps on a CPU.
-- ``rotate``: rotate the same kind of string left by one, ``"kqzfa="`` -> ``"qzfak"``. Same alphabet and
+- ``rotate``: rotate the same kind of string right by one, ``"kqzfa="`` -> ``"akqzf"``. Same alphabet and
   prompt format as ``reverse`` but a different mapping: the LoRA example fine-tunes the quickstart's
   ``reverse`` checkpoint on it, so any rise in accuracy comes from the adapters.
 - ``arithmetic``: two-digit addition, ``"12+35="`` -> ``"47"`` (harder: carries; a tiny model needs far
@@ -54,7 +54,7 @@ def reverse_record(word: str) -> dict:
 
 
 def rotate_record(word: str) -> dict:
-    return {"input": f"{word}=", "output": word[1:] + word[:1]}
+    return {"input": f"{word}=", "output": word[-1] + word[:-1]}
 
 
 def _words(seed: int, n_train: int, n_held: int, length: int = WORD_LEN) -> Tuple[List[str], List[str]]:

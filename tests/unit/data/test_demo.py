@@ -29,7 +29,7 @@ def test_word_tasks_answers_and_split(task):
     for rec in train[:200] + held:
         word = rec["input"][:-1]
         assert rec["input"].endswith("=") and len(word) == WORD_LEN and word.isalpha() and word.islower()
-        expected = word[::-1] if task == "reverse" else word[1:] + word[0]
+        expected = word[::-1] if task == "reverse" else word[-1] + word[:-1]
         assert rec["output"] == expected
     held_prompts = {r["input"] for r in held}
     assert len(held_prompts) == len(held)  # distinct held-out problems

@@ -8,7 +8,7 @@ PADDLE_CPU ?= paddlepaddle==3.3.1
 PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test test-slow test-all lint format bench kernels clean
+.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -47,6 +47,15 @@ bench: venv
 
 kernels: venv
 	$(PY) -m bmtrain_cli.ops.build
+
+# A separate environment with torch (CPU) + transformers, used only by the Hugging Face interop tests
+# (they skip without it) and by tests/fixtures/hf/make_fixtures.py. Never installed into .venv.
+REF_VENV ?= .venv-ref
+ref-venv: $(REF_VENV)/.installed
+$(REF_VENV)/.installed:
+	@test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
+	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf
+	@touch $@
 
 clean:
 	rm -rf build dist *.egg-info kernels/build output

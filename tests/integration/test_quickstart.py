@@ -1,6 +1,6 @@
 """The quickstart as a user runs it: `bmtrain train --config configs/quickstart.yaml`, then the LoRA second
-stage `configs/llama-tiny-lora.yaml` on its checkpoint. Slow (about 1.5 minutes of CPU per stage on a quiet
-2-core machine): held-out accuracy must rise clearly in both."""
+stage `configs/llama-tiny-lora.yaml` on its checkpoint. Slow (about 1.5 minutes per stage on 2 cores):
+held-out accuracy must rise clearly in both."""
 
 from __future__ import annotations
 

@@ -29,10 +29,16 @@ def _ext():
     return load_extension()
 
 
+def _on_cpu() -> bool:
+    # The expected device, not ``t.place``: a tensor's place is not readable while paddle.jit.to_static
+    # traces the model (SOT), and the checks must work in both modes.
+    return not paddle.is_compiled_with_cuda() or paddle.get_device() == "cpu"
+
+
 def _need_float(name: str, op: str, t: paddle.Tensor) -> None:
     if t.dtype not in _FLOATS:
         raise ValueError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
-    if t.place.is_cpu_place() and t.dtype not in (paddle.float32, paddle.float64):
+    if t.dtype not in (paddle.float32, paddle.float64) and _on_cpu():
         raise ValueError(
             f"{op}: {name} is {t.dtype} on CPU; the CPU kernels take float32/float64 "
             "(use kernels: reference, or fp32 on CPU)"

@@ -625,7 +625,9 @@ class Trainer:
                 )
 
         self._iter = iter(self.loader)
-        recent: List[float] = []
+        # the final-loss window survives a resume (kept in the checkpoint's history), so a resumed run
+        # reports the same final_loss as an uninterrupted one
+        recent: List[float] = [float(x) for x in self.history.get("recent_losses", [])]
         tps_window: List[float] = []
         stopped: Optional[str] = None
         with _SignalGuard() as guard:
@@ -666,6 +668,8 @@ class Trainer:
                 self.consecutive_nonfinite = 0
                 recent.append(out["loss"])
                 recent = recent[-max(10, t.logging_steps) :]
+                self.history["recent_losses"] = list(recent)
+                self.history["tokens_per_sec"] = tps
                 mem = self.memory.peak()
                 values = {
                     "loss": out["loss"],
@@ -714,7 +718,9 @@ class Trainer:
             "final_loss": float(np.mean(recent)) if recent else None,
             "best_eval_loss": self.best_eval_loss,
             "final_eval_loss": final_eval,
-            "tokens_per_sec": float(np.mean(steady)) if steady else 0.0,
+            "tokens_per_sec": (
+                float(np.mean(steady)) if steady else float(self.history.get("tokens_per_sec", 0.0))
+            ),
             "peak_memory_bytes": self.memory.peak(),
             "wall_time_s": round(time.time() - self.t0, 3),
             "train_time_s": round(self.train_time, 3),

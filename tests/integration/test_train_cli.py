@@ -132,6 +132,22 @@ def test_resume_continues_exactly(trained, tmp_path):
     assert res.exit_code == 0, res.output
     assert "resumed from step-3" in res.output
     assert _losses(out) == _losses(src / "out")
+    # the final-loss window is carried by the checkpoint: a resumed run reports the same final_loss
+    got = json.loads((out / "summary.json").read_text())
+    want = json.loads((src / "out" / "summary.json").read_text())
+    assert got["final_loss"] == want["final_loss"] and got["final_loss"] is not None
+
+
+def test_resume_of_a_finished_run_keeps_its_summary(trained, tmp_path):
+    src, cfg, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(src / "out", out)
+    res = _train("--config", cfg, "--output_dir", str(out), "--resume")
+    assert res.exit_code == 0, res.output
+    got = json.loads((out / "summary.json").read_text())
+    want = json.loads((src / "out" / "summary.json").read_text())
+    assert got["steps"] == 6 and got["final_loss"] == want["final_loss"]
+    assert got["tokens_per_sec"] > 0
 
 
 def test_half_precision_refused_on_cpu(tmp_path):

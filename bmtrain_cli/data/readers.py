@@ -102,14 +102,13 @@ def read_records(path: str) -> Iterator[RawRecord]:
                     path, lineno, line.decode("utf-8", "replace").rstrip("\n"), None, _decode_error(line, exc)
                 )
                 continue
+            text = text.rstrip("\r\n")  # so an error at the end of the line names its real column
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield RawRecord(
-                    path, lineno, text.rstrip("\n"), None, f"invalid JSON: {exc.msg} (column {exc.colno})"
-                )
+                yield RawRecord(path, lineno, text, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
                 continue
-            yield RawRecord(path, lineno, text.rstrip("\n"), value)
+            yield RawRecord(path, lineno, text, value)
         if n == 0:
             yield RawRecord(path, 1, "", None, "file is empty (no records)")
 

@@ -94,3 +94,13 @@ def test_cli_data_stats_exit_2_on_bad_record(tmp_path, sp_tok, write_jsonl, writ
     assert res.exit_code == 2
     assert f'{path}:2: field "output" is empty' in res.output
     assert "Traceback" not in res.output
+
+
+def test_invalid_json_names_the_column_where_the_line_breaks_off(tmp_path, sp_tok):
+    # an unterminated object: the error is at the end of the line, not "column 1" of the next one
+    line = b'{"input": "1+2=", "output": "3"'
+    path = _write_bytes(tmp_path, [json.dumps(GOOD).encode() + b"\n", line + b"\r\n"])
+    with pytest.raises(
+        UserError, match=rf":2: invalid JSON: Expecting ',' delimiter \(column {len(line) + 1}\)"
+    ):
+        build_loader(make_config(tmp_path, data_path=path), sp_tok)

@@ -247,6 +247,7 @@ class Trainer:
                 data_world=getattr(self.ctx, "data_world", 1),
                 seed=t.seed,
             )
+        self.data_report = _data_report(self.loader, self.eval_loader, self.rt.output_dir, t.truncation)
 
         from bmtrain_cli.plan.estimator import memory_warning
 
@@ -616,6 +617,7 @@ class Trainer:
             f"{t.lr_scheduler}, precision {t.precision}, output {self.rt.output_dir}"
             + (f" (resumed from {self.rt.resume_from.name})" if resumed else "")
         )
+        self._say(self.data_report["line"])
         if self.paths.get("heldout") and "accuracy_before" not in self.history:
             acc = self.demo_accuracy()
             if acc is not None:
@@ -727,6 +729,8 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
             "parameters": self.n_params,
+            "rejected_records": self.data_report["rejected"],
+            "overlong_samples": self.data_report["overlong"],
             "checkpoint": str(ckpt),
             "logs": str(self.rt.logs_dir),
         }
@@ -781,12 +785,43 @@ class Trainer:
             f"  throughput       {s['tokens_per_sec']:.0f} tokens/s, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
             file=out,
         )
+        if self.data_report["rejected"]:
+            print(f"  bad records      {self.data_report['rejected_text']}", file=out)
         print(f"  checkpoint       {s['checkpoint']}", file=out)
         print(f"  logs             {s['logs']}  (tensorboard --logdir {s['logs']})", file=out)
         if s.get("plot"):
             print(f"  loss curve       {s['plot']}", file=out)
         print(f"  summary          {self.rt.output_dir / 'summary.json'}", file=out)
         out.flush()
+
+
+def _data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: str) -> Dict[str, Any]:
+    """What the data came to: usable samples, rejected records (on_bad_record: skip) and over-long samples,
+    said at the start and counted in summary.json, so nothing is left out silently."""
+    train = loader.stats()
+    ev = eval_loader.stats() if eval_loader is not None else None
+    rejected = int(train["rejected"]) + (int(ev["rejected"]) if ev else 0)
+    overlong = int(train["overlong"])
+    parts = [f"data: {train['samples']:,} training samples from {train['records']:,} records"]
+    if ev is not None:
+        parts.append(f"{ev['samples']:,} eval samples")
+    rejected_text = ""
+    if rejected:
+        where = [f"{train['rejected']} training record(s) in {output_dir / 'rejected.jsonl'}"]
+        if ev and ev["rejected"]:
+            where.append(f"{ev['rejected']} eval record(s) left out")
+        rejected_text = f"{rejected} skipped (on_bad_record: skip): " + "; ".join(where)
+        parts.append(rejected_text)
+    if overlong:
+        parts.append(
+            f"{overlong} longer than max_seq_len ({'truncated' if truncation == 'left' else 'dropped'})"
+        )
+    return {
+        "rejected": rejected,
+        "overlong": overlong,
+        "rejected_text": rejected_text,
+        "line": "; ".join(parts),
+    }
 
 
 def run_training(loaded: LoadedConfig, stream: Optional[TextIO] = None) -> Dict[str, Any]:

@@ -264,3 +264,27 @@ def test_gradient_checkpointing_gives_identical_training(trained, tmp_path, gran
         assert got.keys() == want.keys()
         assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-5)
         assert grad_norms(tmp_path / "rc") == pytest.approx(grad_norms(src / "out"), rel=1e-4)
+
+
+def test_skipped_bad_records_are_reported(tmp_path):
+    good = [json.dumps({"instruction": f"add {i} and {i}", "output": str(2 * i)}) for i in range(24)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(good[:5] + ['{"instruction": "x"', '{"input": "y"}'] + good[5:]) + "\n")
+    cfg = _config(tmp_path, steps=3)
+    res = _train(
+        "--config",
+        cfg,
+        "--data_path",
+        str(data),
+        "--set",
+        "train_config.demo_data=null",
+        "--set",
+        "train_config.on_bad_record=skip",
+    )
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    assert "24 training samples from 26 records" in res.output
+    assert f"2 skipped (on_bad_record: skip): 2 training record(s) in {out / 'rejected.jsonl'}" in res.output
+    assert json.loads((out / "summary.json").read_text())["rejected_records"] == 2
+    rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejected] == [6, 7]

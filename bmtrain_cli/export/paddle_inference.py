@@ -8,9 +8,12 @@ Serve it with ``paddle.inference.Config(model_file, params_file)`` + ``create_pr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import paddle
@@ -84,6 +87,28 @@ def export_paddle_inference(
     return files
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to descriptor 2 for the duration.
+
+    Paddle Inference's oneDNN passes print lines such as ``ReduceMeanCheckIfOneDNNSupport`` to the C++
+    stdout on the first run; they would otherwise end up in the output of ``bmtrain eval --json`` or
+    ``bmtrain generate`` and break what reads it.
+    """
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class Predictor:
     """A paddle.inference predictor over an export directory: ``logits(input_ids) -> np.ndarray``."""
 
@@ -100,7 +125,8 @@ class Predictor:
             config.disable_gpu()
             config.set_cpu_math_library_num_threads(threads)
         config.disable_glog_info()
-        self.predictor = inference.create_predictor(config)
+        with _native_stdout_to_stderr():
+            self.predictor = inference.create_predictor(config)
         self._input = self.predictor.get_input_handle(self.predictor.get_input_names()[0])
         self._output = self.predictor.get_output_handle(self.predictor.get_output_names()[0])
 
@@ -110,5 +136,6 @@ class Predictor:
             ids = ids[None, :]
         self._input.reshape(list(ids.shape))
         self._input.copy_from_cpu(ids)
-        self.predictor.run()
+        with _native_stdout_to_stderr():
+            self.predictor.run()
         return self._output.copy_to_cpu()

@@ -53,3 +53,21 @@ def test_eval_loss_matches_across_formats(models, heldout, tmp_path):
     assert res["paddle-inference-None"]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert res["hf-int8"]["loss"] == pytest.approx(res["paddle-inference-int8"]["loss"], rel=1e-5)
     assert res["hf-int8"]["loss"] == pytest.approx(ref["loss"], rel=0.02)
+
+
+def test_eval_json_stdout_is_one_json_object_for_paddle_inference(models, heldout, tmp_path):
+    """Paddle Inference's oneDNN passes print to the C++ stdout on the first run; `bmtrain eval --json`
+    must still print exactly one JSON object on stdout (a real process: CliRunner sees Python's stdout
+    only, not file descriptor 1)."""
+    import subprocess
+    import sys
+
+    small = tmp_path / "heldout-8.jsonl"
+    with open(heldout, encoding="utf-8") as f:
+        small.write_text("".join(f.readlines()[:8]), encoding="utf-8")
+    path = models["paddle-inference-int8"]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "eval", "--model_path", str(path), "--data_path", str(small)]
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["tokens"] > 0 and result["loss"] > 0

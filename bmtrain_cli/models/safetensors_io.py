@@ -55,6 +55,16 @@ class SafetensorsFile:
             raise UserError(f"{self.path}: not a readable safetensors file ({exc})") from None
         self.metadata = self.header.pop("__metadata__", None) or {}
         self._offset = 8 + n
+        try:
+            needed = max((int(v["data_offsets"][1]) for v in self.header.values()), default=0)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise UserError(f"{self.path}: not a readable safetensors file (bad header: {exc})") from None
+        have = self.path.stat().st_size - self._offset
+        if needed > have:
+            raise UserError(
+                f"{self.path}: truncated safetensors file (the header describes {needed} bytes of "
+                f"tensor data, the file holds {max(have, 0)}); copy or download it again"
+            )
         self._data: Optional[np.memmap] = None
 
     def names(self) -> List[str]:

@@ -194,3 +194,15 @@ def test_transformers_loads_our_checkpoint(arch, tmp_path):
     theirs = np.load(tmp_path / "hf_logits.npy")
     ours = m(paddle.to_tensor(ids)).numpy()
     assert np.abs(theirs - ours).max() <= 1e-4
+
+
+def test_truncated_weights_are_a_clear_error(tmp_path):
+    """A safetensors file cut short (an interrupted copy) is a UserError naming the file, not a numpy
+    reshape traceback from deep inside the loader."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama_gqa_llama3", d)
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    with pytest.raises(UserError, match="truncated"):
+        load_pretrained(d)

@@ -246,12 +246,28 @@ class CausalLM(nn.Layer):
         return self.model.norm
 
     def init_weights(self) -> None:
-        """Fresh initialisation: normal(0, initializer_range) matrices, zero biases, unit norms."""
+        """Fresh initialisation: normal(0, initializer_range) matrices, zero biases, unit norms.
+
+        A tensor-parallel shard is drawn as the whole tensor (same random numbers, same order as one
+        process) and cut to this rank's slice, so a fresh tp model holds exactly the single-process weights.
+        """
         std = self.arch.initializer_range
         normal, zeros = nn.initializer.Normal(0.0, std), nn.initializer.Constant(0.0)
         ones = nn.initializer.Constant(1.0)
+        tp = int(getattr(self.factory, "tp_degree", 1))
+        tp_rank = int(getattr(self.factory, "tp_rank", 0))
         for name, p in self.named_parameters():
-            if len(p.shape) >= 2:
+            axis = getattr(p, "split_axis", None) if getattr(p, "is_distributed", False) else None
+            if len(p.shape) >= 2 and tp > 1 and axis is not None:
+                shape = list(p.shape)
+                size = shape[int(axis)]
+                shape[int(axis)] = size * tp
+                full = paddle.empty(shape, dtype=p.dtype)
+                normal(full)
+                p.set_value(
+                    paddle.slice(full, axes=[int(axis)], starts=[tp_rank * size], ends=[(tp_rank + 1) * size])
+                )
+            elif len(p.shape) >= 2:
                 normal(p)
             elif name.endswith("norm.weight"):
                 ones(p)

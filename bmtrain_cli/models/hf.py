@@ -65,7 +65,11 @@ def build(
         if kernels == "auto":
             kernels = getattr(cfg_or_arch, "kernels", "auto")
     with _default_dtype(_check_dtype(dtype)):
+        # the initial weights depend only on the random state at this call, not on the draws the layers
+        # make while they are constructed (plain and tensor-parallel layers draw differently)
+        state = paddle.get_rng_state()
         model = CausalLM(arch, factory=factory, kernels=kernels, attention_implementation=attn)
+        paddle.set_rng_state(state)
         model.init_weights()
     return model
 

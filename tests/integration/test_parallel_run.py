@@ -70,6 +70,9 @@ def single(tmp_path_factory):
     [
         ("dp2", ["parallel_config.data_parallel=2"]),
         ("sharding2", ["parallel_config.sharding_parallel=2", "parallel_config.sharding_stage=1"]),
+        # fresh tensor-parallel shards are slices of the single-process initial weights
+        ("tp2", ["parallel_config.tensor_parallel=2"]),
+        ("dp2tp2", ["parallel_config.tensor_parallel=2", "parallel_config.data_parallel=2"]),
     ],
 )
 def test_bmtrain_run_matches_single_process(tmp_path, single, name, overrides):
@@ -105,8 +108,8 @@ def test_bmtrain_run_pipeline_parallel(tmp_path, single):
     ],
 )
 def test_bmtrain_run_tensor_parallel_from_a_checkpoint(tmp_path, single, name, nproc_sets):
-    """Fresh tensor-parallel shards are drawn differently from one process, so start both from the
-    single run's checkpoint; the tp2 checkpoint then loads with tp1 and back."""
+    """Both start from the single run's checkpoint (the loading path splits whole weights); the tp2
+    checkpoint then loads with tp1 and back."""
     from bmtrain_cli.models import load_pretrained
 
     cfg, _ = single
@@ -128,5 +131,7 @@ def test_bmtrain_run_tensor_parallel_from_a_checkpoint(tmp_path, single, name, n
     ckpt = out / "checkpoints" / "step-3"
     whole = load_pretrained(str(ckpt), kernels="reference")  # tp1 reads the tp2 checkpoint
     ref = load_pretrained(str(ref_out / "checkpoints" / "step-3"), kernels="reference")
+    # AdamW normalises each gradient, so an element whose gradient is ~0 moves by up to lr from summation-
+    # order noise alone: 1e-4 (1% of the lr) still catches a wrong shard (its weights are off by ~1e-2)
     for (n, a), (_, b) in zip(whole.state_dict().items(), ref.state_dict().items()):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=2e-5, err_msg=n)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-4, err_msg=n)

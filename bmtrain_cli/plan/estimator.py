@@ -122,6 +122,9 @@ class Workload:
         m, t = config.model, config.train
         if arch is None:
             arch = arch_from_model_config(m, allow_known=True)
+            vocab = tokenizer_vocab_size(config)
+            if vocab and not m.model_name_or_path:  # a fresh model takes its tokenizer's vocabulary
+                arch = replace(arch, vocab_size=vocab)
         targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
         if "all-linear" in targets:
             targets = list(LORA_TARGETS)
@@ -541,6 +544,21 @@ def estimate(
         device = get_device(device)
     w = Workload.from_config(config, arch=arch)
     return estimate_layout(w, layout or Layout.from_config(config), device)
+
+
+def tokenizer_vocab_size(config: Any) -> Optional[int]:
+    """The vocabulary of ``model_config.tokenizer_path`` (the trainer sizes a fresh model by it), or None
+    when there is none to read (a checkpoint's own vocabulary, a tokenizer generated at run time)."""
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.errors import UserError
+
+    path = getattr(config.model, "tokenizer_path", None)
+    if not path or config.model.model_name_or_path:
+        return None
+    try:
+        return int(load_tokenizer(str(path)).vocab_size)
+    except (UserError, OSError, ValueError, RuntimeError):
+        return None
 
 
 def training_arch(config: Any, vocab_size: Optional[int] = None) -> ModelArch:

@@ -149,3 +149,26 @@ def test_memory_warning(seven_b) -> None:
     assert memory_warning(seven_b, device=get_device("A100-80GB")) is None
     msg = memory_warning(seven_b, device=get_device("RTX4090"))
     assert msg is not None and "bmtrain plan" in msg
+
+
+def test_fresh_model_takes_its_tokenizers_vocabulary(tmp_path) -> None:
+    """The trainer sizes a fresh model's embedding and head by the tokenizer: so must the plan."""
+    from bmtrain_cli.data.tokenizers import train_sentencepiece
+
+    texts = [f"record {i} says {'abc' * (i % 7)} and {i * 37 % 101}" for i in range(400)]
+    tok = train_sentencepiece(texts, str(tmp_path / "tok"), vocab_size=300)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(
+        "model_config: {family: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
+        f"  num_attention_heads: 4, max_seq_len: 64, tokenizer_path: {tmp_path / 'tok'}}}\n"
+        f"train_config: {{data_path: {tmp_path / 'x.jsonl'}, output_dir: {tmp_path / 'out'}}}\n"
+    )
+    cfg = load_config(str(cfg_path), mode="validate").config
+    vocab = Workload.from_config(cfg).arch.vocab_size
+    assert vocab == tok.vocab_size != 32000
+    res = CliRunner().invoke(app, ["plan", "--config", str(cfg_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{") :])
+    h, inter, layers = 64, 128, 2
+    want = layers * (4 * h * h + 3 * h * inter + 2 * h) + h + 2 * vocab * h
+    assert out["estimate"]["trainable_parameters"] == want

@@ -72,7 +72,8 @@ def register(app: typer.Typer) -> None:
                 )
             typer.echo(
                 f"{split}: {st['records']} records, {st['samples']} usable, {st['rejected']} rejected, "
-                f"{st['tokens']} tokens in {time.perf_counter() - t0:.2f}s"
+                f"{st['tokens']} tokens after truncation to max_seq_len {cfg.model.max_seq_len} "
+                f"({st['overlong']} samples longer) in {time.perf_counter() - t0:.2f}s"
             )
 
     @app.command("data-stats")

@@ -59,7 +59,7 @@ def format_stats(st: Dict[str, Any]) -> List[str]:
     w = st["padding_waste"]
     lines = [
         f"files: {len(st['files'])}  records: {st['records']}  usable: {st['samples']}  rejected: {st['rejected']}",
-        f"tokens: {st['tokens']} (trained: {st['trained_tokens']})",
+        f"tokens: {st['tokens']} after truncation to max_seq_len (trained: {st['trained_tokens']})",
         "token length: "
         + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ln.items()),
         f"longer than max_seq_len {st['max_seq_len']}: {st['overlong']} "

@@ -30,3 +30,8 @@ def test_prepare_data_then_reuse_and_stats(tmp_path, sp_tok, demo_files, write_y
     assert 0 <= w["packed"] <= w["longest"] <= w["max_length"] < 1
     text = runner.invoke(app, ["data-stats", "--config", cfg])
     assert "padding waste: max_length" in text.output and "token length:" in text.output
+    # the per-file line counts the cached tokens, the summary the tokens left after truncation: say which
+    assert f"{st['tokens']} tokens after truncation to max_seq_len 8 ({st['overlong']} samples longer)" in (
+        again.output
+    )
+    assert f"tokens: {st['tokens']} after truncation to max_seq_len" in text.output

@@ -31,7 +31,8 @@ def resolve_tokenizer(config: Any, tokenizer: Optional[str]) -> Any:
     if out.exists():
         return load_tokenizer(str(out))
     raise UserError(
-        "no tokenizer: set model_config.tokenizer_path (or model_name_or_path), or pass --tokenizer"
+        "no tokenizer: set model_config.tokenizer_path (or model_name_or_path), or pass --tokenizer "
+        f"(for a fresh model, `bmtrain train` trains a sentencepiece tokenizer into {out}, used here after)"
     )
 
 

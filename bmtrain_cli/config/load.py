@@ -266,6 +266,7 @@ def validate_data(data: Dict[str, Any], positions: Dict[Loc, Pos]) -> Config:
                         suggestion=f"`{short}` is a synonym of `{full}`: keep one",
                     )
                 )
+                data.pop(short)  # validate the rest, so every other problem is reported too
                 continue
             data[full] = data.pop(short)
             file_section[full] = short
@@ -283,14 +284,17 @@ def validate_data(data: Dict[str, Any], positions: Dict[Loc, Pos]) -> Config:
             )
         elif name in SECTION_MODELS and section is None:
             data[name] = {}
-    if problems:
+    if any(p.message.startswith("section must be") for p in problems):
         raise ConfigError(problems)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        problems = [_problem_from_pydantic(e, positions, file_section) for e in exc.errors()]
+        problems += [_problem_from_pydantic(e, positions, file_section) for e in exc.errors()]
         partial = _without_bad_fields(data, exc)
         raise ConfigError(problems, partial=partial) from None
+    if problems:
+        raise ConfigError(problems, partial=config)
+    return config
 
 
 def _without_bad_fields(data: Dict[str, Any], exc: ValidationError) -> Optional[Config]:

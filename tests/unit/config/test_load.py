@@ -44,6 +44,18 @@ def test_both_parallel_forms_refused(write_yaml):
     assert probs[0].line == 1
 
 
+def test_both_parallel_forms_still_report_every_other_problem(write_yaml):
+    probs, text = problems_of(
+        write_yaml(
+            "parallel:\n  data_parallel: 2\nparallel_config:\n  tensor_parallel: 3\n"
+            "modle_config:\n  family: llama\n"
+        )
+    )
+    assert "both `parallel` and `parallel_config`" in text
+    assert "unknown key 'modle_config' (did you mean model_config?)" in text
+    assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in text
+
+
 def test_unknown_key_with_suggestion_and_position(write_yaml):
     path = write_yaml("parallel_config:\n  data_parallel: 2\n  tensor_paralel: 2\n")
     probs, text = problems_of(path)

@@ -15,7 +15,9 @@ def export(
         ..., "--checkpoint", "-c", help="A step-N checkpoint, a checkpoints directory or a run's output_dir."
     ),
     output: str = typer.Option(..., "--output", "-o", help="Directory to write the export into."),
-    fmt: str = typer.Option("paddle-inference", "--format", "-f", help="paddle-inference or hf."),
+    fmt: Optional[str] = typer.Option(
+        None, "--format", "-f", help="paddle-inference (default) or hf; with --no-merge: the PEFT layout."
+    ),
     quantize: Optional[str] = typer.Option(
         None, "--quantize", "-q", help="int8: weight-only INT8, per-output-channel symmetric scales."
     ),

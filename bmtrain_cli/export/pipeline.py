@@ -109,7 +109,7 @@ def _weight_bytes(out: Path, fmt: str) -> int:
 def export_checkpoint(
     checkpoint: str,
     output: str,
-    fmt: str = "paddle-inference",
+    fmt: Optional[str] = None,
     quantize: Optional[str] = None,
     eval_data: Optional[str] = None,
     overwrite: bool = False,
@@ -120,8 +120,14 @@ def export_checkpoint(
     merge: bool = True,
 ) -> ExportResult:
     """Export ``checkpoint`` to ``output`` (see the module docstring). UserError for anything the user can
-    fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data."""
-    fmt = normalize_format(fmt)
+    fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data.
+    ``fmt`` None means paddle-inference (with ``merge``) or the PEFT adapter layout (without)."""
+    if not merge and (quantize or (fmt is not None and normalize_format(fmt) != "hf")):
+        raise UserError(
+            "--no-merge writes the LoRA adapters alone in the Hugging Face PEFT layout (fp32); "
+            "--format paddle-inference and --quantize need merged weights: drop --no-merge"
+        )
+    fmt = normalize_format(fmt or "paddle-inference")
     if quantize is not None and quantize.lower() not in QUANTIZE:
         raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
     quantize = quantize.lower() if quantize else None

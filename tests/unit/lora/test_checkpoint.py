@@ -144,6 +144,19 @@ def test_export_no_merge_writes_peft(lora_ckpt, tmp_path, ids):
     np.testing.assert_allclose(_logits(again, ids), _logits(lora_ckpt["model"], ids), atol=1e-6)
 
 
+@pytest.mark.parametrize("extra", [["--quantize", "int8"], ["--format", "paddle-inference"]])
+def test_export_no_merge_refuses_what_it_cannot_write(lora_ckpt, tmp_path, extra):
+    """--no-merge writes fp32 PEFT adapters; asking for INT8 or a Paddle Inference graph at the same time
+    is an error, not a silently different export."""
+    out = tmp_path / "x"
+    r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(out), "--no-merge", *extra)
+    assert r.exit_code == 2 and "drop --no-merge" in text and "Traceback" not in text
+    assert not out.exists()
+    r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(out), "--no-merge", "--format", "hf")
+    assert r.exit_code == 0, text
+    assert (out / "adapter_model.safetensors").is_file()
+
+
 def test_export_missing_base_is_a_clear_error(lora_ckpt, tmp_path):
     shutil.rmtree(lora_ckpt["base"])
     r, text = _export("-c", str(lora_ckpt["ckpt"]), "-o", str(tmp_path / "x"), "--format", "hf")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -290,18 +290,22 @@ def validate_data(data: Dict[str, Any], positions: Dict[Loc, Pos]) -> Config:
         config = Config.model_validate(data)
     except ValidationError as exc:
         problems += [_problem_from_pydantic(e, positions, file_section) for e in exc.errors()]
-        partial = _without_bad_fields(data, exc)
-        raise ConfigError(problems, partial=partial) from None
+        partial, emptied = _without_bad_fields(data, exc)
+        err = ConfigError(problems, partial=partial)
+        err.emptied_sections = emptied  # type: ignore[attr-defined]
+        raise err from None
     if problems:
         raise ConfigError(problems, partial=config)
     return config
 
 
-def _without_bad_fields(data: Dict[str, Any], exc: ValidationError) -> Optional[Config]:
+def _without_bad_fields(data: Dict[str, Any], exc: ValidationError) -> Tuple[Optional[Config], Set[str]]:
     """Best effort: the config with every failing field dropped, so cross-field checks still run and
-    the user sees all problems at once."""
+    the user sees all problems at once. Also returns the sections replaced by their defaults (an error of
+    the section as a whole): cross-field checks on those would judge defaults, not the user's values."""
     import copy
 
+    emptied: Set[str] = set()
     pruned = copy.deepcopy(data)
     for e in exc.errors():
         loc = [str(x) for x in e["loc"]]
@@ -312,12 +316,15 @@ def _without_bad_fields(data: Dict[str, Any], exc: ValidationError) -> Optional[
                 break
         if isinstance(node, dict) and loc and loc[-1] in node:
             del node[loc[-1]]
+            if len(loc) == 1:
+                emptied.add(loc[0])
         elif len(loc) == 1 and loc[0] in pruned:
             pruned[loc[0]] = {}
+            emptied.add(loc[0])
     try:
-        return Config.model_validate(pruned)
+        return Config.model_validate(pruned), emptied
     except ValidationError:
-        return None
+        return None, emptied
 
 
 def load_config(
@@ -354,6 +361,7 @@ def load_config(
             raise ConfigError([Problem(f"cannot read: {exc.strerror}", file=source)]) from None
     data, positions = parse_yaml(text, source)
     data = apply_overrides(data, positions, overrides)
+    emptied: Set[str] = set()
     try:
         config = validate_data(data, positions)
         early: List[Problem] = []
@@ -361,7 +369,10 @@ def load_config(
         if exc.partial is None:
             raise
         config, early = exc.partial, exc.problems
+        emptied = getattr(exc, "emptied_sections", set())
     problems = check_config(config, mode=mode, world_size=world_size, has_gpu=has_gpu)
+    if early and emptied:
+        problems = [p for p in problems if not (p.path and p.path.split(".")[0] in emptied)]
     file_section = (
         {"parallel_config": "parallel"} if "parallel" in data and "parallel_config" not in data else {}
     )

@@ -160,3 +160,13 @@ def test_derived_values(write_yaml):
     d = derive(load_config(write_yaml(text)).config)
     assert d.grad_accum_steps == 8 and d.world_size == 8 and d.global_batch_size == 64
     assert d.learning_rate == pytest.approx(1e-4 * 64 / 256)
+
+
+def test_section_level_error_gives_no_false_cross_field_problems(write_yaml):
+    # a whole-section error (data_weights vs data_path) must not be followed by checks run on that
+    # section's defaults ("no training data" although data_path is set)
+    path = write_yaml("train_config:\n  data_path: [a.jsonl, b.jsonl]\n  data_weights: [1, 2, 3]\n")
+    probs, text = problems_of(path, ["parallel_config.tensor_parallel=3"], mode="train")
+    assert "data_weights has 3 entries but data_path has 2" in text
+    assert "no training data" not in text
+    assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in text

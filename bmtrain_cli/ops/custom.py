@@ -19,12 +19,21 @@ from paddle.autograd import PyLayer
 
 from bmtrain_cli.ops.build import load_extension
 
-IGNORE_INDEX = -100
+try:  # True while paddle.jit.to_static's SOT translator simulates the code (Paddle >= 3.0)
+    from paddle.base.dygraph.base import in_sot_simulation_mode
+except ImportError:  # pragma: no cover - older Paddle: only the AST translator, seen by in_dynamic_mode
+
+    def in_sot_simulation_mode() -> bool:
+        return False
+
+
+IGNORE_INDEX = -100  # spelled -100 in the signatures: to_static(full_graph=True) cannot resolve it there
 # Logits elements per chunk of the fused linear + cross-entropy (fp32: 32 MiB).
 CHUNK_ELEMENTS = 1 << 23
 _FLOATS = (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
 
 
+@paddle.jit.not_to_static  # to_static(full_graph=True) must call the loader, not translate it
 def _ext():
     return load_extension()
 
@@ -33,6 +42,23 @@ def _on_cpu() -> bool:
     # The expected device, not ``t.place``: a tensor's place is not readable while paddle.jit.to_static
     # traces the model (SOT), and the checks must work in both modes.
     return not paddle.is_compiled_with_cuda() or paddle.get_device() == "cpu"
+
+
+def _traced() -> bool:
+    """Whether paddle.jit.to_static is tracing this call (SOT simulation or a static-graph program)."""
+    return in_sot_simulation_mode() or not paddle.in_dynamic_mode()
+
+
+@paddle.jit.not_to_static
+def _dims_differ(a, b) -> bool:
+    """Whether two shapes differ; a dimension unknown while to_static traces (-1, or a shape tensor under
+    full_graph=True) matches anything."""
+
+    def known(x) -> bool:
+        return isinstance(x, int) and x >= 0
+
+    a, b = list(a), list(b)
+    return len(a) != len(b) or any(known(x) and known(y) and x != y for x, y in zip(a, b))
 
 
 def _need_float(name: str, op: str, t: paddle.Tensor) -> None:
@@ -46,13 +72,15 @@ def _need_float(name: str, op: str, t: paddle.Tensor) -> None:
 
 
 def _contig(t: paddle.Tensor) -> paddle.Tensor:
+    if _traced():  # a static program's values are dense (and have no is_contiguous)
+        return t
     return t if t.is_contiguous() else t.contiguous()
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """Fused RMSNorm over the last axis (same result as reference.rms_norm)."""
     _need_float("x", "rms_norm", x)
-    if x.ndim < 1 or list(weight.shape) != [x.shape[-1]]:
+    if x.ndim < 1 or _dims_differ(weight.shape, [x.shape[-1]]):
         raise ValueError(
             f"rms_norm: weight must be [{x.shape[-1] if x.ndim else '?'}], got {list(weight.shape)}"
         )
@@ -74,9 +102,14 @@ def rotary(
     if cos.ndim == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
     b, s, _, d = q.shape
-    if d % 2 or list(k.shape[:2]) != [b, s] or k.shape[3] != d:
+    if d % 2 or _dims_differ(k.shape[:2], [b, s]) or _dims_differ(k.shape[3:], [d]):
         raise ValueError(f"rotary: k {k.shape} does not match q {q.shape} (head_dim must be even)")
-    if cos.ndim != 3 or list(cos.shape[1:]) != [s, d] or cos.shape[0] not in (1, b) or sin.shape != cos.shape:
+    if (
+        cos.ndim != 3
+        or _dims_differ(cos.shape[1:], [s, d])
+        or (_dims_differ(cos.shape[:1], [1]) and _dims_differ(cos.shape[:1], [b]))
+        or _dims_differ(sin.shape, cos.shape)
+    ):
         raise ValueError(f"rotary: cos/sin must be [{b} or 1, {s}, {d}], got {cos.shape} and {sin.shape}")
     if k.dtype != q.dtype:
         k = k.astype(q.dtype)
@@ -89,7 +122,7 @@ def rotary(
 def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
     """Fused silu(gate) * up."""
     _need_float("gate", "swiglu", gate)
-    if gate.shape != up.shape:
+    if _dims_differ(gate.shape, up.shape):
         raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have the same shape")
     if up.dtype != gate.dtype:
         up = up.astype(gate.dtype)
@@ -98,7 +131,7 @@ def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
 
 def _check_labels(op: str, labels: paddle.Tensor, rows: int) -> paddle.Tensor:
     labels = labels.reshape([-1])
-    if labels.shape[0] != rows:
+    if _dims_differ(labels.shape, [rows]):
         raise ValueError(f"{op}: {labels.shape[0]} labels for {rows} rows")
     if labels.dtype != paddle.int64:
         labels = labels.astype("int64")
@@ -114,27 +147,26 @@ class _CrossEntropySum(PyLayer):
     def forward(ctx, logits, labels, ignore_index):
         lf = logits.astype(_logits_dtype(logits))
         loss, dlogits = _ext().bmt_softmax_xent(_contig(lf), labels, int(ignore_index))
-        count = (labels != ignore_index).astype("float32").sum()
-        ctx.mark_non_differentiable(count)
         ctx.save_for_backward(dlogits)
         ctx.in_dtype = logits.dtype
-        return loss.sum().astype("float32"), count
+        return loss.sum().astype("float32")  # the count is computed outside: no mark_non_differentiable
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_count):
+    def backward(ctx, grad_loss):
         (dlogits,) = ctx.saved_tensor()
         return (dlogits * grad_loss.astype(dlogits.dtype)).astype(ctx.in_dtype), None
 
 
 def cross_entropy_sum(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """(fp32 sum of token losses over non-ignored labels, fp32 count), with one fused softmax-xent pass."""
     _need_float("logits", "cross_entropy_sum", logits)
     logits = logits.reshape([-1, logits.shape[-1]])
     labels = _check_labels("cross_entropy_sum", labels, logits.shape[0])
     if paddle.is_grad_enabled() and not logits.stop_gradient:
-        return _CrossEntropySum.apply(logits, labels, ignore_index)
+        count = (labels != ignore_index).astype("float32").sum()
+        return _CrossEntropySum.apply(logits, labels, ignore_index), count
     lf = _contig(logits.astype(_logits_dtype(logits)))
     loss = _ext().bmt_softmax_xent_loss(lf, labels, int(ignore_index))
     return loss.sum().astype("float32"), (labels != ignore_index).astype("float32").sum()
@@ -190,7 +222,7 @@ def linear_cross_entropy(
     hidden: paddle.Tensor,
     weight: paddle.Tensor,
     labels: paddle.Tensor,
-    ignore_index: int = IGNORE_INDEX,
+    ignore_index: int = -100,
     transpose_weight: bool = False,
     chunk_tokens: Optional[int] = None,
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -206,13 +238,18 @@ def linear_cross_entropy(
             f"{op}: hidden must be [tokens, hidden] and weight 2-D, got {hidden.shape}, {weight.shape}"
         )
     h_dim = weight.shape[1] if transpose_weight else weight.shape[0]
-    if h_dim != hidden.shape[1]:
+    if _dims_differ([h_dim], [hidden.shape[1]]):
         layout = "[vocab, hidden]" if transpose_weight else "[hidden, vocab]"
         raise ValueError(f"{op}: weight {weight.shape} ({layout}) does not match hidden {hidden.shape}")
     labels = _check_labels(op, labels, hidden.shape[0])
     if weight.dtype != hidden.dtype:
         weight = weight.astype(hidden.dtype)
     hidden, weight = _contig(hidden), _contig(weight)
+    if _traced():
+        # The chunk loop writes the gradients in place inside a PyLayer, which a static program cannot
+        # express (to_static turns add_/setitem into copies): whole logits + the fused softmax-xent instead.
+        logits = paddle.matmul(hidden, weight, transpose_y=transpose_weight)
+        return cross_entropy_sum(logits, labels, ignore_index)
     if paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient):
         return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, transpose_weight, chunk_tokens)
     ext = _ext()

@@ -135,10 +135,24 @@ PD_BUILD_OP(bmt_rms_norm)
     .SetInferShapeFn(PD_INFER_SHAPE(RmsNormInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormInferDtype));
 
+// Grad ops with several inputs or outputs need their own infer functions, or paddle.jit.to_static cannot
+// build the backward program (dygraph does not need them).
+std::vector<std::vector<int64_t>> RmsNormGradInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                        const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  return {x, w};
+}
+
+std::vector<paddle::DataType> RmsNormGradInferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                                    const paddle::DataType&, const paddle::DataType&) {
+  return {x, w};
+}
+
 PD_BUILD_GRAD_OP(bmt_rms_norm)
     .Inputs({"X", "W", "Rstd", paddle::Grad("Y")})
     .Outputs({paddle::Grad("X"), paddle::Grad("W")})
-    .SetKernelFn(PD_KERNEL(RmsNormBackward));
+    .SetKernelFn(PD_KERNEL(RmsNormBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormGradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormGradInferDtype));
 
 // ------------------------------------------------------------------ rotary
 namespace {
@@ -220,11 +234,24 @@ PD_BUILD_OP(bmt_rotary)
     .SetInferShapeFn(PD_INFER_SHAPE(RotaryInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RotaryInferDtype));
 
+std::vector<std::vector<int64_t>> RotaryGradInferShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                       const std::vector<int64_t>& dq,
+                                                       const std::vector<int64_t>& dk) {
+  return {dq, dk};
+}
+
+std::vector<paddle::DataType> RotaryGradInferDtype(const paddle::DataType&, const paddle::DataType&,
+                                                   const paddle::DataType& dq, const paddle::DataType& dk) {
+  return {dq, dk};
+}
+
 PD_BUILD_GRAD_OP(bmt_rotary)
     .Inputs({"Cos", "Sin", paddle::Grad("QOut"), paddle::Grad("KOut")})
     .Outputs({paddle::Grad("Q"), paddle::Grad("K")})
     .Attrs({"q_heads: int", "k_heads: int"})
-    .SetKernelFn(PD_KERNEL(RotaryBackward));
+    .SetKernelFn(PD_KERNEL(RotaryBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RotaryGradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RotaryGradInferDtype));
 
 // ------------------------------------------------------------------ SwiGLU
 std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& gate, const paddle::Tensor& up) {
@@ -278,10 +305,22 @@ PD_BUILD_OP(bmt_swiglu)
     .SetInferShapeFn(PD_INFER_SHAPE(SwigluInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(SwigluInferDtype));
 
+std::vector<std::vector<int64_t>> SwigluGradInferShape(const std::vector<int64_t>& g, const std::vector<int64_t>& u,
+                                                       const std::vector<int64_t>&) {
+  return {g, u};
+}
+
+std::vector<paddle::DataType> SwigluGradInferDtype(const paddle::DataType& g, const paddle::DataType& u,
+                                                   const paddle::DataType&) {
+  return {g, u};
+}
+
 PD_BUILD_GRAD_OP(bmt_swiglu)
     .Inputs({"Gate", "Up", paddle::Grad("Out")})
     .Outputs({paddle::Grad("Gate"), paddle::Grad("Up")})
-    .SetKernelFn(PD_KERNEL(SwigluBackward));
+    .SetKernelFn(PD_KERNEL(SwigluBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(SwigluGradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(SwigluGradInferDtype));
 
 // ------------------------------------------------------------------ softmax cross-entropy (one chunk)
 namespace {

@@ -25,9 +25,12 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
         raise UserError(f"--model_path {model_path} is not a directory")
     from bmtrain_cli.data.tokenizers import load_tokenizer
     from bmtrain_cli.export.hf import is_quantized, load_quantized
-    from bmtrain_cli.export.loading import is_paddle_inference_export, load_for_inference
+    from bmtrain_cli.export.loading import is_paddle_inference_export, load_for_inference, resolve_checkpoint
+    from bmtrain_cli.lora.checkpoint import is_lora_checkpoint
     from bmtrain_cli.models import load_pretrained
 
+    if (model_path / "checkpoints").is_dir() or (model_path / "latest").exists():
+        model_path = resolve_checkpoint(str(model_path))  # a run's output_dir or checkpoints dir: the latest
     tok_src = tokenizer_path or model_path
     try:
         tokenizer = load_tokenizer(str(tok_src))
@@ -35,6 +38,10 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
         raise UserError(f"{exc} (pass --tokenizer_path if the tokenizer lives elsewhere)") from None
     if is_paddle_inference_export(model_path):  # bmtrain export --format paddle-inference
         model = load_for_inference(str(model_path))
+    elif is_lora_checkpoint(model_path):  # LoRA adapters (+ the recorded base): merged for inference
+        from bmtrain_cli.lora.checkpoint import load_lora_checkpoint
+
+        model = load_lora_checkpoint(model_path, merge=True, dtype=dtype)
     elif is_quantized(model_path):  # bmtrain export --format hf --quantize int8
         model = load_quantized(str(model_path))
     else:

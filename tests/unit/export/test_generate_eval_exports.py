@@ -71,3 +71,16 @@ def test_eval_json_stdout_is_one_json_object_for_paddle_inference(models, heldou
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["tokens"] > 0 and result["loss"] > 0
+
+
+def test_eval_accepts_a_run_dir_and_its_checkpoints_dir(models, trained_run, heldout, tmp_path):
+    """--model_path may name the run's output_dir or its checkpoints dir (the latest step is used), as
+    for `bmtrain export`."""
+    small = tmp_path / "heldout-8.jsonl"
+    with open(heldout, encoding="utf-8") as f:
+        small.write_text("".join(f.readlines()[:8]), encoding="utf-8")
+    res = [
+        json.loads(_cmd("eval", "--model_path", str(p), "--data_path", str(small), "--json"))["loss"]
+        for p in (models["checkpoint"], trained_run, trained_run / "checkpoints")
+    ]
+    assert res[1] == res[0] and res[2] == res[0]

@@ -144,6 +144,46 @@ def test_export_no_merge_writes_peft(lora_ckpt, tmp_path, ids):
     np.testing.assert_allclose(_logits(again, ids), _logits(lora_ckpt["model"], ids), atol=1e-6)
 
 
+def test_generate_and_eval_open_a_lora_checkpoint(lora_ckpt, tmp_path):
+    """`bmtrain eval/generate --model_path` on a LoRA checkpoint (adapters + recorded base) merge it:
+    the same loss as the merged hf export, and not the base model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from bmtrain_cli.cli import app
+
+    ckpt = lora_ckpt["ckpt"]
+    data = tmp_path / "data" / "heldout.jsonl"
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(data.read_text(encoding="utf-8").splitlines(True)[:16]), encoding="utf-8")
+    # a tokenizer that fits the tiny model's 96-token vocabulary (the fixture's has byte pieces)
+    for f in ckpt.glob("tokenizer*"):
+        f.unlink()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=90, limit_alphabet=60, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(data.read_text(encoding="utf-8").splitlines(), trainer)
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    merged = tmp_path / "merged"
+    r, text = _export("-c", str(ckpt), "-o", str(merged), "--format", "hf")
+    assert r.exit_code == 0, text
+
+    def loss(path, *extra):
+        r = CliRunner().invoke(
+            app, ["eval", "--model_path", str(path), "--data_path", str(small), "--json", *extra]
+        )
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["loss"]
+
+    want = loss(merged)
+    assert loss(ckpt) == pytest.approx(want, rel=1e-5)
+    assert abs(loss(lora_ckpt["base"], "--tokenizer_path", str(ckpt)) - want) > 1e-3
+    r = CliRunner().invoke(
+        app, ["generate", "--model_path", str(ckpt), "--prompt", "ab", "--max_new_tokens", "3"]
+    )
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize("extra", [["--quantize", "int8"], ["--format", "paddle-inference"]])
 def test_export_no_merge_refuses_what_it_cannot_write(lora_ckpt, tmp_path, extra):
     """--no-merge writes fp32 PEFT adapters; asking for INT8 or a Paddle Inference graph at the same time

@@ -200,6 +200,16 @@ def check_config(
                     f"unknown target module {name!r}",
                     f"available: {', '.join(LORA_TARGETS)}, all-linear",
                 )
+        if arch is not None:  # names this architecture does not have (Baichuan fuses q/k/v into W_pack)
+            absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
+            present = [n for n in LORA_TARGETS if n not in absent]
+            for name in targets:
+                if name in absent:
+                    err(
+                        "train_config.lora_target_modules",
+                        f"target module not in this model ({arch.family}): {name!r}",
+                        f"available: {', '.join(present)}, all-linear",
+                    )
 
     # --- data
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:

@@ -113,3 +113,19 @@ def test_missing_checkpoint_is_error_in_train_only(write_yaml, tmp_path):
     assert load_config(path).warnings
     text, _ = error_text(write_yaml, open(path).read(), mode="train")
     assert "does not exist" in text
+
+
+def test_lora_target_not_in_this_architecture(write_yaml):
+    """validate-config refuses a projection the model does not have, as training would (not 'OK' with
+    0 trainable parameters)."""
+    text, _ = error_text(
+        write_yaml, "train_config:\n  finetuning: lora\n  lora_target_modules: [q_proj, W_pack]\n"
+    )
+    assert "target module not in this model (llama): 'W_pack'" in text and "q_proj" in text
+    baichuan = "model_config:\n  family: baichuan\ntrain_config:\n  finetuning: lora\n  lora_target_modules: "
+    text, _ = error_text(write_yaml, baichuan + "[q_proj]\n")
+    assert "not in this model (baichuan): 'q_proj'" in text and "W_pack" in text
+    assert load_config(write_yaml(baichuan + "[W_pack, o_proj]\n")).config.train.lora_target_modules == [
+        "W_pack",
+        "o_proj",
+    ]

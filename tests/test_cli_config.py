@@ -23,6 +23,22 @@ def test_version_and_help():
         assert runner.invoke(app, [cmd, "--help"]).exit_code == 0
 
 
+def test_every_command_has_help():
+    names = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+    assert {"train", "run", "prepare-data", "data-stats", "validate-config", "schema"} <= set(names)
+    for cmd in names:
+        r = runner.invoke(app, [cmd, "--help"])
+        assert r.exit_code == 0 and "Usage" in r.output, (cmd, r.output)
+
+
+def test_fresh_model_vocab_is_said_to_be_assumed(repo_root):
+    r = runner.invoke(app, ["validate-config", str(repo_root / "configs/quickstart.yaml")])
+    assert r.exit_code == 0 and "vocab 32000 (assumed)" in r.output
+    assert "takes its tokenizer's vocabulary" in r.output
+    r = runner.invoke(app, ["validate-config", str(repo_root / "configs/llama2-7b-sft-8gpu.yaml")])
+    assert "(assumed)" not in r.output
+
+
 def test_validate_ok_prints_summary(repo_root):
     r = runner.invoke(app, ["validate-config", str(repo_root / "configs/llama2-7b-sft-8gpu.yaml")])
     assert r.exit_code == 0, r.output

@@ -79,11 +79,19 @@ def format_summary(config: Config, source: str) -> List[str]:
     s = summarize(config)
     lines = [f"config {source}: OK"]
     if "parameters" in s:
+        m = config.model
+        vocab_assumed = m.model_name_or_path is None and m.vocab_size is None
         lines.append(
             f"  model      {s['family']} ({s['source']}): hidden {s['hidden_size']}, layers {s['num_hidden_layers']}, "
-            f"heads {s['num_attention_heads']}/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}, "
-            f"{s['parameters']:,} parameters"
+            f"heads {s['num_attention_heads']}/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}"
+            + (" (assumed)" if vocab_assumed else "")
+            + f", {s['parameters']:,} parameters"
         )
+        if vocab_assumed:
+            lines.append(
+                "             (a fresh model takes its tokenizer's vocabulary when training starts; set "
+                "model_config.vocab_size to fix it)"
+            )
         if "trainable_parameters" in s:
             lines.append(
                 f"  lora       rank {config.train.lora_rank}: {s['trainable_parameters']:,} trainable parameters "

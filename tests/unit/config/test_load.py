@@ -170,3 +170,14 @@ def test_section_level_error_gives_no_false_cross_field_problems(write_yaml):
     assert "data_weights has 3 entries but data_path has 2" in text
     assert "no training data" not in text
     assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in text
+
+
+def test_boolean_for_a_number_is_refused(write_yaml):
+    # pydantic's lax mode would read `data_parallel: yes` as 1
+    probs, text = problems_of(write_yaml("parallel_config:\n  data_parallel: yes\n"))
+    (p,) = probs
+    assert p.path == "parallel_config.data_parallel" and p.line == 2
+    assert "got the boolean true" in text
+    # boolean fields and fields that take a boolean among other values still do
+    cfg = load_config(write_yaml("train_config:\n  gradient_checkpointing: yes\n")).config
+    assert cfg.train.gradient_checkpointing is True

@@ -29,6 +29,14 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
     from bmtrain_cli.lora.checkpoint import is_lora_checkpoint
     from bmtrain_cli.models import load_pretrained
 
+    if dtype in ("bfloat16", "float16"):
+        from bmtrain_cli.config.env import paddle_has_gpu
+
+        if not paddle_has_gpu(import_paddle=True):
+            raise UserError(
+                f"--dtype {dtype} needs a GPU: Paddle's CPU build has no {dtype} matmul or norm kernels; "
+                "use --dtype float32 here"
+            )
     if (model_path / "checkpoints").is_dir() or (model_path / "latest").exists():
         model_path = resolve_checkpoint(str(model_path))  # a run's output_dir or checkpoints dir: the latest
     tok_src = tokenizer_path or model_path

@@ -178,3 +178,14 @@ def test_command_errors(model_dir, tmp_path):
         app, ["eval", "--model_path", str(model_dir), "--data_path", str(tmp_path / "none.jsonl")]
     )
     assert r.exit_code == 2
+
+
+def test_half_precision_on_cpu_is_a_clear_error(model_dir):
+    from bmtrain_cli.config.env import paddle_has_gpu
+
+    if paddle_has_gpu(import_paddle=True):
+        pytest.skip("a GPU is present: half precision is allowed")
+    r = CliRunner().invoke(
+        app, ["generate", "--model_path", str(model_dir), "--prompt", "x", "--dtype", "bfloat16"]
+    )
+    assert r.exit_code == 2 and "needs a GPU" in r.output and "Traceback" not in r.output

@@ -40,12 +40,24 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(2) from None
         except UserError as exc:
             typer.echo(f"error: {exc}", err=True)
+            _record_rank_failure(f"{type(exc).__name__}: {exc}")
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _record_rank_failure(message: str) -> None:
+    """Under a distributed launch, mark this rank's status record failed with the message, so that
+    `bmtrain run` blames this rank (not a peer the launcher stopped afterwards)."""
+    faults = sys.modules.get("bmtrain_cli.parallel.faults")  # loaded only when a watchdog may run
+    if faults is not None:
+        try:
+            faults.mark_failed(message[:2000])
+        except OSError:
+            pass
 
 
 def overrides(values: Optional[List[str]]) -> List[str]:

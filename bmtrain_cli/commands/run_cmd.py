@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
 
         extra = list(ctx.args)
         overrides, passed = split_train_args(extra)
-        loaded = load_config(config, overrides, mode="validate")
+        # the ranks start on this machine: refuse here what they would refuse (bf16 on a CPU-only Paddle, a
+        # missing checkpoint or data path) instead of starting every process to fail the same way
+        loaded = load_config(config, overrides, mode="validate" if dry_run else "train")
         plan = plan_launch(
             loaded.config,
             ["--config", config] + passed,

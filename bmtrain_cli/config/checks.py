@@ -190,6 +190,21 @@ def check_config(
             else:
                 warn("train_config.precision", msg + "; training on this machine would refuse")
 
+    # --- sharding stage 2/3 (Paddle's group-sharded API refuses the CPU build)
+    if p.sharding_parallel > 1 and p.sharding_stage in (2, 3):
+        gpu = paddle_has_gpu() if has_gpu is None else has_gpu
+        if not gpu:
+            msg = (
+                f"sharding_stage {p.sharding_stage}"
+                + (" with offload" if p.offload_optimizer or p.offload_params else "")
+                + " needs a GPU build of Paddle (group_sharded_parallel supports only gpu, xpu and custom "
+                "devices)"
+            )
+            if strict:
+                err("parallel_config.sharding_stage", msg, "use sharding_stage: 1 on this machine")
+            else:
+                warn("parallel_config.sharding_stage", msg + "; training on this machine would refuse")
+
     # --- LoRA
     if t.finetuning == "lora":
         targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules

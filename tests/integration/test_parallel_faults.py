@@ -31,7 +31,14 @@ def _run(tmp_path: Path, mode: str, capfd) -> tuple:
     return rc, elapsed, err, plan
 
 
-@pytest.mark.parametrize("mode,what", [("raise", "raised: ValueError: injected failure"), ("kill", "died")])
+@pytest.mark.parametrize(
+    "mode,what",
+    [
+        ("raise", "raised: ValueError: injected failure"),
+        ("usererror", "raised: UserError: injected refusal"),  # exit 2 through user_errors, not "died"
+        ("kill", "died"),
+    ],
+)
 def test_failing_rank_is_named(tmp_path, capfd, mode, what):
     rc, elapsed, err, plan = _run(tmp_path, mode, capfd)
     assert rc != 0

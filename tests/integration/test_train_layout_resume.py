@@ -97,7 +97,8 @@ def test_tp2_resume_reuses_per_rank_optimizer_state_and_tp1_restarts_moments(tmp
 @pytest.mark.parametrize("stage,offload", [(2, False), (3, True)], ids=["stage2", "stage3-offload"])
 def test_group_sharded_stages_refuse_cpu_with_a_clear_message(tmp_path, stage, offload):
     """Sharding stage 2/3 go through ctx.wrap_model_and_optimizer (group_sharded_parallel), which the CPU
-    build of Paddle cannot run: the trainer stops with the parallel layer's message and exit code 2."""
+    build of Paddle cannot run: `bmtrain run` refuses before launching, with exit code 2 (the ranks' config
+    check and the parallel layer refuse the same way when launched directly)."""
     cfg = tmp_path / "sharded.yaml"
     cfg.write_text(CONFIG.format(out=tmp_path / "out").replace("tensor_parallel: 2", "sharding_parallel: 2"))
     sets = ["--set", f"parallel_config.sharding_stage={stage}", "--set", "train_config.global_batch_size=8"]

@@ -1,5 +1,5 @@
 """Worker for test_parallel_faults.py: 2 data-parallel ranks all-reduce once per step; at step 3 rank 1
-misbehaves as told by --mode (raise | kill | hang)."""
+misbehaves as told by --mode (raise | usererror | kill | hang)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,20 @@ for step in range(8):
     if ctx.rank == 1 and step == 3:
         if a.mode == "raise":
             raise ValueError("injected failure on rank 1")
+        if a.mode == "usererror":  # what a command does with a UserError: message, exit 2, no traceback
+            import typer
+
+            from bmtrain_cli.commands.common import user_errors
+            from bmtrain_cli.errors import UserError
+
+            @user_errors
+            def refuse() -> None:
+                raise UserError("injected refusal on rank 1")
+
+            try:
+                refuse()
+            except typer.Exit as exc:
+                sys.exit(exc.exit_code)
         if a.mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if a.mode == "hang":

@@ -129,3 +129,15 @@ def test_lora_target_not_in_this_architecture(write_yaml):
         "W_pack",
         "o_proj",
     ]
+
+
+def test_sharding_stage_2_without_gpu_warns_in_validate_refuses_in_train(write_yaml):
+    path = write_yaml(
+        "train_config:\n  data_path: x.jsonl\nparallel_config:\n  sharding_parallel: 2\n  sharding_stage: 2\n"
+    )
+    loaded = load_config(path, has_gpu=False)
+    assert any("sharding_stage 2 needs a GPU build" in w.message for w in loaded.warnings)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, mode="train", has_gpu=False)
+    assert "use sharding_stage: 1" in str(info.value)
+    assert load_config(path, mode="train", has_gpu=True).warnings == []

@@ -150,3 +150,22 @@ def test_failure_summary_names_a_killed_rank(tmp_path):
     )
     msg = failure_summary(plan)
     assert "rank 1 died" in msg and "w1" in msg
+
+
+def test_run_refuses_what_the_ranks_would_refuse_before_launching(tmp_path, monkeypatch):
+    import bmtrain_cli.config.env as env
+
+    monkeypatch.setattr(env, "paddle_has_gpu", lambda: False)
+    monkeypatch.setattr("bmtrain_cli.config.checks.paddle_has_gpu", lambda: False)
+    launched = []
+    monkeypatch.setattr("bmtrain_cli.parallel.launch.run_plan", lambda plan, **kw: launched.append(plan) or 0)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "parallel_config:\n  data_parallel: 2\ntrain_config:\n  data_path: x.jsonl\n  output_dir: "
+        + str(tmp_path / "o")
+        + "\n  precision: bf16\n"
+    )
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg)])
+    assert res.exit_code == 2 and "use precision: fp32" in res.output and not launched
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--dry_run"])  # only prints the command
+    assert res.exit_code == 0 and "--nproc_per_node 2" in res.output

@@ -129,7 +129,11 @@ def _build(verbose: bool) -> ModuleType:
         raise KernelBuildError("no C++ compiler found (install g++ to build the custom kernels)")
     try:
         import paddle  # noqa: F401
-        from paddle.utils import cpp_extension
+
+        with warnings.catch_warnings():
+            # Paddle warns "No ccache found" on every import; the build is cached by us anyway.
+            warnings.filterwarnings("ignore", message=".*ccache.*")
+            from paddle.utils import cpp_extension
     except ImportError as exc:  # pragma: no cover - paddle is a precondition of the package
         raise KernelBuildError(f"paddle.utils.cpp_extension unavailable: {exc}") from exc
 

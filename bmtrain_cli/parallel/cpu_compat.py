@@ -12,6 +12,9 @@ schedule and optimizers run in the CPU tests as on GPUs:
 * TensorParallel broadcasts its inputs with a device assertion ("Only support xpu, gpu and
   custom_device"): broadcast over the model-parallel group on CPU instead.
 * Several ``new_group`` calls in 4+ processes hang on gloo unless a barrier follows each one.
+* Pipeline p2p under tensor parallel sends 1/mp of each activation per rank and all-gathers the rest
+  (``send_partial``/``recv_partial``/``all_gather_partial``), which gloo does not implement: send whole
+  tensors instead (fleet's own ``enable_partial_send_recv: false`` path; every mp rank holds them whole).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def apply() -> None:
     _patch_mp_ops()
     _patch_tensor_parallel_inputs()
     _patch_new_group()
+    _patch_partial_p2p()
     _APPLIED = True
 
 
@@ -101,6 +105,19 @@ def _patch_device_id() -> None:
             self._device_id = 0
 
     parallel.ParallelEnv.__init__ = init
+
+
+def _patch_partial_p2p() -> None:
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    original = p2p.initialize_p2p_groups
+
+    @functools.wraps(original)
+    def initialize_p2p_groups(hcg: Any, enable_partial_send_recv: bool = True, *args: Any, **kw: Any) -> Any:
+        return original(hcg, False, *args, **kw)
+
+    p2p.initialize_p2p_groups = initialize_p2p_groups
+    p2p._enable_partial_send_recv = False
 
 
 def _patch_new_group() -> None:

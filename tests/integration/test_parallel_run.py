@@ -1,5 +1,6 @@
-"""`bmtrain run` end to end: data parallel, sharding stage 1, pipeline parallel, tensor parallel and
-dp2 x tp2 log the single-process losses, and their checkpoints load in one process.
+"""`bmtrain run` end to end: data parallel, sharding stage 1, pipeline parallel, tensor parallel, dp2 x tp2
+and tp2 x pp2 log the single-process losses (from fresh weights and from a checkpoint), and their
+checkpoints load in one process.
 
 Tiny LLaMA (hidden 64, 2 layers, seq 32) on the generated arithmetic task, 3 optimizer steps of a global
 batch of 8 (gradient clipping active), fp32, read back from output_dir/metrics.jsonl.
@@ -73,6 +74,8 @@ def single(tmp_path_factory):
         # fresh tensor-parallel shards are slices of the single-process initial weights
         ("tp2", ["parallel_config.tensor_parallel=2"]),
         ("dp2tp2", ["parallel_config.tensor_parallel=2", "parallel_config.data_parallel=2"]),
+        # pipeline p2p under tensor parallel (whole-tensor send/recv on gloo)
+        ("tp2pp2", ["parallel_config.tensor_parallel=2", "parallel_config.pipeline_parallel=2"]),
     ],
 )
 def test_bmtrain_run_matches_single_process(tmp_path, single, name, overrides):

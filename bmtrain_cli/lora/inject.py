@@ -8,9 +8,11 @@ holds no state for them.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
+import numpy as np
 from paddle import nn
 
 from bmtrain_cli.errors import UserError
@@ -104,9 +106,13 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
     for p in model.parameters():
         p.stop_gradient = True
     wrapped = []
+    seed = int(getattr(train_config, "seed", 0) or 0)
     for full, parent, attr, layer in _decoder_projections(model):
         if attr in targets:
-            setattr(parent, attr, LoRALinear(layer, rank, alpha, dropout))
+            lora = LoRALinear(layer, rank, alpha, dropout)
+            # A from (seed, layer name) alone: the same adapters under every tensor-parallel degree
+            lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
+            setattr(parent, attr, lora)
             wrapped.append(full)
     if not wrapped:
         raise UserError(f"LoRA: no layer matched {targets}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -95,14 +96,19 @@ class LoRALinear(nn.Layer):
         for p in (self.lora_A.weight, self.lora_B.weight):
             setattr(p, LORA_ATTR, True)
 
-    def reset_lora_parameters(self) -> None:
+    def reset_lora_parameters(self, rng: Optional[np.random.Generator] = None) -> None:
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform with a=sqrt(5)), B = 0.
 
         A is drawn whole and sliced under tensor parallelism, so every rank's shard is a distinct piece of
-        the same matrix (the ranks draw the same numbers)."""
+        the same matrix (the ranks draw the same numbers). With ``rng`` the numbers come from it (so they
+        do not depend on how much of Paddle's random stream the model's construction used)."""
         bound = 1.0 / math.sqrt(self.in_features)
         with paddle.no_grad():
-            full = paddle.uniform([self.in_features, self.r], dtype="float32", min=-bound, max=bound)
+            if rng is not None:
+                drawn = rng.uniform(-bound, bound, (self.in_features, self.r)).astype(np.float32)
+                full = paddle.to_tensor(drawn)
+            else:
+                full = paddle.uniform([self.in_features, self.r], dtype="float32", min=-bound, max=bound)
             if self.tp_kind == "row":
                 n = self.in_features // self.tp_world
                 full = full[self.tp_rank * n : (self.tp_rank + 1) * n]

@@ -126,10 +126,32 @@ def full_model(ctx: ParallelContext, model: Any, kernels: str = "auto") -> Any:
     """A plain CausalLM with the whole weights (gathered collectively), in eval mode."""
     import paddle
 
+    from bmtrain_cli.lora.inject import is_lora_name, lora_settings
     from bmtrain_cli.models import build
 
     full = full_state_dict(ctx, model)
-    plain = build(unwrap(model).arch, kernels=kernels)
-    plain.set_state_dict({k: paddle.to_tensor(v) for k, v in full.items()})
+    inner = unwrap(model)
+    plain = build(inner.arch, kernels=kernels)
+    plain.set_state_dict({k: paddle.to_tensor(v) for k, v in full.items() if not is_lora_name(k)})
+    settings = lora_settings(inner)
+    adapters = {k: v for k, v in full.items() if is_lora_name(k)}
+    if settings is not None and adapters:
+        # LoRA: fold the gathered adapters in, so the copy computes what the trained model does
+        from types import SimpleNamespace
+
+        from bmtrain_cli.lora.inject import apply_lora
+        from bmtrain_cli.lora.merge import load_adapter_weights, strip_lora
+
+        apply_lora(
+            plain,
+            SimpleNamespace(
+                lora_rank=settings.rank,
+                lora_alpha=settings.alpha,
+                lora_dropout=0.0,
+                lora_target_modules=list(settings.target_modules),
+            ),
+        )
+        load_adapter_weights(plain, adapters, "gathered LoRA adapters")
+        strip_lora(plain, merge=True)
     plain.eval()
     return plain

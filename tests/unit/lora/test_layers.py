@@ -219,3 +219,25 @@ def test_validate_config_trainable_count_matches_real(family, targets, extra):
     assert s["trainable_parameters"] == real > 0
     total = sum(int(p.numel()) for p in model.parameters())
     assert abs(s["trainable_share"] - real / total) < 1e-12
+
+
+def test_initial_adapters_depend_on_seed_and_layer_name_only():
+    """A is drawn from (train_config.seed, layer name): the same whatever Paddle's random stream did
+    before (a different tensor-parallel degree builds differently sized shards), different per layer
+    and per seed."""
+    import paddle
+
+    from bmtrain_cli.lora.merge import adapter_arrays
+
+    def adapters(seed, model_seed, draws):
+        m = tiny_model(seed=model_seed)
+        paddle.uniform([draws])  # consume some of Paddle's stream, as a different build would
+        apply_lora(m, lora_cfg(seed=seed))
+        return adapter_arrays(m)
+
+    a, b, c = adapters(1, 0, 7), adapters(1, 3, 1000), adapters(2, 0, 7)
+    q0, q1 = "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.1.self_attn.q_proj.lora_A.weight"
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.allclose(a[q0], a[q1]) and not np.allclose(a[q0], c[q0])
+    assert np.abs(a[q0]).max() <= 1 / np.sqrt(64) and np.abs(a[q0]).max() > 0

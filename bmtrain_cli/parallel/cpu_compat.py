@@ -11,7 +11,12 @@ schedule and optimizers run in the CPU tests as on GPUs:
   backward of ``mp_allreduce``) have no CPU kernels: PyLayer versions over gloo collectives.
 * TensorParallel broadcasts its inputs with a device assertion ("Only support xpu, gpu and
   custom_device"): broadcast over the model-parallel group on CPU instead.
-* Several ``new_group`` calls in 4+ processes hang on gloo unless a barrier follows each one.
+* Several ``new_group`` calls in 4+ processes hang on gloo unless a barrier follows each one, and a new
+  gloo group of all 3+ ranks often fails to connect: such a group reuses the default group's connections.
+* Gloo pairs a send with a recv by a per-group sequence number, but pipeline p2p runs on the whole pipe
+  group, where with 3+ stages the ranks make different numbers of calls (stage 1 talks to 0 and 2, stage
+  2 only to 1): the numbers drift and the first send waits forever. Route the pipe group's send/recv
+  through a 2-rank group per adjacent pair of stages (both sides see every call of the pair in order).
 * Pipeline p2p under tensor parallel sends 1/mp of each activation per rank and all-gathers the rest
   (``send_partial``/``recv_partial``/``all_gather_partial``), which gloo does not implement: send whole
   tensors instead (fleet's own ``enable_partial_send_recv: false`` path; every mp rank holds them whole).
@@ -64,6 +69,7 @@ def apply() -> None:
     _patch_tensor_parallel_inputs()
     _patch_new_group()
     _patch_partial_p2p()
+    _patch_pipeline_pairs()
     _APPLIED = True
 
 
@@ -120,6 +126,82 @@ def _patch_partial_p2p() -> None:
     p2p._enable_partial_send_recv = False
 
 
+class _PairRoutedProcessGroup:
+    """The pipe group's process group with point-to-point calls sent through 2-rank groups (see module
+    doc); everything else (collectives over all stages) goes to the pipe group's own process group."""
+
+    _P2P = ("send", "recv", "send_on_calc_stream", "recv_on_calc_stream")
+
+    def __init__(self, base: Any, ranks: List[int], pairs: Any) -> None:
+        self._base, self._ranks, self._pairs = base, list(ranks), pairs  # pairs: {peer global rank: Group}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._base, name)
+        if name not in self._P2P:
+            return attr
+
+        def routed(tensor: Any, peer: int, *args: Any) -> Any:
+            pair = self._pairs.get(self._ranks[peer])
+            if pair is None:
+                return attr(tensor, peer, *args)
+            return getattr(pair.process_group, name)(tensor, pair.get_group_rank(self._ranks[peer]), *args)
+
+        return routed
+
+
+def _route_pipeline_p2p(hcg: Any) -> None:
+    import paddle.distributed as dist
+
+    if getattr(hcg, "_bmt_pairs_routed", False) or hcg._pp_degree <= 2:
+        return
+    me, pairs = hcg.global_rank, {}
+    for ranks in hcg._topo.get_comm_list("pipe"):
+        for a, b in zip(ranks[:-1], ranks[1:]):
+            group = dist.new_group([a, b])  # every rank creates every pair group, in the same order
+            if me == a:
+                pairs[b] = group
+            elif me == b:
+                pairs[a] = group
+    pipe = hcg._pp_comm_group
+    pipe._pg = _PairRoutedProcessGroup(pipe.process_group, pipe.ranks, pairs)
+    hcg._bmt_pairs_routed = True
+
+
+def _patch_pipeline_pairs() -> None:
+    from paddle.distributed.fleet.base import topology
+
+    for name in ("HybridCommunicateGroup", "EPHybridCommunicateGroup"):
+        cls = getattr(topology, name, None)
+        if cls is None or "__init__" not in cls.__dict__:
+            continue
+        original = cls.__init__
+
+        def init(self: Any, *args: Any, _original: Any = original, **kw: Any) -> None:
+            _original(self, *args, **kw)
+            _route_pipeline_p2p(self)
+
+        cls.__init__ = functools.wraps(original)(init)
+
+
+def _world_alias_group(collective: Any) -> Any:
+    """A group of every rank over the default group's gloo connections. Creating a gloo group of 3+
+    ranks often fails on these machines (``Connection refused`` / ``TIMEOUT`` in ProcessGroupGloo.create,
+    e.g. fleet's pipe and check groups of a pp3/pp4 run); the default group already connects the same
+    ranks, and every rank issues the calls on both in the same order (pipeline p2p goes through 2-rank
+    groups, see ``_route_pipeline_p2p``)."""
+    from paddle.distributed.communication.group import Group, _add_new_group
+
+    default = collective._get_default_group()
+    gid = collective._new_ring_id()  # same id sequence as the stock new_group on every rank
+    name = collective._default_group_name + str(gid)
+    group = Group(default.rank, gid, list(default.ranks), pg=default.process_group, name=name)
+    collective._group_map_by_name[name] = group
+    collective._group_map[gid] = group
+    collective._group_map_backend[group] = collective._group_map_backend.get(default, "gloo")
+    _add_new_group(group)
+    return group
+
+
 def _patch_new_group() -> None:
     import paddle.distributed as dist
     from paddle.distributed import collective
@@ -128,8 +210,12 @@ def _patch_new_group() -> None:
 
     @functools.wraps(original)
     def new_group(*args: Any, **kwargs: Any) -> Any:
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        world = collective._get_global_env().world_size
+        if ranks is not None and world > 2 and sorted(ranks) == list(range(world)):
+            return _world_alias_group(collective)
         group = original(*args, **kwargs)
-        if collective._get_global_env().world_size > 1:
+        if world > 1:
             dist.barrier()
         return group
 

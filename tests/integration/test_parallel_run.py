@@ -138,3 +138,26 @@ def test_bmtrain_run_tensor_parallel_from_a_checkpoint(tmp_path, single, name, n
     # order noise alone: 1e-4 (1% of the lr) still catches a wrong shard (its weights are off by ~1e-2)
     for (n, a), (_, b) in zip(whole.state_dict().items(), ref.state_dict().items()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-4, err_msg=n)
+
+
+def test_bmtrain_run_four_stage_pipeline(tmp_path, single):
+    """pp4 (4 processes): middle stages talk to both neighbours (gloo p2p through 2-rank groups) and the
+    pipe group spans every rank; the per-step losses equal one process with the same 4 layers."""
+    cfg, _ = single
+    four = ["--set", "model_config.num_hidden_layers=4"]
+    ref = tmp_path / "ref4"
+    res = _bmtrain("train", "--config", str(cfg), *four, "--output_dir", str(ref))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "pp4"
+    res = _bmtrain(
+        "run",
+        "--config",
+        str(cfg),
+        *four,
+        "--set",
+        "parallel_config.pipeline_parallel=4",
+        "--output_dir",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    np.testing.assert_allclose(_losses(out), _losses(ref), rtol=1e-5)

@@ -41,9 +41,11 @@ def _batch():
     return [paddle.to_tensor(a, dtype="int64") for a in (ids, labels, mask, pos)]
 
 
-def _train(arch: ModelArch, kernels: str, steps: int = 3):
+def _train(arch: ModelArch, kernels: str, steps: int = 3, recompute: str = "none"):
     paddle.seed(1234)
     model = build(arch, kernels=kernels)
+    model.train()
+    model.enable_recompute(recompute)  # custom backward ops re-run under recompute (rotary's attributes)
     opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters())
     ids, labels, mask, pos = _batch()
     losses, first_grads = [], None
@@ -64,13 +66,17 @@ def _train(arch: ModelArch, kernels: str, steps: int = 3):
     [
         {},
         {"family": "qwen3", "qk_norm": True, "tie_word_embeddings": True},
+        {"recompute": "full"},
+        {"recompute": "attention"},
     ],
-    ids=["llama-gqa", "qwen3-qknorm-tied"],
+    ids=["llama-gqa", "qwen3-qknorm-tied", "recompute-full", "recompute-attention"],
 )
 def test_custom_matches_reference_training(ext, variant):
+    variant = dict(variant)
+    recompute = variant.pop("recompute", "none")
     arch = dataclasses.replace(ARCH, **variant)
-    m_ref, l_ref, g_ref, names_ref = _train(arch, "reference")
-    m_cus, l_cus, g_cus, names_cus = _train(arch, "custom")
+    m_ref, l_ref, g_ref, names_ref = _train(arch, "reference", recompute=recompute)
+    m_cus, l_cus, g_cus, names_cus = _train(arch, "custom", recompute=recompute)
     assert set(m_cus.ops.sources.values()) == {"custom"} and m_ref.ops.name == "reference"
     np.testing.assert_allclose(l_cus, l_ref, rtol=1e-5)
     assert l_ref[-1] < l_ref[0]  # it trains

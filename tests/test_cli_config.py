@@ -85,3 +85,11 @@ def test_subprocess_unsafe_yaml(tmp_path):
         [sys.executable, "-m", "bmtrain_cli", "validate-config", str(bad)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "unsafe" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validate_accepts_config_option(repo_root):
+    path = str(repo_root / "configs/quickstart.yaml")
+    r = runner.invoke(app, ["validate-config", "--config", path])
+    assert r.exit_code == 0 and "OK" in r.output
+    r = runner.invoke(app, ["validate-config"])
+    assert r.exit_code == 2 and "no config given" in r.output

@@ -15,14 +15,23 @@ def register(app: typer.Typer) -> None:
     @app.command("validate-config")
     @user_errors
     def validate_config(
-        config: Path = typer.Argument(..., help="The config YAML file."),
+        config: Optional[Path] = typer.Argument(None, help="The config YAML file."),
+        config_opt: Optional[Path] = typer.Option(
+            None, "--config", "-c", help="The config YAML file (same as the argument, as in `bmtrain train`)."
+        ),
         set_: Optional[List[str]] = set_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the resolved summary as JSON."),
     ) -> None:
         """Check a config file and print the resolved summary; exit 2 listing every problem."""
         from bmtrain_cli.config import load_config
         from bmtrain_cli.config.summary import format_summary, summarize
+        from bmtrain_cli.errors import UserError
 
+        if config is not None and config_opt is not None and config != config_opt:
+            raise UserError("give the config once: as the argument or as --config, not both")
+        config = config or config_opt
+        if config is None:
+            raise UserError("no config given: bmtrain validate-config CONFIG.yaml (or --config CONFIG.yaml)")
         loaded = load_config(str(config), set_ or [], mode="validate")
         if as_json:
             out = summarize(loaded.config)

@@ -16,21 +16,12 @@ import pytest
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models import build, load_pretrained, save_pretrained
-from bmtrain_cli.models.arch import ModelArch, read_hf_config
+from bmtrain_cli.models.arch import read_hf_config
 from bmtrain_cli.models.hf import _local_slice
 from bmtrain_cli.models.safetensors_io import SafetensorsFile, fp32_to_bf16_bits, write_safetensors
+from tests.unit.models.tiny import TINY
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
-TINY = ModelArch(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=97,
-    initializer_range=0.15,
-)
 
 
 def _ids():

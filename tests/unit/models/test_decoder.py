@@ -17,17 +17,8 @@ from bmtrain_cli.models.attention import build_bias
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.hf import hf_state_dict, load_hf_state_dict
 from bmtrain_cli.models.rope import alibi_slopes
+from tests.unit.models.tiny import TINY
 
-TINY = ModelArch(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=97,
-    initializer_range=0.15,
-)
 BAICHUAN = replace(TINY, family="baichuan", fused_qkv=True, num_key_value_heads=4)
 
 

@@ -13,19 +13,8 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.models import build, save_pretrained
-from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.generate import generate, sample_next
-
-TINY = ModelArch(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=97,
-    initializer_range=0.15,
-)
+from tests.unit.models.tiny import TINY
 
 
 def _model(arch=TINY):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import typer
 
 from bmtrain_cli.commands.common import user_errors
+from bmtrain_cli.errors import UserError
 
 RUN_HELP = """Launch distributed training through `python -m paddle.distributed.launch`.
 
@@ -17,35 +18,61 @@ Multi-node: run the same command on every node with --nnodes and --master host:p
 """
 
 
-def split_train_args(args: List[str]) -> Tuple[List[str], List[str]]:
-    """(config overrides implied by the train arguments, the arguments themselves).
+def split_train_args(
+    args: List[str], train_options: Optional[Set[str]] = None
+) -> Tuple[List[str], List[str]]:
+    """(config overrides implied by the train arguments, the arguments to pass to every rank).
 
-    ``--set k=v`` and ``--<train_config field> value`` / ``--<field>=value`` become overrides so that the
-    world size and the output directory are computed from the same config the ranks will load."""
+    ``--set k=v`` and ``--<config field> value`` / ``--<field>=value`` become overrides so that the world
+    size and the output directory are computed from the same config the ranks will load. A config field
+    that is not an option of `bmtrain train` is passed on as ``--set section.field=value``. With
+    ``train_options`` (the options `bmtrain train` accepts), anything else is refused here, before any
+    process starts."""
     from bmtrain_cli.config.schema import SECTION_MODELS
 
     fields = {name: section for section, model in SECTION_MODELS.items() for name in model.model_fields}
     overrides: List[str] = []
+    passed: List[str] = []
     i = 0
     while i < len(args):
         a = args[i]
         if a in ("--set", "-s") and i + 1 < len(args):
             overrides.append(args[i + 1])
+            passed += [a, args[i + 1]]
             i += 2
             continue
         if a.startswith("--set="):
             overrides.append(a.split("=", 1)[1])
-        elif a.startswith("--"):
-            key, eq, value = a[2:].partition("=")
-            key = key.replace("-", "_")
+            passed.append(a)
+        elif a.startswith("-"):
+            name, eq, value = a.partition("=")
+            key = name.lstrip("-").replace("-", "_")
+            is_option = train_options is None or name in train_options
             if key in fields:
+                start = i
                 if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
                     value = args[i + 1]
                     i += 1
-                if eq or value:
+                    eq = "="
+                if eq:
                     overrides.append(f"{fields[key]}.{key}={value}")
+                if is_option:
+                    passed += args[start : i + 1]
+                elif eq:
+                    passed += ["--set", f"{fields[key]}.{key}={value}"]
+                else:
+                    raise UserError(f"{name} needs a value (e.g. {name} VALUE)")
+            elif is_option:
+                passed.append(a)
+            else:
+                known = ", ".join(sorted(o for o in train_options or () if o.startswith("--")))
+                raise UserError(
+                    f"unknown train option {name!r} (train options: {known}; or --set key.path=value)"
+                )
+        else:
+            passed.append(a)
         i += 1
-    return overrides, args
+    return overrides, passed
 
 
 def register(app: typer.Typer) -> None:
@@ -74,7 +101,11 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.parallel.launch import plan_launch, run_plan
 
         extra = list(ctx.args)
-        overrides, passed = split_train_args(extra)
+        train_cmd = ctx.parent.command.get_command(ctx.parent, "train") if ctx.parent else None
+        train_options = (
+            {opt for p in train_cmd.params for opt in p.opts + p.secondary_opts} if train_cmd else None
+        )
+        overrides, passed = split_train_args(extra, train_options)
         # the ranks start on this machine: refuse here what they would refuse (bf16 on a CPU-only Paddle, a
         # missing checkpoint or data path) instead of starting every process to fail the same way
         loaded = load_config(config, overrides, mode="validate" if dry_run else "train")

@@ -71,6 +71,26 @@ def test_split_train_args_turns_known_flags_into_overrides():
     assert passed == args  # everything is passed on unchanged
 
 
+def test_split_train_args_refuses_unknown_and_maps_config_fields():
+    train_options = {
+        "--config",
+        "-c",
+        "--data_path",
+        "--output_dir",
+        "--resume",
+        "--overwrite",
+        "--set",
+        "-s",
+    }
+    overrides, passed = split_train_args(
+        ["--data_path", "d.jsonl", "--eval_data_path", "e.jsonl", "--resume"], train_options
+    )
+    assert "train_config.eval_data_path=e.jsonl" in overrides
+    assert passed == ["--data_path", "d.jsonl", "--set", "train_config.eval_data_path=e.jsonl", "--resume"]
+    with pytest.raises(UserError, match="unknown train option '--bogus'"):
+        split_train_args(["--bogus", "1"], train_options)
+
+
 @pytest.mark.skipif(
     not (REPO_ROOT / "recipes" / "train.py").is_file(), reason="recipes/train.py not in this checkout"
 )
@@ -94,7 +114,8 @@ def test_run_dry_run_prints_the_command(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert "--nproc_per_node 4" in res.output
-    assert "--max_steps 3" in res.output and "recipes/train.py --config" in res.output
+    # --max_steps is a config field, not a train option: it reaches the ranks as an override
+    assert "--set train_config.max_steps=3" in res.output and "recipes/train.py --config" in res.output
 
 
 def test_failure_summary_blames_the_rank_that_raised(tmp_path):

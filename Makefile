@@ -8,7 +8,7 @@ PADDLE_CPU ?= paddlepaddle==3.3.1
 PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv
+.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv calibrate
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -29,7 +29,12 @@ test: venv
 
 # exit code 5 (no slow test selected) is not a failure
 test-slow: venv
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "slow and not calibration" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The memory estimator against real `bmtrain train` runs (issue 9). Not a CI gate: in fresh clones the
+# measured CPU peaks came out 11-24% above the estimate for a cause not yet found (docs/plan.md).
+calibrate: venv
+	$(PY) -m pytest -q -m calibration $(PYTEST_ARGS)
 
 test-all: venv
 	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)

@@ -20,6 +20,7 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.calibration
 def test_cpu_estimate_within_15_percent_of_bmtrain_train(tmp_path) -> None:
     rows = calibration.run(tmp_path, CASES)
     assert len(rows) >= 6

@@ -12,9 +12,9 @@ from typing import List, Optional
 from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import Problem, UserError
-from bmtrain_cli.models.arch import ModelArch, arch_from_model_config
+from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+LORA_TARGETS = LORA_PROJECTIONS
 
 
 def _nearest_multiples(value: int, unit: int) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.arch import arch_from_model_config, count_parameters
+from bmtrain_cli.models.arch import arch_from_model_config, count_parameters, lora_parameters_per_layer
 
 
 def summarize(config: Config) -> Dict[str, Any]:
@@ -47,29 +47,7 @@ def summarize(config: Config) -> Dict[str, Any]:
             parameters=n,
         )
         if t.finetuning == "lora":
-            from bmtrain_cli.config.checks import LORA_TARGETS
-
-            targets = (
-                [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
-            )
-            if "all-linear" in targets:
-                targets = list(LORA_TARGETS)
-            h, hd, r = arch.hidden_size, arch.head_dim, t.lora_rank
-            shapes = {
-                "q_proj": (h, arch.num_attention_heads * hd),
-                "k_proj": (h, arch.num_key_value_heads * hd),
-                "v_proj": (h, arch.num_key_value_heads * hd),
-                "o_proj": (arch.num_attention_heads * hd, h),
-                "gate_proj": (h, arch.intermediate_size),
-                "up_proj": (h, arch.intermediate_size),
-                "down_proj": (arch.intermediate_size, h),
-                "W_pack": (h, (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd),
-            }
-            if arch.fused_qkv:
-                shapes = {k: v for k, v in shapes.items() if k not in ("q_proj", "k_proj", "v_proj")}
-            else:
-                shapes.pop("W_pack")
-            per_layer = sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
+            per_layer = lora_parameters_per_layer(arch, t.lora_rank, t.lora_target_modules)
             trainable = per_layer * arch.num_hidden_layers
             out.update(trainable_parameters=trainable, trainable_share=trainable / (n + trainable))
     return out

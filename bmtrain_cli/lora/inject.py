@@ -17,8 +17,9 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
+from bmtrain_cli.models.arch import LORA_PROJECTIONS
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+PROJECTIONS = LORA_PROJECTIONS
 ALL_LINEAR = "all-linear"
 SETTINGS_ATTR = "lora_settings"
 HOOK_ATTR = "_lora_input_grad_hook"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 
@@ -347,6 +347,41 @@ def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
     for k, v in arch.extra.items():
         cfg.setdefault(k, v)
     return cfg
+
+
+# Linear projections of a decoder layer that LoRA can target (W_pack only in fused-qkv families).
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
+
+
+def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
+    """The projection names a lora_target_modules setting selects ("all-linear" = every projection)."""
+    names = [names] if isinstance(names, str) else list(names)
+    return LORA_PROJECTIONS if "all-linear" in names else tuple(names)
+
+
+def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
+    """Adapter parameters (A: in x r, B: r x out) of one decoder layer on one tensor-parallel rank:
+    column-parallel projections split B's output, row-parallel ones A's input."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv, inter = arch.num_attention_heads * hd, arch.num_key_value_heads * hd, arch.intermediate_size
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+        "W_pack": (h, q + 2 * kv),
+    }
+    absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
+    selected = lora_targets(arch, targets)
+    return sum(
+        rank * (i // tp + o) if name in ROW_PARALLEL_PROJECTIONS else rank * (i + o // tp)
+        for name, (i, o) in shapes.items()
+        if name in selected and name not in absent
+    )
 
 
 def count_parameters(arch: ModelArch) -> int:

@@ -25,7 +25,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from bmtrain_cli.models.arch import ModelArch, count_parameters
+from bmtrain_cli.models.arch import (
+    LORA_PROJECTIONS,
+    ModelArch,
+    count_parameters,
+    lora_parameters_per_layer,
+    lora_targets,
+)
 from bmtrain_cli.plan.devices import Device, format_bytes
 
 # --- CPU calibration (Paddle 3.3.1 CPU build, glibc malloc). See docs/plan.md "Calibration".
@@ -39,7 +45,7 @@ GPU_FRAGMENTATION = 0.05
 CE_CHUNK_ELEMENTS = 1 << 23
 DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+LORA_TARGETS = LORA_PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -125,9 +131,7 @@ class Workload:
             vocab = tokenizer_vocab_size(config)
             if vocab and not m.model_name_or_path:  # a fresh model takes its tokenizer's vocabulary
                 arch = replace(arch, vocab_size=vocab)
-        targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
-        if "all-linear" in targets:
-            targets = list(LORA_TARGETS)
+        targets = lora_targets(arch, t.lora_target_modules)
         return cls(
             arch=arch,
             seq_len=m.max_seq_len,
@@ -231,29 +235,7 @@ def _layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
 
 
 def _lora_layer_params(w: Workload, tp: int) -> int:
-    a = w.arch
-    h, hd, r = a.hidden_size, a.head_dim, w.lora_rank
-    q, kv, inter = a.num_attention_heads * hd, a.num_key_value_heads * hd, a.intermediate_size
-    shapes = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-        "W_pack": (h, q + 2 * kv),
-    }
-    if a.fused_qkv:
-        shapes = {k: v for k, v in shapes.items() if k not in ("q_proj", "k_proj", "v_proj")}
-    else:
-        shapes.pop("W_pack")
-    # column-parallel layers split B's output, row-parallel ones A's input: one side divides by tp
-    return sum(
-        r * (i + o // tp) if n != "o_proj" and n != "down_proj" else r * (i // tp + o)
-        for n, (i, o) in shapes.items()
-        if n in w.lora_targets
-    )
+    return lora_parameters_per_layer(w.arch, w.lora_rank, w.lora_targets, tp)
 
 
 def stage_layers(num_layers: int, pp: int) -> List[int]:

@@ -234,6 +234,11 @@ class Loader:
         return -(-len(self._units(self.epoch)) // per_step)
 
     @property
+    def longest(self) -> int:
+        """Tokens of the longest sample a batch can hold (after truncation; dropped samples excluded)."""
+        return int(min(self._lengths[self._usable].max(), self.max_seq_len))
+
+    @property
     def samples_per_epoch(self) -> int:
         return len(self._epoch_samples(self.epoch))
 

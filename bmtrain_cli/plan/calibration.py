@@ -1,16 +1,19 @@
 """Check the CPU memory estimate against real `bmtrain train` runs.
 
-Each case is a small config (sizes, sequence lengths, recompute on/off, batch sizes) trained for a few
-steps in its own process; summary.json's ``peak_memory_bytes`` (peak RSS minus the RSS before the model
-is built) is compared with :func:`bmtrain_cli.plan.estimator.estimate` for the same config and the
-tokenizer's vocabulary. Used by tests/unit/plan/test_calibration.py and `python -m
-bmtrain_cli.plan.calibration` (the table in docs/plan.md).
+Each case is a small config (sizes, sequence lengths, batch sizes, recompute off/attention/full/partial,
+batching modes, accumulation, offload, LoRA, reference kernels) trained for a few steps by `bmtrain train`
+in its own process; summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
+started to be built) is compared with :func:`bmtrain_cli.plan.estimator.estimate`, which is what
+`bmtrain plan --config <case> --device cpu` prints (tokenizer and data read as the trainer reads them).
+Used by tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir
+[case ...]]` (the table in docs/plan.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +22,53 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 # name: (hidden, intermediate, layers, heads, kv_heads, max_seq_len, micro_batch, recompute granularity)
+# and overrides of model_config / train_config / parallel_config. The "varied" cases train on records of
+# 3-120 words (batching longest: the batch width follows the data, not max_seq_len).
 CASES: Dict[str, tuple] = {
-    "h256-l2-s256-b4": (256, 688, 2, 4, 4, 256, 4, "none"),
-    "h256-l2-s256-b4-full": (256, 688, 2, 4, 4, 256, 4, "full"),
-    "h384-l3-s128-b8-gqa": (384, 1024, 3, 6, 2, 128, 8, "none"),
-    "h512-l2-s256-b4-full": (512, 1376, 2, 8, 8, 256, 4, "full"),
-    "h128-l4-s512-b8": (128, 344, 4, 4, 2, 512, 8, "none"),
-    "h512-l4-s128-b2": (512, 1376, 4, 8, 8, 128, 2, "none"),
-    "h256-l4-s512-b4-attn": (256, 688, 4, 4, 4, 512, 4, "attention"),
-    "h768-l2-s64-b16": (768, 2048, 2, 12, 12, 64, 16, "none"),
+    "h256-l2-s256-b4": (256, 688, 2, 4, 4, 256, 4, "none", {}),
+    "h256-l2-s256-b4-full": (256, 688, 2, 4, 4, 256, 4, "full", {}),
+    "h384-l3-s128-b8-gqa": (384, 1024, 3, 6, 2, 128, 8, "none", {}),
+    "h512-l2-s256-b4-full": (512, 1376, 2, 8, 8, 256, 4, "full", {}),
+    "h128-l4-s512-b8": (128, 344, 4, 4, 2, 512, 8, "none", {}),
+    "h512-l4-s128-b2": (512, 1376, 4, 8, 8, 128, 2, "none", {}),
+    "h256-l4-s512-b4-attn": (256, 688, 4, 4, 4, 512, 4, "attention", {}),
+    "h768-l2-s64-b16": (768, 2048, 2, 12, 12, 64, 16, "none", {}),
+    "h192-l3-s384-b4-longest": (192, 512, 3, 6, 2, 384, 4, "none", {"train": {"batching": "longest"}}),
+    "h192-l3-s256-b4-packed-qwen2": (
+        192,
+        512,
+        3,
+        6,
+        2,
+        256,
+        4,
+        "none",
+        {"model": {"family": "qwen2"}, "train": {"batching": "packed"}},
+    ),
+    "h192-l3-s256-b2-accum4": (192, 512, 3, 6, 2, 256, 2, "none", {"train": {"global_batch_size": 8}}),
+    "h192-l3-s256-b4-offload": (192, 512, 3, 6, 2, 256, 4, "none", {"parallel": {"offload_optimizer": True}}),
+    "h192-l3-s256-b4-lora": (
+        192,
+        512,
+        3,
+        6,
+        2,
+        256,
+        4,
+        "none",
+        {"train": {"finetuning": "lora", "lora_rank": 16, "lora_target_modules": "all-linear"}},
+    ),
+    "h192-l3-s256-b4-reference": (192, 512, 3, 6, 2, 256, 4, "none", {"model": {"kernels": "reference"}}),
+    "h128-l6-s512-b4-partial": (128, 344, 6, 4, 4, 512, 4, "full", {"train": {"recompute_num_layers": 3}}),
+    "h128-l2-s1024-b2-attn-mqa": (128, 352, 2, 4, 1, 1024, 2, "attention", {}),
 }
 
 
-def case_config(name: str, work: Path, data: str, tokenizer: str, steps: int = 3) -> Dict[str, Any]:
-    h, inter, layers, heads, kv, seq, mb, rec = CASES[name]
-    return {
+def case_config(
+    name: str, work: Path, data: Dict[str, str], tokenizer: str, steps: int = 3
+) -> Dict[str, Any]:
+    h, inter, layers, heads, kv, seq, mb, rec, extra = CASES[name]
+    config: Dict[str, Any] = {
         "model_config": {
             "family": "llama",
             "tokenizer_path": tokenizer,
@@ -45,7 +80,7 @@ def case_config(name: str, work: Path, data: str, tokenizer: str, steps: int = 3
             "max_seq_len": seq,
         },
         "train_config": {
-            "data_path": data,
+            "data_path": data["demo"],
             "output_dir": str(work / name),
             "overwrite_output_dir": True,
             "max_steps": steps,
@@ -58,18 +93,39 @@ def case_config(name: str, work: Path, data: str, tokenizer: str, steps: int = 3
             "recompute_granularity": rec if rec != "none" else "full",
         },
     }
+    if extra.get("train", {}).get("batching", "max_length") != "max_length":
+        config["train_config"]["data_path"] = data["varied"]
+    for section in ("model", "train", "parallel"):
+        if extra.get(section):
+            config.setdefault(f"{section}_config", {}).update(extra[section])
+    return config
+
+
+def _varied_records(n: int = 600, seed: int = 0) -> List[Dict[str, str]]:
+    rng = random.Random(seed)
+    words = [w for w in "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()]
+    return [
+        {
+            "input": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60))),
+            "output": " ".join(rng.choice(words) for _ in range(rng.randint(2, 60))),
+        }
+        for _ in range(n)
+    ]
 
 
 def prepare(work: Path) -> tuple:
-    """Demo data and a tokenizer shared by the cases."""
+    """Data (the demo task, and records of varied length) and a tokenizer shared by the cases."""
     from bmtrain_cli.data.demo import write_demo_data
     from bmtrain_cli.data.tokenizers import train_sentencepiece
 
     work.mkdir(parents=True, exist_ok=True)
     train, _ = write_demo_data(str(work / "data"))
+    varied = work / "data" / "varied.jsonl"
+    records = _varied_records()
+    varied.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer_config.json").exists():
-        texts = []
+        texts = [r["input"] + " " + r["output"] for r in records]
         with open(train, encoding="utf-8") as f:
             for i, line in enumerate(f):
                 rec = json.loads(line)
@@ -77,14 +133,15 @@ def prepare(work: Path) -> tuple:
                 if i > 3000:
                     break
         train_sentencepiece(texts, str(tok_dir), vocab_size=256)
-    return train, str(tok_dir)
+    return {"demo": train, "varied": str(varied)}, str(tok_dir)
 
 
-def run_case(name: str, work: Path, data: str, tokenizer: str, timeout: float = 900) -> Dict[str, Any]:
+def run_case(
+    name: str, work: Path, data: Dict[str, str], tokenizer: str, timeout: float = 900
+) -> Dict[str, Any]:
     """Train one case in a subprocess; return predicted and measured peaks (bytes)."""
     from bmtrain_cli.config import load_config
-    from bmtrain_cli.data.tokenizers import load_tokenizer
-    from bmtrain_cli.plan.estimator import estimate, training_arch
+    from bmtrain_cli.plan.estimator import estimate
 
     cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(case_config(name, work, data, tokenizer)), encoding="utf-8")
@@ -100,15 +157,16 @@ def run_case(name: str, work: Path, data: str, tokenizer: str, timeout: float = 
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: bmtrain train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((work / name / "summary.json").read_text(encoding="utf-8"))
-    config = load_config(str(cfg_path)).config
-    vocab = load_tokenizer(tokenizer).vocab_size
-    est = estimate(config, "cpu", arch=training_arch(config, vocab))
+    # the estimate `bmtrain plan --config <case> --device cpu` prints: tokenizer and data read as the trainer will
+    est = estimate(load_config(str(cfg_path)).config, "cpu")
     measured = int(summary["peak_memory_bytes"])
     return {
         "case": name,
         "predicted": est.peak,
         "measured": measured,
         "error": est.peak / measured - 1.0,
+        "source": summary.get("peak_memory_source"),
+        "process_rss": int(summary.get("peak_rss_bytes", 0)),
         "parameters": est.total_parameters,
     }
 
@@ -122,10 +180,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     work = Path(argv[0] if argv else "output/plan-calibration")
     rows = run(work, argv[1:] or None)
-    print(f"{'case':<24} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+    print(f"{'case':<30} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7} {'process RSS MiB':>16}")
     for r in rows:
         print(
-            f"{r['case']:<24} {r['predicted'] / 2**20:>14.1f} {r['measured'] / 2**20:>13.1f} {100 * r['error']:>+6.1f}%"
+            f"{r['case']:<30} {r['predicted'] / 2**20:>14.1f} {r['measured'] / 2**20:>13.1f} "
+            f"{100 * r['error']:>+6.1f}% {r['process_rss'] / 2**20:>16.1f}"
         )
     return 0
 

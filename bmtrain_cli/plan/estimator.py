@@ -13,11 +13,9 @@ Two targets are predicted:
 
 * GPU: ``paddle.device.cuda.max_memory_allocated()`` (the allocator's peak), plus a runtime reserve
   (CUDA context, workspaces) and allocator headroom for the fit check.
-* CPU: the process peak RSS minus the RSS before the model is built (what ``bmtrain train`` writes
-  to summary.json). Paddle's CPU allocator returns blocks to glibc malloc, whose heap keeps freed
-  chunks resident; measured on Paddle 3.3.1 the peak RSS is a steady multiple of the allocator's peak
-  plus the pages of kernel code and thread pools touched by the first steps (calibrated below,
-  checked by tests/unit/plan/test_calibration.py against real runs).
+* CPU: the same quantity from Paddle's host allocator statistics (what ``bmtrain train`` writes to
+  summary.json as peak_memory_bytes; checked by tests/unit/plan/test_calibration.py against real runs).
+  The fit check adds the process (Python, Paddle's libraries) and the checkpoint save's numpy copies.
 """
 
 from __future__ import annotations
@@ -34,11 +32,9 @@ from bmtrain_cli.models.arch import (
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
 
-# --- CPU calibration (Paddle 3.3.1 CPU build, glibc malloc). See docs/plan.md "Calibration".
-CPU_RUNTIME_BYTES = 22 << 20  # kernel code pages, oneDNN/OpenMP pools touched by the first steps
-# peak RSS / allocator peak: 1.0 once the trainer pins glibc's mmap threshold (plan/host_memory.py);
-# 1.4-1.8 without, depending on shapes.
-CPU_HEAP_FACTOR = 1.0
+# --- CPU: the process around the tensors (Python, Paddle's libraries and thread pools; ~0.4 GiB resident
+# on Paddle 3.3.1), counted by the fit check only. See docs/plan.md "What is measured".
+CPU_RUNTIME_BYTES = 512 << 20
 # --- GPU allocator headroom for the fit check (auto_growth fragmentation)
 GPU_FRAGMENTATION = 0.05
 # Chunk of the fused linear + cross-entropy (bmtrain_cli/ops/custom.py CHUNK_ELEMENTS)
@@ -119,22 +115,40 @@ class Workload:
     attention: str = "auto"
     kernels: str = "auto"
     masked: bool = True  # the trainer passes segment-id masks (padding / packing) to the attention
+    note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
 
     @classmethod
-    def from_config(cls, config: Any, arch: Optional[ModelArch] = None) -> Workload:
+    def from_config(
+        cls,
+        config: Any,
+        arch: Optional[ModelArch] = None,
+        seq_len: Optional[int] = None,
+        read_data: bool = True,
+    ) -> Workload:
+        """``arch``/``seq_len``: what the trainer built and the longest batch it will see; without them the
+        tokenizer and (for ``batching: longest``) the data are read as the trainer will read them, unless
+        ``read_data`` is False (then batches are assumed to reach max_seq_len)."""
         from bmtrain_cli.config.derived import derive
         from bmtrain_cli.models.arch import arch_from_model_config
+        from bmtrain_cli.plan.data_facts import DataFacts, data_facts
 
         m, t = config.model, config.train
+        facts = DataFacts()
+        wants_longest = seq_len is None and t.batching == "longest" and read_data
+        if arch is None or wants_longest:
+            facts = data_facts(config, need_vocab=arch is None, need_longest=wants_longest)
         if arch is None:
             arch = arch_from_model_config(m, allow_known=True)
-            vocab = tokenizer_vocab_size(config)
-            if vocab and not m.model_name_or_path:  # a fresh model takes its tokenizer's vocabulary
-                arch = replace(arch, vocab_size=vocab)
+            if (
+                facts.vocab_size and not m.model_name_or_path
+            ):  # a fresh model takes its tokenizer's vocabulary
+                arch = replace(arch, vocab_size=facts.vocab_size)
+        if seq_len is None:
+            seq_len = facts.longest or m.max_seq_len
         targets = lora_targets(arch, t.lora_target_modules)
         return cls(
             arch=arch,
-            seq_len=m.max_seq_len,
+            seq_len=int(seq_len),
             global_batch=derive(config).global_batch_size,
             precision=t.precision,
             amp_level=t.amp_level,
@@ -144,6 +158,7 @@ class Workload:
             lora_dropout=t.lora_dropout,
             attention=m.attention_implementation,
             kernels=m.kernels,
+            note=facts.note,
         )
 
 
@@ -202,15 +217,17 @@ class MemoryEstimate:
             f"  comm buffers     {f(self.comm_buffers):>12}",
             f"  transient        {f(self.transient):>12}",
         ]
-        if self.device.kind == "cpu":
-            out.append(f"  runtime and heap {f(self.runtime):>12}   (malloc heap and kernel pages on CPU)")
-        out.append(f"  peak             {f(self.peak):>12}")
+        out.append(f"  peak             {f(self.peak):>12}   (live tensors; summary.json peak_memory_bytes)")
         if self.host_bytes:
             out.append(f"  host memory      {f(self.host_bytes):>12}   (offloaded)")
         verdict = "fits" if self.fits else "does NOT fit"
         out.append(
             f"  => needs {f(self.required)} of {f(self.device.memory_bytes)}: {verdict}"
-            + ("" if self.device.kind == "cpu" else " (incl. runtime reserve and allocator headroom)")
+            + (
+                " (incl. the process and the checkpoint save)"
+                if self.device.kind == "cpu"
+                else " (incl. runtime reserve and allocator headroom)"
+            )
         )
         out += [f"  note: {n}" for n in self.notes]
         return out
@@ -257,6 +274,35 @@ def _attention_kernel(w: Workload, device: Device) -> str:
     return "flash"
 
 
+def _can_build_kernels() -> bool:
+    """Whether this machine has the C++ compiler the CPU custom kernels are built with (ops/build.py)."""
+    import os
+    import shutil
+
+    return shutil.which(os.environ.get("CXX") or "c++") is not None or shutil.which("g++") is not None
+
+
+def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
+    """Elements per token a layer keeps beyond the fused kernels' when ops run as compositions of Paddle
+    ops (bmtrain_cli/ops/reference.py): ``kernels: reference`` everywhere; ``kernels: paddle`` on a CPU,
+    which has Paddle's fused SwiGLU but not its RMSNorm or rotary kernels."""
+    a = w.arch
+    kernels = w.kernels
+    if kernels == "auto" and device.kind == "cpu" and not _can_build_kernels():
+        kernels = "paddle"  # what ops.select("auto") falls back to without a compiler
+    ref_all = kernels == "reference"
+    ref_norm_rotary = ref_all or (kernels == "paddle" and device.kind == "cpu")
+    extra = 0.0
+    if ref_norm_rotary:
+        # each RMSNorm keeps its fp32 normalised input for the weight's gradient; rotary keeps the
+        # rotated-half copies of q and k
+        extra += 2 * a.hidden_size * 4 / _act_bytes(w)
+        extra += (a.num_attention_heads + a.num_key_value_heads) * a.head_dim / tp
+    if ref_all:
+        extra += a.intermediate_size / tp  # silu(gate), kept for the product with up
+    return extra
+
+
 def _layer_activation_elems(w: Workload, device: Device, tp: int, mode: str) -> Tuple[float, float]:
     """(elements kept per token of one layer, of which hidden-size), for mode none|attention|full."""
     a = w.arch
@@ -280,6 +326,7 @@ def _layer_activation_elems(w: Workload, device: Device, tp: int, mode: str) -> 
             core = heads  # log-sum-exp
     if a.qk_norm:
         core_in += (q + kv) / tp  # q/k before their norm
+    core_in += _unfused_elems(w, device, tp)
     if w.finetuning == "lora":
         n_targets = len([t for t in w.lora_targets if t in LORA_TARGETS])
         core_in += n_targets * w.lora_rank + (n_targets * h if w.lora_dropout > 0 else 0)
@@ -290,9 +337,12 @@ def _act_bytes(w: Workload) -> int:
     return 2 if w.precision in ("bf16", "fp16") else 4
 
 
-def activation_bytes(w: Workload, device: Device, layout: Layout, layers: int, mode: str) -> Tuple[int, int]:
-    """(bytes kept after the forward of one micro-batch over ``layers`` layers, backward working set
-    including the rebuild of one recomputed layer)."""
+def layer_activations(
+    w: Workload, device: Device, layout: Layout, layers: int, mode: str
+) -> List[Tuple[int, int]]:
+    """Per layer, first to last: (bytes kept after the forward of one micro-batch, working set of its
+    backward). Recompute applies to the first ``recompute_layers`` layers (all when None); a recomputed
+    layer's backward first rebuilds what it did not keep."""
     tokens = layout.micro_batch * w.seq_len
     e = _act_bytes(w)
     n_rec = (
@@ -301,16 +351,31 @@ def activation_bytes(w: Workload, device: Device, layout: Layout, layers: int, m
         else (layers if layout.recompute_layers is None else min(layers, layout.recompute_layers))
     )
     full_layer, _ = _layer_activation_elems(w, device, layout.tp, "none")
-    kept_rec, _ = _layer_activation_elems(w, device, layout.tp, mode if mode != "none" else "none")
-    kept = (n_rec * kept_rec + (layers - n_rec) * full_layer) * tokens * e
-    # backward: one recomputed layer rebuilt in full, plus the gradients of its largest tensors
+    kept_rec, _ = _layer_activation_elems(w, device, layout.tp, mode)
     a = w.arch
+    # the MLP's backward (the gradients of its largest tensors), then the attention core's. With the math
+    # kernel that one adds the gradients of the probabilities and of the scores [b, heads, s, s] while
+    # the probabilities are still held (measured: +2 score matrices), by which time the MLP's kept
+    # tensors (gate, up, SwiGLU output, the post-attention norm's input and output) are freed.
     work = (a.hidden_size + 1.5 * a.intermediate_size / layout.tp) * tokens * e
-    if n_rec and mode == "full":
-        work += full_layer * tokens * e
-    elif n_rec and mode == "attention":
-        work += (full_layer - kept_rec) * tokens * e
-    return int(kept), int(work)
+    if _attention_kernel(w, device) == "math":
+        scores = 2 * (a.num_attention_heads / layout.tp) * w.seq_len
+        mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size
+        work = max(work, (scores - mlp_freed) * tokens * e)
+    out = []
+    for i in range(layers):
+        if i < n_rec:
+            out.append((int(kept_rec * tokens * e), int(work + (full_layer - kept_rec) * tokens * e)))
+        else:
+            out.append((int(full_layer * tokens * e), int(work)))
+    return out
+
+
+def activation_bytes(w: Workload, device: Device, layout: Layout, layers: int, mode: str) -> Tuple[int, int]:
+    """(bytes kept after the forward of one micro-batch over ``layers`` layers, largest backward working
+    set of a layer, including the rebuild of a recomputed one)."""
+    per_layer = layer_activations(w, device, layout, layers, mode)
+    return sum(k for k, _ in per_layer), max((wk for _, wk in per_layer), default=0)
 
 
 def _loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -> Tuple[int, int]:
@@ -323,7 +388,7 @@ def _loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -
     e = _act_bytes(w)
     head_elems = h * vocab
     final = h * layout.micro_batch * w.seq_len * e  # final norm input
-    if layout.tp == 1:
+    if layout.tp == 1 and w.kernels != "reference":
         # fused linear + cross-entropy in chunks: keeps d(hidden) and d(weight) (fp32 accumulators);
         # transient: a contiguous copy of the hidden states, a chunk's logits and their gradient, and
         # the chunk's weight-gradient part
@@ -334,7 +399,8 @@ def _loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -
             kept -= head_elems * 4
             transient -= head_elems * 4
         return int(kept), int(transient)
-    # vocab-parallel cross-entropy over materialised logits: logits, fp32 softmax, and their gradient
+    # materialised logits (vocab-parallel cross-entropy, or the reference ops): logits, fp32 softmax,
+    # and their gradient
     logits = n * vocab
     return int(final + logits * (e + 4)), int(logits * 4 * 2)
 
@@ -357,7 +423,7 @@ def estimate_layout(w: Workload, layout: Layout, device: Device) -> MemoryEstima
 
 def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layers: int) -> MemoryEstimate:
     a = w.arch
-    notes: List[str] = []
+    notes: List[str] = [w.note] if w.note else []
     tp, pp = layout.tp, layout.pp
     first, last = idx == 0, idx == pp - 1
     cpu = device.kind == "cpu"
@@ -448,11 +514,13 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
     growing = grads - held_grads
     head_grad = min(growing, emb * pbytes if last and w.finetuning != "lora" else 0)
     layer_grad = (growing - head_grad) / max(1, layers + (1 if first else 0))
-    per_layer_kept = (by_mode[layout.recompute] / in_flight) / max(1, layers)
     shared = acts - by_mode[layout.recompute]  # mask, rope tables
+    others = by_mode[layout.recompute] * (in_flight - 1) / in_flight  # micro-batches not in backward
+    per_layer = layer_activations(w, device, layout, layers, layout.recompute)
     early_bwd = 0.0
     for i in range(layers - 1, -1, -1):
-        alive = shared + (i + 1) * per_layer_kept * in_flight + work + head_grad + (layers - i) * layer_grad
+        kept_upto = sum(k for k, _ in per_layer[: i + 1])
+        alive = shared + others + kept_upto + per_layer[i][1] + head_grad + (layers - i) * layer_grad
         early_bwd = max(early_bwd, alive)
     early_bwd = max(early_bwd, acts + loss_kept + head_grad)
     late_bwd = growing + largest * pbytes  # all gradients, the last one being accumulated
@@ -464,16 +532,16 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
 
     if cpu:
         # checkpoint save (the final one at least): weights and optimizer states are copied to numpy
-        # (host memory) while the model and the optimizer still hold theirs
-        save = params + opt + master + comm + max(opt + master, 2 * trainable * 4)
+        # while the model and the optimizer still hold theirs. Paddle's CPU Tensor.numpy() allocates the
+        # copy through Paddle's host allocator, so it is part of the measured peak.
+        alloc_peak += host  # offloaded states are host memory: on a CPU the same memory as the rest
+        states = opt + master + host
+        save = params + states + comm + max(states, 2 * trainable * 4)
         if save > alloc_peak:
             notes.append("the peak is the checkpoint save (host copies of weights and optimizer states)")
-        alloc_peak = max(alloc_peak, save)
-        runtime = int(CPU_RUNTIME_BYTES + (CPU_HEAP_FACTOR - 1) * alloc_peak)
-        peak = alloc_peak + runtime
-        required = peak
-        if w.kernels == "reference":
-            notes.append("kernels: reference materialises the logits; the estimate assumes the fused loss")
+        peak = max(alloc_peak, save)
+        runtime = CPU_RUNTIME_BYTES
+        required = peak + runtime
     else:
         runtime = device.runtime_reserve_bytes + (512 << 20 if layout.world_size > 1 else 0)
         peak = alloc_peak
@@ -512,11 +580,14 @@ def estimate(
     *,
     layout: Optional[Layout] = None,
     arch: Optional[ModelArch] = None,
+    seq_len: Optional[int] = None,
+    read_data: bool = True,
 ) -> MemoryEstimate:
     """Estimate a config's per-device memory. ``device``: a :class:`Device`, a preset name ('A100-80GB',
     'cpu'), or None for this machine's training device without importing Paddle (a GPU build of
-    Paddle: an 80 GB A100-class GPU; else the CPU). ``arch`` overrides the architecture (the trainer
-    passes the one it built, with the tokenizer's vocabulary)."""
+    Paddle: an 80 GB A100-class GPU; else the CPU). ``arch`` and ``seq_len`` override the architecture
+    and the longest batch (the trainer passes what it built and what its loader holds); otherwise they
+    are read as the trainer will read them (:mod:`bmtrain_cli.plan.data_facts`)."""
     from bmtrain_cli.config.env import paddle_has_gpu
     from bmtrain_cli.plan.devices import get_device
 
@@ -524,23 +595,8 @@ def estimate(
         device = get_device("A100-80GB") if paddle_has_gpu() else get_device("cpu")
     elif isinstance(device, str):
         device = get_device(device)
-    w = Workload.from_config(config, arch=arch)
+    w = Workload.from_config(config, arch=arch, seq_len=seq_len, read_data=read_data)
     return estimate_layout(w, layout or Layout.from_config(config), device)
-
-
-def tokenizer_vocab_size(config: Any) -> Optional[int]:
-    """The vocabulary of ``model_config.tokenizer_path`` (the trainer sizes a fresh model by it), or None
-    when there is none to read (a checkpoint's own vocabulary, a tokenizer generated at run time)."""
-    from bmtrain_cli.data.tokenizers import load_tokenizer
-    from bmtrain_cli.errors import UserError
-
-    path = getattr(config.model, "tokenizer_path", None)
-    if not path or config.model.model_name_or_path:
-        return None
-    try:
-        return int(load_tokenizer(str(path)).vocab_size)
-    except (UserError, OSError, ValueError, RuntimeError):
-        return None
 
 
 def training_arch(config: Any, vocab_size: Optional[int] = None) -> ModelArch:
@@ -554,9 +610,12 @@ def training_arch(config: Any, vocab_size: Optional[int] = None) -> ModelArch:
     return arch
 
 
-def memory_warning(config: Any, vocab_size: Optional[int] = None, device: Any = None) -> Optional[str]:
+def memory_warning(
+    config: Any, vocab_size: Optional[int] = None, device: Any = None, seq_len: Optional[int] = None
+) -> Optional[str]:
     """A one-paragraph warning when the estimated peak exceeds the device's memory, else None.
-    ``device`` defaults to the device this process trains on (imports Paddle)."""
+    ``device`` defaults to the device this process trains on (imports Paddle); ``seq_len`` is the
+    longest batch the trainer's loader will produce."""
     from bmtrain_cli.plan.devices import detect_device
 
     dev = detect_device() if device is None else device
@@ -565,7 +624,9 @@ def memory_warning(config: Any, vocab_size: Optional[int] = None, device: Any = 
     from bmtrain_cli.errors import UserError
 
     try:
-        est = estimate(config, dev, arch=training_arch(config, vocab_size))
+        est = estimate(
+            config, dev, arch=training_arch(config, vocab_size), seq_len=seq_len or config.model.max_seq_len
+        )
     except (UserError, ValueError, KeyError, ZeroDivisionError):  # a plan must never stop training
         return None
     if est.fits:
@@ -592,7 +653,7 @@ def summary_line(config: Any) -> Optional[str]:
     from bmtrain_cli.errors import UserError
 
     try:
-        est = estimate(config, default_device(config))
+        est = estimate(config, default_device(config), read_data=False)
     except UserError:
         return None
     verdict = "fits" if est.fits else "does NOT fit"

@@ -251,7 +251,10 @@ class Trainer:
 
         from bmtrain_cli.plan.estimator import memory_warning
 
-        warning = memory_warning(self.config, vocab_size=getattr(self.tokenizer, "vocab_size", None))
+        longest = self.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
+        warning = memory_warning(
+            self.config, vocab_size=getattr(self.tokenizer, "vocab_size", None), seq_len=longest
+        )
         if warning:
             self._say(warning)
         self.memory = MemoryMeter(self.rt.has_gpu)
@@ -724,6 +727,8 @@ class Trainer:
                 float(np.mean(steady)) if steady else float(self.history.get("tokens_per_sec", 0.0))
             ),
             "peak_memory_bytes": self.memory.peak(),
+            "peak_memory_source": self.memory.source,
+            "peak_rss_bytes": self.memory.peak_rss(),
             "wall_time_s": round(time.time() - self.t0, 3),
             "train_time_s": round(self.train_time, 3),
             "tokens_seen": self.tokens_seen,
@@ -781,8 +786,14 @@ class Trainer:
                 f"  held-out accuracy: before {before_txt} -> after {100 * s['accuracy_after']:.1f}%",
                 file=out,
             )
+        rss = (
+            f", process {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+            if s["peak_memory_source"] == "host_allocator"
+            else ""
+        )
         print(
-            f"  throughput       {s['tokens_per_sec']:.0f} tokens/s, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
+            f"  throughput       {s['tokens_per_sec']:.0f} tokens/s, "
+            f"peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (tensors{rss})",
             file=out,
         )
         if self.data_report["rejected"]:

@@ -7,7 +7,7 @@
    see the same machine load and the same OMP thread count. Target: >= 0.95x. The same is done with
    ``to_static: true`` (the trainer's compiled step against the same eager bare loop): the ratio of the two
    ratios is the to_static speed-up.
-2. Gradient checkpointing: peak memory (peak RSS minus RSS before the model, as summary.json reports it)
+2. Gradient checkpointing: peak memory (summary.json's peak_memory_bytes: Paddle's allocator peak on CPU)
    of the same training with recompute off and on, each in a fresh process.
 
     python benchmarks/run_all.py trainer

@@ -172,3 +172,44 @@ def test_fresh_model_takes_its_tokenizers_vocabulary(tmp_path) -> None:
     h, inter, layers = 64, 128, 2
     want = layers * (4 * h * h + 3 * h * inter + 2 * h) + h + 2 * vocab * h
     assert out["estimate"]["trainable_parameters"] == want
+
+
+def _small(config, layers: int) -> Workload:
+    w = Workload.from_config(config)
+    arch = replace(
+        w.arch,
+        num_hidden_layers=layers,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    return replace(w, arch=arch, seq_len=256, precision="fp32")
+
+
+def test_cpu_offload_counts_the_host_states_in_the_peak(seven_b) -> None:
+    """On a CPU the offloaded optimizer states are the same memory as everything else."""
+    cpu = get_device("cpu")
+    w = _small(seven_b, layers=2)
+    plain = estimate_layout(w, Layout(micro_batch=1), cpu)
+    off = estimate_layout(w, Layout(micro_batch=1, offload_optimizer=True), cpu)
+    assert off.host_bytes > 0 and off.optimizer_states == 0
+    assert off.peak >= plain.peak  # the host copy of the weights comes on top
+    gpu = get_device("A100-80GB")
+    assert (
+        estimate_layout(w, Layout(micro_batch=1, offload_optimizer=True), gpu).peak
+        < estimate_layout(w, Layout(micro_batch=1), gpu).peak
+    )
+
+
+def test_unfused_ops_and_partial_recompute_change_the_activations(seven_b) -> None:
+    cpu = get_device("cpu")
+    w = _small(seven_b, layers=4)
+    fused = estimate_layout(w, Layout(micro_batch=2), cpu)
+    reference = estimate_layout(replace(w, kernels="reference"), Layout(micro_batch=2), cpu)
+    assert reference.activations > fused.activations
+    full = estimate_layout(w, Layout(micro_batch=2, recompute="full"), cpu)
+    half = estimate_layout(w, Layout(micro_batch=2, recompute="full", recompute_layers=2), cpu)
+    assert full.activations < half.activations < fused.activations

@@ -81,3 +81,21 @@ def test_tty_progress_bar_and_summary(tmp_path):
     assert "\r[" in out.getvalue() and "hello\n" in out.getvalue()
     p = write_summary(tmp_path, {"steps": 2, "final_loss": float("nan")})
     assert json.loads(p.read_text())["final_loss"] == "nan"
+
+
+def test_memory_meter_on_cpu_is_the_allocators_peak_since_it_was_made() -> None:
+    paddle = pytest.importorskip("paddle")
+    from bmtrain_cli.train.metrics import MemoryMeter
+
+    paddle.set_device("cpu")
+    before = paddle.ones([1024, 256])  # 1 MiB alive before the meter: not counted
+    meter = MemoryMeter(on_gpu=False)
+    assert meter.source == "host_allocator"
+    a = paddle.ones([1024, 1024])  # 4 MiB
+    b = paddle.ones([1024, 2048])  # 8 MiB: peak 12 MiB
+    del a, b
+    c = paddle.ones([1024, 512])  # 2 MiB after the peak
+    peak = meter.peak()
+    assert 12 << 20 <= peak < (12 << 20) + (256 << 10), peak
+    assert meter.peak_rss() >= 0
+    del before, c

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import shutil
 import signal
 import sys
 import time
@@ -114,16 +115,24 @@ def _collect_texts(paths: Any, limit: int = 200000) -> List[str]:
                 walk(x)
 
     files = [f for spec in as_list(paths) for f in resolve_source(spec)]
+    first_bad = ""
     for p in files:
         with open(p, encoding="utf-8") as f:
-            for line in f:
+            for lineno, line in enumerate(f, start=1):
                 if line.strip():
                     try:
                         walk(json.loads(line))
-                    except json.JSONDecodeError:
+                    except json.JSONDecodeError as exc:
+                        first_bad = first_bad or f"{p}:{lineno}: not valid JSON ({exc.msg})"
                         continue
                 if len(texts) >= limit:
                     return texts
+    if not texts:
+        why = first_bad or "the files hold no text"
+        raise UserError(
+            f"no text to train a tokenizer on in data_path: {why}. Fix the data, or set "
+            "model_config.tokenizer_path to an existing tokenizer"
+        )
     return texts
 
 
@@ -836,11 +845,25 @@ def _data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: st
 
 
 def run_training(loaded: LoadedConfig, stream: Optional[TextIO] = None) -> Dict[str, Any]:
-    """Train with a loaded config; returns summary.json's content."""
-    trainer = Trainer(loaded, stream=stream)
+    """Train with a loaded config; returns summary.json's content. A run that fails before writing
+    anything leaves no output directory behind (one that existed before is never touched)."""
+    out = Path(loaded.config.train.output_dir)
+    existed = out.exists()
+    try:
+        trainer = Trainer(loaded, stream=stream)
+    except BaseException:
+        if not existed:
+            _remove_if_empty(out)
+        raise
     try:
         return trainer.train()
     finally:
         metrics = getattr(trainer, "metrics", None)
         if metrics is not None:
             metrics.close()
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Remove ``directory`` when it holds no file at any depth (only empty folders)."""
+    if directory.is_dir() and not any(p.is_file() or p.is_symlink() for p in directory.rglob("*")):
+        shutil.rmtree(directory, ignore_errors=True)

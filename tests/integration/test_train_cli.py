@@ -288,3 +288,22 @@ def test_skipped_bad_records_are_reported(tmp_path):
     assert json.loads((out / "summary.json").read_text())["rejected_records"] == 2
     rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
     assert [r["line"] for r in rejected] == [6, 7]
+
+
+def test_unreadable_data_is_named_and_leaves_no_output_dir(tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"instruction": "x"\n')
+    cfg = _config(tmp_path, steps=3)
+    res = CliRunner().invoke(
+        app, ["train", "--config", cfg, "--data_path", str(data), "--set", "train_config.demo_data=null"]
+    )
+    assert res.exit_code == 2, res.output
+    assert f"{data}:1: not valid JSON" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "out").exists()  # nothing was written, so nothing is left behind
+    # an output_dir that existed before the run is left as it was
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(
+        app, ["train", "--config", cfg, "--data_path", str(data), "--set", "train_config.demo_data=null"]
+    )
+    assert res.exit_code == 2 and (tmp_path / "out" / "notes.txt").read_text() == "mine"

@@ -657,8 +657,14 @@ def summary_line(config: Any) -> Optional[str]:
     except UserError:
         return None
     verdict = "fits" if est.fits else "does NOT fit"
+    longest = config.train.batching == "longest"
     return (
-        f"  memory     ~{format_bytes(est.peak)} peak per device on {est.device.name} "
-        f"(weights {format_bytes(est.parameters)}, activations {format_bytes(est.activations)}): {verdict}; "
-        "details: bmtrain plan --config ..."
+        f"  memory     ~{format_bytes(est.peak)} peak per device on {est.device.name}"
+        + (" with every batch at max_seq_len" if longest else "")
+        + f" (weights {format_bytes(est.parameters)}, activations {format_bytes(est.activations)}): {verdict}; "
+        + (
+            "bmtrain plan --config ... reads the data for the longest batch"
+            if longest
+            else "details: bmtrain plan --config ..."
+        )
     )

@@ -213,3 +213,10 @@ def test_unfused_ops_and_partial_recompute_change_the_activations(seven_b) -> No
     full = estimate_layout(w, Layout(micro_batch=2, recompute="full"), cpu)
     half = estimate_layout(w, Layout(micro_batch=2, recompute="full", recompute_layers=2), cpu)
     assert full.activations < half.activations < fused.activations
+
+
+def test_validate_config_shows_the_estimate(repo_root) -> None:
+    res = CliRunner().invoke(app, ["validate-config", str(repo_root / "configs/quickstart.yaml")])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("memory"))
+    assert "peak per device on CPU with every batch at max_seq_len" in line and "fits" in line

@@ -274,27 +274,11 @@ def _whole_base_arrays(model: nn.Layer, ctx: Any) -> Dict[str, np.ndarray]:
     return {k: v for k, v in full.items() if not is_lora_name(k)}
 
 
-class _BaseWeights:
-    """Whole base weights with what models.save_pretrained reads (arch, state_dict, parameters)."""
-
-    def __init__(self, arch: Any, tensors: Dict[str, np.ndarray]) -> None:
-        import paddle  # noqa: PLC0415
-
-        self.arch = arch
-        self._tensors = {k: paddle.to_tensor(v) for k, v in tensors.items()}
-
-    def state_dict(self) -> Dict[str, Any]:
-        return dict(self._tensors)
-
-    def parameters(self) -> List[Any]:
-        return list(self._tensors.values())
-
-
 def _save_base(model: nn.Layer, tensors: Dict[str, np.ndarray], out: Path) -> None:
     from bmtrain_cli.models import save_pretrained  # noqa: PLC0415
-    from bmtrain_cli.parallel.checkpoint import unwrap  # noqa: PLC0415
+    from bmtrain_cli.parallel.checkpoint import FullWeights, unwrap  # noqa: PLC0415
 
-    save_pretrained(_BaseWeights(unwrap(model).arch, tensors), str(out))
+    save_pretrained(FullWeights(unwrap(model).arch, tensors), str(out))
 
 
 def lora_layer_names(model: nn.Layer) -> List[str]:

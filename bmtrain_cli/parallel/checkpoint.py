@@ -93,7 +93,7 @@ def load_full_state_dict(ctx: ParallelContext, model: Any, state: Dict[str, Any]
         raise UserError(f"checkpoint lacks {len(missing)} weights this model needs, e.g. {missing[:3]}")
 
 
-class _FullWeights:
+class FullWeights:
     """Whole weights with the interface models.save_pretrained reads (arch, state_dict, parameters)."""
 
     def __init__(self, arch: Any, tensors: Dict[str, np.ndarray]) -> None:
@@ -117,7 +117,7 @@ def full_weights_writer(ctx: ParallelContext, model: Any) -> Any:
     def writer(_model: Any, out_dir: str) -> None:
         from bmtrain_cli.models import save_pretrained
 
-        save_pretrained(_FullWeights(arch, full), out_dir)
+        save_pretrained(FullWeights(arch, full), out_dir)
 
     return writer
 

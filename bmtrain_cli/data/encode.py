@@ -168,3 +168,40 @@ def encode_prompt(
     enc = make_encoder(tokenizer, template_name)
     answer = conv.messages[-1][1] if conv.messages and conv.messages[-1][0] == "assistant" else None
     return enc.encode_prompt(conv), answer
+
+
+def encode_scored_file(
+    path: str,
+    tokenizer: Tokenizer,
+    template: str = "auto",
+    data_format: str = "auto",
+    max_len: int = 2048,
+    max_records: Optional[int] = None,
+) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """(input ids, unshifted labels with -100 on unscored tokens) per record of a JSONL/JSON file, encoded
+    exactly as for training (format, template, trainable mask), for scoring (`bmtrain eval`, the export's
+    held-out check). A bad record is a UserError naming file:line; records longer than ``max_len`` keep
+    their last tokens; records with nothing to score (e.g. the answer truncated away) are left out; at
+    most ``max_records`` are returned."""
+    from bmtrain_cli.data.formats import BadRecord, parse_record
+    from bmtrain_cli.data.readers import read_records
+    from bmtrain_cli.errors import UserError
+
+    encoder = make_encoder(tokenizer, template)
+    out: List[Tuple[np.ndarray, np.ndarray]] = []
+    for rec in read_records(path):
+        if rec.error:
+            raise UserError(f"{rec.where()}: {rec.error}")
+        try:
+            conv = parse_record(rec.value, data_format)
+        except BadRecord as exc:
+            raise UserError(f"{rec.where()}: {exc}") from None
+        ids, mask = encoder.encode(conv)
+        ids, mask = ids[-max_len:], mask[-max_len:]
+        labels = labels_from_mask(ids, mask)
+        if (labels[1:] != -100).sum() == 0:
+            continue
+        out.append((np.asarray(ids, dtype=np.int64), labels))
+        if max_records is not None and len(out) >= max_records:
+            break
+    return out

@@ -27,26 +27,11 @@ def encode_eval_file(
 ) -> List[Sample]:
     """The first ``max_records`` usable records of a JSONL/JSON file as (ids, labels); a bad record is a
     UserError naming file:line."""
-    from bmtrain_cli.data.encode import labels_from_mask, make_encoder  # noqa: PLC0415
-    from bmtrain_cli.data.formats import BadRecord, parse_record  # noqa: PLC0415
-    from bmtrain_cli.data.readers import read_records  # noqa: PLC0415
+    from bmtrain_cli.data.encode import encode_scored_file  # noqa: PLC0415
 
-    encoder = make_encoder(tokenizer, template)  # type: ignore[arg-type]
-    samples: List[Sample] = []
-    for rec in read_records(path):
-        if rec.error is not None:
-            raise UserError(f"{rec.where()}: {rec.error}")
-        try:
-            conv = parse_record(rec.value, data_format)
-        except BadRecord as exc:
-            raise UserError(f"{rec.where()}: {exc}") from None
-        ids, mask = encoder.encode(conv)
-        ids, mask = ids[-max_len:], mask[-max_len:]
-        if len(ids) < 2 or not any(mask[1:]):
-            continue
-        samples.append((np.asarray(ids, dtype=np.int64), labels_from_mask(ids, mask)))
-        if len(samples) >= max_records:
-            break
+    samples = encode_scored_file(
+        path, tokenizer, template, data_format, max_len=max_len, max_records=max_records
+    )  # type: ignore[arg-type]
     if not samples:
         raise UserError(f"{path}: no record with a trainable token to evaluate")
     return samples

@@ -26,26 +26,9 @@ def encode_file(
 ) -> List[Tuple[np.ndarray, np.ndarray]]:
     """(input ids, unshifted labels with -100 on unscored tokens) per record; a bad record is a
     UserError naming file:line. Records longer than ``max_seq_len`` keep their last tokens."""
-    from bmtrain_cli.data.encode import labels_from_mask, make_encoder
-    from bmtrain_cli.data.formats import BadRecord, parse_record
-    from bmtrain_cli.data.readers import read_records
+    from bmtrain_cli.data.encode import encode_scored_file
 
-    encoder = make_encoder(tokenizer, template)
-    out = []
-    for rec in read_records(path):
-        if rec.error:
-            raise UserError(f"{rec.where()}: {rec.error}")
-        try:
-            conv = parse_record(rec.value, data_format)
-        except BadRecord as exc:
-            raise UserError(f"{rec.where()}: {exc}") from None
-        ids, mask = encoder.encode(conv)
-        ids, mask = ids[-max_seq_len:], mask[-max_seq_len:]
-        labels = labels_from_mask(ids, mask)
-        if (labels[1:] != -100).sum() == 0:
-            continue  # nothing to score (e.g. the answer was truncated away)
-        out.append((np.asarray(ids, dtype=np.int64), labels))
-    return out
+    return encode_scored_file(path, tokenizer, template, data_format, max_len=max_seq_len)
 
 
 @paddle.no_grad()

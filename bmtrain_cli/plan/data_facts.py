@@ -11,6 +11,7 @@ loader (validated and tokenised, into the data cache). Nothing here writes to th
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any, Iterator, List, Optional
 
 # Data sets larger than this are not tokenised by `bmtrain plan` (the trainer does it anyway); the plan
 # then assumes batches reach max_seq_len and says so.
-SCAN_LIMIT_BYTES = 256 << 20
+SCAN_LIMIT_BYTES = 64 << 20  # about 15 s of tokenising on one core
+SAY_BYTES = 8 << 20  # above this, say on stderr that the data is being read
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ def _longest(config: Any, tokenizer: Any, data: Any, tmp: Optional[str]) -> tupl
         return None, "the data was not found"
     if size > SCAN_LIMIT_BYTES:
         return None, f"the data ({size / 2**30:.1f} GiB) was not scanned"
+    if size > SAY_BYTES:
+        print(
+            f"reading {size / 2**20:.0f} MiB of data for the longest sample ...", file=sys.stderr, flush=True
+        )
     with contextlib.ExitStack() as stack:
         out_dir = tmp or stack.enter_context(tempfile.TemporaryDirectory(prefix="bmtrain-plan-"))
         try:

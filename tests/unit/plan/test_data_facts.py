@@ -92,3 +92,13 @@ def test_missing_data_is_an_upper_bound_with_a_note(write_yaml, tmp_path) -> Non
     assert w.seq_len == 128
     assert "assumed batches reach max_seq_len" in w.note
     assert any("max_seq_len" in n for n in estimate(config, "cpu").notes)
+
+
+def test_data_over_the_scan_limit_is_not_read(write_yaml, tmp_path, monkeypatch) -> None:
+    from bmtrain_cli.plan import data_facts as facts_module
+
+    monkeypatch.setattr(facts_module, "SCAN_LIMIT_BYTES", 1000)  # the demo data is larger
+    config = _config(write_yaml, tmp_path)
+    facts = data_facts(config)
+    assert facts.longest is None and facts.vocab_size  # the tokenizer is still read
+    assert "was not scanned" in facts.note and "assumed batches reach max_seq_len" in facts.note

@@ -75,7 +75,9 @@ def _longest(config: Any, tokenizer: Any, data: Any, tmp: Optional[str]) -> tupl
     if size is None:
         return None, "the data was not found"
     if size > SCAN_LIMIT_BYTES:
-        return None, f"the data ({size / 2**30:.1f} GiB) was not scanned"
+        from bmtrain_cli.plan.devices import format_bytes
+
+        return None, f"the data ({format_bytes(size)}, over {format_bytes(SCAN_LIMIT_BYTES)}) was not scanned"
     if size > SAY_BYTES:
         print(
             f"reading {size / 2**20:.0f} MiB of data for the longest sample ...", file=sys.stderr, flush=True

@@ -66,4 +66,8 @@ _register_commands()
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Console-script entry point."""
+    import warnings
+
+    # Paddle's C++-extension helper warns at `import paddle` that ccache is missing (bmtrain_cli/quiet.py)
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
     app(args=argv, prog_name="bmtrain")

@@ -50,6 +50,9 @@ def train_main(
     from bmtrain_cli.parallel.context import launched_world_size
 
     default_threads()
+    from bmtrain_cli.quiet import import_paddle
+
+    import_paddle()
     overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
     world = launched_world_size()
     loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)

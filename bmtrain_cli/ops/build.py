@@ -142,9 +142,11 @@ def _build(verbose: bool) -> ModuleType:
     build_dir = cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
+    from bmtrain_cli.quiet import filtered_stderr
+
     with _file_lock(build_dir / ".lock"):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), filtered_stderr():
                 warnings.simplefilter("ignore")
                 with contextlib.redirect_stdout(log) if not verbose else contextlib.nullcontext():
                     return cpp_extension.load(

@@ -80,7 +80,9 @@ def plan_launch(
     out_dir = config.train.output_dir
     log_dir = log_dir or str(Path(out_dir) / "launch")
     rid = run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    # the launcher's own INFO lines (its whole configuration, every start) go to the log files only
     cmd = [python or sys.executable, "-m", "paddle.distributed.launch", "--log_dir", log_dir]
+    cmd += ["--log_level", "WARNING"]
     if has_gpu:
         cmd += ["--devices", ",".join(str(i) for i in range(nproc_per_node))]
     else:
@@ -92,7 +94,12 @@ def plan_launch(
             cmd += ["--ips", ips]
         cmd += ["--nnodes", str(node_count)]
     cmd += [str(script or train_script())] + list(train_args)
-    env = {faults.RUN_ID_ENV: rid, faults.LOG_DIR_ENV: str(Path(log_dir).resolve())}
+    env = {
+        faults.RUN_ID_ENV: rid,
+        faults.LOG_DIR_ENV: str(Path(log_dir).resolve()),
+        # Paddle's "No ccache found" warning at every `import paddle` (bmtrain_cli/quiet.py)
+        "PYTHONWARNINGS": "ignore:No ccache found:UserWarning",
+    }
     return LaunchPlan(
         command=cmd,
         env=env,

@@ -8,6 +8,7 @@ ParallelContext describing this rank.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict
 
 from bmtrain_cli.config.derived import derive
@@ -92,8 +93,14 @@ def init_distributed(config: Config) -> ParallelContext:
     if on_cpu:
         paddle.set_device("cpu")
     watchdog = faults.start_watchdog(config)
-    strategy = build_strategy(config)
-    fleet.init(is_collective=True, strategy=strategy)
+    from bmtrain_cli.quiet import FLEET_INIT_NOISE, NOISE, filtered_stderr  # noqa: PLC0415
+
+    # rank 0's output is the console: keep fleet's start-up report there out of the way; the other
+    # ranks' worker logs keep it (topology, groups) for debugging
+    console = os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
+    with filtered_stderr(FLEET_INIT_NOISE if console else NOISE):
+        strategy = build_strategy(config)
+        fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     dp_rank, dp_world = hcg.get_data_parallel_rank(), hcg.get_data_parallel_world_size()
     sh_rank, sh_world = hcg.get_sharding_parallel_rank(), hcg.get_sharding_parallel_world_size()

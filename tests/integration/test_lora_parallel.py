@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.tiny import model_yaml
+
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).parent / "lora_scripts" / "lora_tp_worker.py"
@@ -49,16 +51,9 @@ def test_lora_tp2_matches_tp1(tmp_path):
         assert np.mean(np.abs(got - want) < 1e-5) > 0.99, name
 
 
-LORA_RUN = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  max_seq_len: 32
-  kernels: reference
+LORA_RUN = (
+    model_yaml()
+    + """
 train_config:
   demo_data: arithmetic
   output_dir: {out}
@@ -77,6 +72,7 @@ train_config:
 parallel_config:
   tensor_parallel: {tp}
 """
+)
 
 
 def _bmtrain(*args: str) -> subprocess.CompletedProcess:

@@ -12,17 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.tiny import model_yaml
+
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  max_seq_len: 32
+CONFIG = (
+    model_yaml(kernels=None)
+    + """
 train_config:
   data_path: {data}
   output_dir: {out}
@@ -36,6 +32,7 @@ train_config:
   lora_rank: 4
   lora_target_modules: all-linear
 """
+)
 
 
 def _train(tmp: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:

@@ -16,19 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.tiny import model_yaml
+
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-CONFIG = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  max_seq_len: 32
-  tie_word_embeddings: false
-  kernels: reference
+CONFIG = (
+    model_yaml(tie_word_embeddings=False)
+    + """
 train_config:
   demo_data: arithmetic
   output_dir: {out}
@@ -43,6 +37,7 @@ train_config:
 parallel_config:
   data_parallel: 1
 """
+)
 
 
 def _losses(out: Path):

@@ -12,16 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
+from tests.integration.tiny import model_yaml
 
-TINY = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  max_seq_len: 24
-  kernels: reference
+TINY = (
+    model_yaml(max_seq_len=24, kv_heads=None)
+    + """
 train_config:
   demo_data: arithmetic
   output_dir: {out}
@@ -35,6 +30,7 @@ train_config:
   eval_steps: 3
   num_workers: 0
 """
+)
 
 
 def _config(tmp_path: Path, steps: int = 6, out: str = "out") -> str:

@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
-CONFIG = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  max_seq_len: 24
-  kernels: reference
+from tests.integration.tiny import model_yaml
+
+CONFIG = (
+    model_yaml(max_seq_len=24, kv_heads=None)
+    + """
 train_config:
   demo_data: arithmetic
   output_dir: {out}
@@ -35,6 +31,7 @@ train_config:
   save_total_limit: 2
   num_workers: 1
 """
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

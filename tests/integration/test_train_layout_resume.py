@@ -12,17 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.tiny import model_yaml
+
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-CONFIG = """
-model_config:
-  family: llama
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  max_seq_len: 32
-  kernels: reference
+CONFIG = (
+    model_yaml(kv_heads=None)
+    + """
 train_config:
   demo_data: arithmetic
   output_dir: {out}
@@ -38,6 +34,7 @@ train_config:
 parallel_config:
   tensor_parallel: 2
 """
+)
 
 
 def _losses(out: Path):

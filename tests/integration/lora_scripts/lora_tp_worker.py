@@ -20,19 +20,10 @@ from bmtrain_cli.config.schema import Config  # noqa: E402
 from bmtrain_cli.lora.checkpoint import whole_adapter_arrays  # noqa: E402
 from bmtrain_cli.lora.inject import apply_lora  # noqa: E402
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights  # noqa: E402
-from bmtrain_cli.models.arch import ModelArch  # noqa: E402
 from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
 from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
+from tests.integration.tiny import ARCH  # noqa: E402
 
-ARCH = ModelArch(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-)
 LORA = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
 ROWS, MICRO, SEQ, STEPS = 8, 2, 32, 3
 

@@ -18,19 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import paddle  # noqa: E402
 
 from bmtrain_cli.config.schema import Config  # noqa: E402
-from bmtrain_cli.models.arch import ModelArch  # noqa: E402
 from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
 from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
+from tests.integration.tiny import ARCH  # noqa: E402
 
-ARCH = ModelArch(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-)
 GLOBAL_BATCH, MICRO, SEQ, STEPS = 8, 2, 32, 3
 
 

@@ -175,8 +175,9 @@ class MetricsWriter:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.tb = None
         self._bar_open = False
-        self._start_time = time.time()
-        self._start_step = resume_step or 0
+        # the ETA is measured from the first step this process logs: the first step (kernel set-up, the
+        # allocator's first blocks) is several times slower than the rest and would inflate it
+        self._eta_origin: Optional[tuple] = None
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -258,9 +259,11 @@ class MetricsWriter:
         self.stream.flush()
 
     def _progress(self, step: int, values: Dict[str, Any]) -> None:
-        elapsed = time.time() - self._start_time
-        done = step - self._start_step
-        eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+        now = time.time()
+        if self._eta_origin is None:
+            self._eta_origin = (now, step)
+        t0, s0 = self._eta_origin
+        eta = (now - t0) / (step - s0) * (self.total_steps - step) if step > s0 else float("nan")
         loss = values.get("loss")
         loss_txt = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else str(loss)
         body = (

@@ -99,3 +99,20 @@ def test_memory_meter_on_cpu_is_the_allocators_peak_since_it_was_made() -> None:
     assert 12 << 20 <= peak < (12 << 20) + (256 << 10), peak
     assert meter.peak_rss() >= 0
     del before, c
+
+
+def test_eta_is_measured_from_the_first_logged_step(tmp_path, monkeypatch):
+    """A slow first step (set-up) does not inflate the ETA: 10 s of set-up, then 1 s per step."""
+    from bmtrain_cli.train import metrics as m
+
+    clock = [100.0]
+    monkeypatch.setattr(m.time, "time", lambda: clock[0])
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=20, stream=out, tty=False, tensorboard=False, logging_steps=5)
+    clock[0] += 10.0  # the first step
+    w.log_train(1, _vals(1))
+    clock[0] += 9.0  # steps 2..10 at 1 s each
+    w.log_train(10, _vals(10))
+    w.close()
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("step ")]
+    assert lines[0].endswith("ETA ?") and lines[-1].endswith("ETA 10s"), lines

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.tiny import model_yaml
+from tests.tiny import model_yaml
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
-from tests.integration.tiny import model_yaml
+from tests.tiny import model_yaml
 
 TINY = (
     model_yaml(max_seq_len=24, kv_heads=None)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.tiny import model_yaml
+from tests.tiny import model_yaml
 
 CONFIG = (
     model_yaml(max_seq_len=24, kv_heads=None)

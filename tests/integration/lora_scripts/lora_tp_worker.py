@@ -22,7 +22,7 @@ from bmtrain_cli.lora.inject import apply_lora  # noqa: E402
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights  # noqa: E402
 from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
 from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
-from tests.integration.tiny import ARCH  # noqa: E402
+from tests.tiny import ARCH  # noqa: E402
 
 LORA = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
 ROWS, MICRO, SEQ, STEPS = 8, 2, 32, 3

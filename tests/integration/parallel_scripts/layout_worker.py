@@ -20,7 +20,7 @@ import paddle  # noqa: E402
 from bmtrain_cli.config.schema import Config  # noqa: E402
 from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
 from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
-from tests.integration.tiny import ARCH  # noqa: E402
+from tests.tiny import ARCH  # noqa: E402
 
 GLOBAL_BATCH, MICRO, SEQ, STEPS = 8, 2, 32, 3
 

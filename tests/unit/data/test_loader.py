@@ -131,19 +131,13 @@ def test_packed_and_unpacked_give_the_same_mean_loss_toy(tmp_path, sp_tok, small
 
 def test_packed_and_unpacked_give_the_same_mean_loss_model(tmp_path, sp_tok, small_data):
     paddle = pytest.importorskip("paddle")
-    from bmtrain_cli.models import ModelArch, build
+    from dataclasses import replace
+
+    from bmtrain_cli.models import build
+    from tests.tiny import ARCH
 
     paddle.seed(0)
-    arch = ModelArch(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=sp_tok.vocab_size,
-        max_position_embeddings=64,
-    )
+    arch = replace(ARCH, vocab_size=sp_tok.vocab_size, max_position_embeddings=64)
     model = build(arch, kernels="reference")
     model.eval()
 

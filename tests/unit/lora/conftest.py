@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from bmtrain_cli.models.arch import ModelArch
+from tests.tiny import ARCH as TINY
 
-ARCH = ModelArch(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=96,
-)
+ARCH = replace(TINY, vocab_size=96)
 
 
 def lora_cfg(targets="all-linear", rank=4, alpha=8.0, dropout=0.0, **kw):

@@ -1,5 +1,6 @@
-"""The tiny model the integration tests train (hidden 64, 2 layers, 4 heads): one definition for the
-tests' YAML configs and for the worker scripts' ModelArch."""
+"""The tiny model the LoRA, data and integration tests train (hidden 64, 2 layers, 4 heads, GQA 4/2): one
+definition for their ModelArch and for the integration tests' YAML configs. (The model tests use their own,
+tests/unit/models/tiny.py, with odd sizes that catch shape mistakes.)"""
 
 from __future__ import annotations
 

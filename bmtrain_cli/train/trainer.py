@@ -97,10 +97,10 @@ def _barrier(ctx: Any) -> None:
 
 
 def _collect_texts(paths: Any, limit: int = 200000) -> List[str]:
-    """Strings of a JSONL data set (any format), for training a tokenizer when none is given."""
-    import json
-
-    from bmtrain_cli.data.readers import as_list, resolve_source
+    """Strings of a data set (JSONL or JSON array, any format), for training a tokenizer when none is
+    given. Bad records are skipped here (the loader applies on_bad_record later); if no text is left,
+    the first bad record is named."""
+    from bmtrain_cli.data.readers import as_list, read_records, resolve_source
 
     texts: List[str] = []
 
@@ -114,19 +114,15 @@ def _collect_texts(paths: Any, limit: int = 200000) -> List[str]:
             for x in v:
                 walk(x)
 
-    files = [f for spec in as_list(paths) for f in resolve_source(spec)]
     first_bad = ""
-    for p in files:
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        walk(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        first_bad = first_bad or f"{p}:{lineno}: not valid JSON ({exc.msg})"
-                        continue
-                if len(texts) >= limit:
-                    return texts
+    for p in (f for spec in as_list(paths) for f in resolve_source(spec)):
+        for rec in read_records(p):
+            if rec.error is not None:
+                first_bad = first_bad or f"{rec.where()}: {rec.error}"
+                continue
+            walk(rec.value)
+            if len(texts) >= limit:
+                return texts
     if not texts:
         why = first_bad or "the files hold no text"
         raise UserError(

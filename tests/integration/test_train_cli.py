@@ -294,7 +294,7 @@ def test_unreadable_data_is_named_and_leaves_no_output_dir(tmp_path):
         app, ["train", "--config", cfg, "--data_path", str(data), "--set", "train_config.demo_data=null"]
     )
     assert res.exit_code == 2, res.output
-    assert f"{data}:1: not valid JSON" in res.output and "Traceback" not in res.output
+    assert f"{data}:1: invalid JSON" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "out").exists()  # nothing was written, so nothing is left behind
     # an output_dir that existed before the run is left as it was
     (tmp_path / "out").mkdir()

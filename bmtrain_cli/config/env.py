@@ -1,9 +1,11 @@
-"""Cheap facts about the installed Paddle, without importing it (validate-config stays fast)."""
+"""Cheap facts about the installed Paddle and the build tools, without importing Paddle (validate-config stays fast)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import shutil
 from typing import Optional
 
 
@@ -25,3 +27,8 @@ def paddle_has_gpu(import_paddle: bool = False) -> bool:
 
         return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
     return paddle_distribution() == "paddlepaddle-gpu"
+
+
+def find_cxx() -> Optional[str]:
+    """The C++ compiler the CPU custom kernels are built with ($CXX or c++, else g++), or None."""
+    return shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")

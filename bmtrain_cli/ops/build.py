@@ -22,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Optional, Tuple
 
+from bmtrain_cli.config.env import find_cxx
+
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 CPU_SOURCES = ["cpu/fused_cpu.cc", "paddle/fused_ops.cc"]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
@@ -124,16 +126,11 @@ def _build(verbose: bool) -> ModuleType:
     missing = [s for s in CPU_SOURCES + HEADERS if not (KERNELS_DIR / s).is_file()]
     if missing:
         raise KernelBuildError(f"kernel sources not found under {KERNELS_DIR}: {', '.join(missing)}")
-    cxx_compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx_compiler) is None and shutil.which("g++") is None:
+    if find_cxx() is None:
         raise KernelBuildError("no C++ compiler found (install g++ to build the custom kernels)")
     try:
         import paddle  # noqa: F401
-
-        with warnings.catch_warnings():
-            # Paddle warns "No ccache found" on every import; the build is cached by us anyway.
-            warnings.filterwarnings("ignore", message=".*ccache.*")
-            from paddle.utils import cpp_extension
+        from paddle.utils import cpp_extension  # imported by `import paddle`, which warns about ccache
     except ImportError as exc:  # pragma: no cover - paddle is a precondition of the package
         raise KernelBuildError(f"paddle.utils.cpp_extension unavailable: {exc}") from exc
 

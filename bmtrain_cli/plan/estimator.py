@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from bmtrain_cli.config.env import find_cxx
 from bmtrain_cli.models.arch import (
     LORA_PROJECTIONS,
     ModelArch,
@@ -274,21 +275,13 @@ def _attention_kernel(w: Workload, device: Device) -> str:
     return "flash"
 
 
-def _can_build_kernels() -> bool:
-    """Whether this machine has the C++ compiler the CPU custom kernels are built with (ops/build.py)."""
-    import os
-    import shutil
-
-    return shutil.which(os.environ.get("CXX") or "c++") is not None or shutil.which("g++") is not None
-
-
 def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
     """Elements per token a layer keeps beyond the fused kernels' when ops run as compositions of Paddle
     ops (bmtrain_cli/ops/reference.py): ``kernels: reference`` everywhere; ``kernels: paddle`` on a CPU,
     which has Paddle's fused SwiGLU but not its RMSNorm or rotary kernels."""
     a = w.arch
     kernels = w.kernels
-    if kernels == "auto" and device.kind == "cpu" and not _can_build_kernels():
+    if kernels == "auto" and device.kind == "cpu" and find_cxx() is None:
         kernels = "paddle"  # what ops.select("auto") falls back to without a compiler
     ref_all = kernels == "reference"
     ref_norm_rotary = ref_all or (kernels == "paddle" and device.kind == "cpu")

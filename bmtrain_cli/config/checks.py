@@ -12,9 +12,7 @@ from typing import List, Optional
 from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import Problem, UserError
-from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config
-
-LORA_TARGETS = LORA_PROJECTIONS
+from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -209,17 +207,16 @@ def check_config(
     if t.finetuning == "lora":
         targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
         for name in targets:
-            if name not in LORA_TARGETS and name != "all-linear":
+            if name not in LORA_PROJECTIONS and name != "all-linear":
                 err(
                     "train_config.lora_target_modules",
                     f"unknown target module {name!r}",
-                    f"available: {', '.join(LORA_TARGETS)}, all-linear",
+                    f"available: {', '.join(LORA_PROJECTIONS)}, all-linear",
                 )
         if arch is not None:  # names this architecture does not have (Baichuan fuses q/k/v into W_pack)
-            absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
-            present = [n for n in LORA_TARGETS if n not in absent]
+            present = arch_projections(arch)
             for name in targets:
-                if name in absent:
+                if name in LORA_PROJECTIONS and name not in present:
                     err(
                         "train_config.lora_target_modules",
                         f"target module not in this model ({arch.family}): {name!r}",

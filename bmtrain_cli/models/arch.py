@@ -360,6 +360,12 @@ def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
     return LORA_PROJECTIONS if "all-linear" in names else tuple(names)
 
 
+def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
+    """The LoRA-targetable projections this architecture has (Baichuan fuses q/k/v into W_pack)."""
+    absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
+    return tuple(n for n in LORA_PROJECTIONS if n not in absent)
+
+
 def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
     """Adapter parameters (A: in x r, B: r x out) of one decoder layer on one tensor-parallel rank:
     column-parallel projections split B's output, row-parallel ones A's input."""
@@ -375,12 +381,11 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
         "down_proj": (inter, h),
         "W_pack": (h, q + 2 * kv),
     }
-    absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
-    selected = lora_targets(arch, targets)
+    selected = set(lora_targets(arch, targets)) & set(arch_projections(arch))
     return sum(
         rank * (i // tp + o) if name in ROW_PARALLEL_PROJECTIONS else rank * (i + o // tp)
         for name, (i, o) in shapes.items()
-        if name in selected and name not in absent
+        if name in selected
     )
 
 

@@ -42,8 +42,6 @@ GPU_FRAGMENTATION = 0.05
 CE_CHUNK_ELEMENTS = 1 << 23
 DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
 
-LORA_TARGETS = LORA_PROJECTIONS
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -321,7 +319,7 @@ def _layer_activation_elems(w: Workload, device: Device, tp: int, mode: str) -> 
         core_in += (q + kv) / tp  # q/k before their norm
     core_in += _unfused_elems(w, device, tp)
     if w.finetuning == "lora":
-        n_targets = len([t for t in w.lora_targets if t in LORA_TARGETS])
+        n_targets = len([t for t in w.lora_targets if t in LORA_PROJECTIONS])
         core_in += n_targets * w.lora_rank + (n_targets * h if w.lora_dropout > 0 else 0)
     return hidden_part + core_in + attn_out + mlp + core, float(hidden_part)
 

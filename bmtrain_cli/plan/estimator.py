@@ -20,6 +20,7 @@ Two targets are predicted:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -138,9 +139,8 @@ class Workload:
             facts = data_facts(config, need_vocab=arch is None, need_longest=wants_longest)
         if arch is None:
             arch = arch_from_model_config(m, allow_known=True)
-            if (
-                facts.vocab_size and not m.model_name_or_path
-            ):  # a fresh model takes its tokenizer's vocabulary
+            # a fresh model takes its tokenizer's vocabulary
+            if facts.vocab_size and not m.model_name_or_path:
                 arch = replace(arch, vocab_size=facts.vocab_size)
         if seq_len is None:
             seq_len = facts.longest or m.max_seq_len
@@ -362,13 +362,6 @@ def layer_activations(
     return out
 
 
-def activation_bytes(w: Workload, device: Device, layout: Layout, layers: int, mode: str) -> Tuple[int, int]:
-    """(bytes kept after the forward of one micro-batch over ``layers`` layers, largest backward working
-    set of a layer, including the rebuild of a recomputed one)."""
-    per_layer = layer_activations(w, device, layout, layers, mode)
-    return sum(k for k, _ in per_layer), max((wk for _, wk in per_layer), default=0)
-
-
 def _loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -> Tuple[int, int]:
     """(bytes kept for the loss's backward, transient peak while computing it) on the last stage."""
     if not last_stage:
@@ -470,12 +463,13 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
             1, w.global_batch // (layout.micro_batch * layout.data_ranks)
         )
         in_flight = min(pp - idx, micro)  # 1F1B: stage i holds pp - i micro-batches
-    by_mode: Dict[str, int] = {}
-    work_by_mode: Dict[str, int] = {}
-    for mode in ("none", "attention", "full"):
-        kept, work = activation_bytes(w, device, layout, layers, mode)
-        by_mode[mode], work_by_mode[mode] = kept * in_flight, work
-    acts, work = by_mode[layout.recompute], work_by_mode[layout.recompute]
+    per_mode = {
+        mode: layer_activations(w, device, layout, layers, mode) for mode in ("none", "attention", "full")
+    }
+    by_mode = {mode: sum(k for k, _ in per) * in_flight for mode, per in per_mode.items()}
+    per_layer = per_mode[layout.recompute]
+    acts = by_mode[layout.recompute]
+    work = max((wk for _, wk in per_layer), default=0)  # the largest backward working set of a layer
     tokens = layout.micro_batch * w.seq_len
     e = _act_bytes(w)
     if w.masked:
@@ -507,11 +501,10 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
     layer_grad = (growing - head_grad) / max(1, layers + (1 if first else 0))
     shared = acts - by_mode[layout.recompute]  # mask, rope tables
     others = by_mode[layout.recompute] * (in_flight - 1) / in_flight  # micro-batches not in backward
-    per_layer = layer_activations(w, device, layout, layers, layout.recompute)
+    kept_upto = list(itertools.accumulate(k for k, _ in per_layer))  # layers 0..i still hold theirs
     early_bwd = 0.0
     for i in range(layers - 1, -1, -1):
-        kept_upto = sum(k for k, _ in per_layer[: i + 1])
-        alive = shared + others + kept_upto + per_layer[i][1] + head_grad + (layers - i) * layer_grad
+        alive = shared + others + kept_upto[i] + per_layer[i][1] + head_grad + (layers - i) * layer_grad
         early_bwd = max(early_bwd, alive)
     early_bwd = max(early_bwd, acts + loss_kept + head_grad)
     late_bwd = growing + largest * pbytes  # all gradients, the last one being accumulated
@@ -537,8 +530,6 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
         runtime = device.runtime_reserve_bytes + (512 << 20 if layout.world_size > 1 else 0)
         peak = alloc_peak
         required = int(peak * (1 + GPU_FRAGMENTATION)) + runtime
-    if layout.recompute == "none" and by_mode["full"] < by_mode["none"] and not cpu:
-        pass
     return MemoryEstimate(
         device=device,
         layout=layout,

@@ -59,10 +59,12 @@ def filtered_stderr(noise: Sequence[str] = NOISE) -> Iterator[None]:
     saved = os.dup(fd)
     read_end, write_end = os.pipe()
 
+    patterns = [n.encode() for n in noise]
+
     def pump() -> None:
         with os.fdopen(read_end, "rb") as src:
             for line in src:
-                if not any(n.encode() in line for n in noise):
+                if not any(n in line for n in patterns):
                     os.write(saved, line)
 
     thread = threading.Thread(target=pump, name="bmtrain-stderr-filter", daemon=True)

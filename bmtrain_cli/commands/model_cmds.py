@@ -124,14 +124,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Mean token loss and perplexity over a JSONL file (answers of instruction records, all
         tokens of {"text": ...} records)."""
-        from bmtrain_cli.models.scoring import encode_file, score
+        from bmtrain_cli.data.encode import encode_scored_file
+        from bmtrain_cli.models.scoring import score
 
         if not data_path.is_file():
             raise UserError(f"--data_path {data_path} does not exist or is not a file")
         model, tok = _load(model_path, tokenizer_path, dtype)
         t0 = time.perf_counter()
-        samples = encode_file(
-            str(data_path), tok, template, data_format, max_seq_len or model.arch.max_position_embeddings
+        samples = encode_scored_file(
+            str(data_path),
+            tok,
+            template,
+            data_format,
+            max_len=max_seq_len or model.arch.max_position_embeddings,
         )
         if _is_static(model):
             from bmtrain_cli.export.loading import score_static

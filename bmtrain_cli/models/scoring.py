@@ -17,20 +17,6 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.decoder import CausalLM
 
 
-def encode_file(
-    path: str,
-    tokenizer: Any,
-    template: str = "auto",
-    data_format: str = "auto",
-    max_seq_len: int = 2048,
-) -> List[Tuple[np.ndarray, np.ndarray]]:
-    """(input ids, unshifted labels with -100 on unscored tokens) per record; a bad record is a
-    UserError naming file:line. Records longer than ``max_seq_len`` keep their last tokens."""
-    from bmtrain_cli.data.encode import encode_scored_file
-
-    return encode_scored_file(path, tokenizer, template, data_format, max_len=max_seq_len)
-
-
 @paddle.no_grad()
 def score(
     model: CausalLM, samples: List[Tuple[np.ndarray, np.ndarray]], batch_size: int = 8

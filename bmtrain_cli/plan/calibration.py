@@ -103,7 +103,7 @@ def case_config(
 
 def _varied_records(n: int = 600, seed: int = 0) -> List[Dict[str, str]]:
     rng = random.Random(seed)
-    words = [w for w in "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()]
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
     return [
         {
             "input": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60))),

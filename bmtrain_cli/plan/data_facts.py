@@ -39,8 +39,8 @@ def _generated_inputs(config: Any) -> Iterator[dict]:
         out = {"tokenizer": None, "data": t.data_path, "tmp": None}
         demo = bool(t.demo_data) and t.data_path is None
         generated = Path(t.output_dir) / "tokenizer"
-        if m.tokenizer_path:
-            out["tokenizer"] = str(m.tokenizer_path)
+        if m.tokenizer_path or m.model_name_or_path:  # the trainer's order (train/trainer._load_tokenizer)
+            out["tokenizer"] = str(m.tokenizer_path or m.model_name_or_path)
         elif (generated / "tokenizer_config.json").is_file():
             out["tokenizer"] = str(generated)
         if demo:
@@ -108,9 +108,8 @@ def data_facts(config: Any, *, need_vocab: bool = True, need_longest: bool = Tru
     try:
         with _generated_inputs(config) as inputs:
             tok = None
-            tok_path = inputs["tokenizer"] or (m.model_name_or_path if longest_wanted else None)
-            if tok_path:
-                tok = load_tokenizer(str(tok_path))
+            if inputs["tokenizer"]:
+                tok = load_tokenizer(inputs["tokenizer"])
                 if need_vocab:
                     vocab = int(tok.vocab_size)
             if longest_wanted:

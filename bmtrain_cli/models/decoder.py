@@ -188,6 +188,28 @@ class DecoderModel(nn.Layer):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
 
+def head_weight(
+    arch: ModelArch, lm_head: Optional[nn.Layer], embed_weight: Any
+) -> Tuple[paddle.Tensor, bool]:
+    """(LM head weight, whether it is [vocab, hidden] and needs a transpose): the head's own weight, or
+    the tied embedding's; normalised per vocabulary row for Baichuan2's ``norm_head``."""
+    weight, transposed = (embed_weight, True) if lm_head is None else (lm_head.weight, False)
+    if arch.norm_head:
+        weight = F.normalize(weight, axis=1 if transposed else 0)
+    return weight, transposed
+
+
+def project_to_vocab(
+    hidden: paddle.Tensor, arch: ModelArch, factory: Any, lm_head: Optional[nn.Layer], embed_weight: Any
+) -> paddle.Tensor:
+    """Logits from the final (normed) hidden state; the local vocabulary shard under tensor parallel.
+    ``embed_weight`` is read only for tied embeddings (``lm_head`` None)."""
+    if lm_head is not None and not arch.norm_head:
+        return lm_head(hidden)
+    weight, transposed = head_weight(arch, lm_head, embed_weight)
+    return factory.head_matmul(hidden, weight, transposed)
+
+
 class CausalLM(nn.Layer):
     """Decoder-only language model. See the module docstring for the family flags."""
 
@@ -339,19 +361,10 @@ class CausalLM(nn.Layer):
 
     def _head(self) -> Tuple[paddle.Tensor, bool]:
         """(LM head weight, whether it is [vocab, hidden] and needs a transpose)."""
-        if self.lm_head is None:
-            weight, transposed = self.model.embed_tokens.weight, True
-        else:
-            weight, transposed = self.lm_head.weight, False
-        if self.arch.norm_head:
-            weight = F.normalize(weight, axis=1 if transposed else 0)
-        return weight, transposed
+        return head_weight(self.arch, self.lm_head, self.model.embed_tokens.weight)
 
     def logits_from_hidden(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        if self.lm_head is not None and not self.arch.norm_head:
-            return self.lm_head(hidden)
-        weight, transposed = self._head()
-        return paddle.matmul(hidden, weight, transpose_y=transposed)
+        return project_to_vocab(hidden, self.arch, self.factory, self.lm_head, self.model.embed_tokens.weight)
 
     def forward(
         self,

@@ -27,6 +27,10 @@ class PlainFactory:
     def lm_head(self, hidden: int, vocab: int) -> nn.Layer:
         return nn.Linear(hidden, vocab, bias_attr=False)
 
+    def head_matmul(self, hidden: paddle.Tensor, weight: paddle.Tensor, transposed: bool) -> paddle.Tensor:
+        """Logits from a head weight the model holds itself (tied embedding, normalised head)."""
+        return paddle.matmul(hidden, weight, transpose_y=transposed)
+
     def vocab_cross_entropy_sum(
         self, logits: paddle.Tensor, labels: paddle.Tensor
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:

@@ -60,6 +60,17 @@ class TensorParallelFactory:
             hidden, vocab, has_bias=False, gather_output=False, mp_group=self.mp_group
         )
 
+    def head_matmul(self, hidden: Any, weight: Any, transposed: bool) -> Any:
+        """Vocabulary-split logits from a head weight the model holds itself (the tied, vocabulary-split
+        embedding, or a normalised head). The hidden state is replicated over the group, so its gradient
+        is the SUM of every shard's contribution: fleet's identity op (all-reduce in backward) supplies it,
+        as ColumnParallelLinear does for an untied head."""
+        import paddle
+        from paddle.distributed.fleet.layers.mpu import mp_ops
+
+        hidden = mp_ops._c_identity(hidden, group=self.mp_group)
+        return paddle.matmul(hidden, weight, transpose_y=transposed)
+
     def vocab_cross_entropy_sum(self, logits: Any, labels: Any, ignore_index: int = -100) -> Tuple[Any, Any]:
         """(sum of token losses, number of non-ignored tokens) for vocabulary-split logits."""
         from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy

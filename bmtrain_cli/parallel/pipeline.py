@@ -16,6 +16,7 @@ Training uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's mic
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -71,25 +72,43 @@ def imbalance(costs: Sequence[float], bounds: Sequence[int]) -> float:
 
 
 def uniform_costs(num_layers: int) -> List[float]:
-    """Embedding and head cost nothing, every decoder layer 1: equal layer counts."""
-    return [0.0] + [1.0] * num_layers + [0.0]
+    """Embedding, final norm and head cost nothing, every decoder layer 1: equal layer counts."""
+    return [0.0] + [1.0] * num_layers + [0.0, 0.0]
 
 
 # --------------------------------------------------------------------------- pipeline items
 
 
-def _build_items(model: Any, ctx: ParallelContext) -> Tuple[List[Any], Dict[int, str]]:
-    import paddle
-    from paddle import nn
+TIED_KEY = "tied_embedding"  # SharedLayerDesc key of the tied input/output embedding
 
-    from bmtrain_cli.models.decoder import CausalLM
+
+@dataclasses.dataclass(frozen=True)
+class PipelineItems:
+    """The model as a sequence of pipeline items: ``layers`` (plain layers, for the partition's costs)
+    and ``descs`` (what fleet's PipelineLayer is built from; the same layers when nothing is shared);
+    ``names`` maps id(parameter) to its single-process name."""
+
+    layers: List[Any]
+    descs: List[Any]
+    names: Dict[int, str]
+
+    @property
+    def decoder_layers(self) -> int:
+        return len(self.layers) - 3  # embedding, final norm, head
+
+
+def _build_items(model: Any) -> PipelineItems:
+    """Pipeline items: embedding, one per decoder layer, final norm, head. With tied embeddings the
+    first and the last item are one SharedLayerDesc: fleet keeps the weight on both stages, broadcasts it
+    from the first at start, sums its two gradients after every backward (allreduce_shared_weight_
+    gradients) and counts it once in the clip's norm (``is_firstly_shared``)."""
+    from paddle import nn
+    from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
+
+    from bmtrain_cli.models.decoder import CausalLM, project_to_vocab
 
     arch = model.arch
-    if model.lm_head is None:
-        raise UserError(
-            "pipeline_parallel > 1 with tie_word_embeddings is not supported (the embedding and the LM head "
-            "would live on different stages); use tensor or data parallel for this model"
-        )
+    factory = model.factory
     helper = types.SimpleNamespace(arch=arch, alibi=model.alibi)
     rotary = model.rotary
 
@@ -100,17 +119,23 @@ def _build_items(model: Any, ctx: ParallelContext) -> Tuple[List[Any], Dict[int,
         bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)
         return cos, sin, bias
 
+    def embed(embed_tokens: Any, args: Any) -> Any:
+        input_ids, mask, pos = args
+        mask.stop_gradient = True
+        pos.stop_gradient = True
+        return embed_tokens(input_ids), mask, pos
+
     class EmbedStage(nn.Layer):
-        def __init__(self, embed: Any) -> None:
+        def __init__(self, embed_tokens: Any) -> None:
             super().__init__()
-            self.embed_tokens = embed
+            self.embed_tokens = embed_tokens
+
+        @property
+        def weight(self) -> Any:  # the attribute SharedLayerDesc shares
+            return self.embed_tokens.weight
 
         def forward(self, args: Any) -> Any:
-            input_ids, mask, pos = args
-            x = self.embed_tokens(input_ids)
-            mask.stop_gradient = True
-            pos.stop_gradient = True
-            return x, mask, pos
+            return embed(self.embed_tokens, args)
 
     class DecoderStage(nn.Layer):
         def __init__(self, layer: Any, recompute: bool) -> None:
@@ -129,23 +154,48 @@ def _build_items(model: Any, ctx: ParallelContext) -> Tuple[List[Any], Dict[int,
                 x = self.layer(x, cos, sin, bias)
             return x, mask, pos
 
-    class HeadStage(nn.Layer):
-        def __init__(self, norm: Any, lm_head: Any) -> None:
+    class NormStage(nn.Layer):
+        def __init__(self, norm: Any) -> None:
             super().__init__()
             self.norm = norm
-            self.lm_head = lm_head
 
         def forward(self, args: Any) -> Any:
-            x = args[0]
-            return self.lm_head(self.norm(x))
+            return self.norm(args[0])
+
+    class HeadStage(nn.Layer):
+        def __init__(self, lm_head: Any) -> None:
+            super().__init__()
+            self.lm_head = lm_head
+
+        def forward(self, hidden: Any) -> Any:
+            return project_to_vocab(hidden, arch, factory, self.lm_head, None)
+
+    class TiedHeadStage(EmbedStage):
+        """The tied head as a plain layer (cost measurement); fleet gets the SharedLayerDesc below."""
+
+        def forward(self, hidden: Any) -> Any:
+            return tied_head(self, hidden)
+
+    def tied_head(stage: EmbedStage, hidden: Any) -> Any:
+        return project_to_vocab(hidden, arch, factory, None, stage.weight)
+
+    def tied_embed(stage: EmbedStage, args: Any) -> Any:
+        return embed(stage.embed_tokens, args)
 
     recompute_layers = getattr(model, "_recompute_layers", set())
-    items = [EmbedStage(model.model.embed_tokens)]
-    items += [DecoderStage(layer, i in recompute_layers) for i, layer in enumerate(model.model.layers)]
-    items.append(HeadStage(model.model.norm, model.lm_head))
+    embed_tokens = model.model.embed_tokens
+    body = [DecoderStage(layer, i in recompute_layers) for i, layer in enumerate(model.model.layers)]
+    body.append(NormStage(model.model.norm))
     names = {id(p): n for n, p in model.named_parameters()}
-    del paddle
-    return items, names
+    if model.lm_head is not None:
+        layers = [EmbedStage(embed_tokens), *body, HeadStage(model.lm_head)]
+        return PipelineItems(layers, layers, names)
+    descs = [
+        SharedLayerDesc(TIED_KEY, EmbedStage, tied_embed, "weight", embed_tokens),
+        *body,
+        SharedLayerDesc(TIED_KEY, EmbedStage, tied_head, "weight", embed_tokens),
+    ]
+    return PipelineItems([EmbedStage(embed_tokens), *body, TiedHeadStage(embed_tokens)], descs, names)
 
 
 def item_parameter_counts(items: Sequence[Any]) -> List[float]:
@@ -163,11 +213,14 @@ def measure_item_costs(items: Sequence[Any], batch: int, seq: int, vocab: int, s
     costs = []
     for item in items:
         times = []
-        out = None
+        out: Any = None
         for i in range(steps + 1):
-            args = x if item is items[0] else (x[0].detach(), x[1], x[2])
-            if item is not items[0]:
-                args[0].stop_gradient = False
+            if item is items[0]:
+                args: Any = x
+            else:  # a fresh leaf for the hidden state: time this item's backward only
+                hidden = (x[0] if isinstance(x, tuple) else x).detach()
+                hidden.stop_gradient = False
+                args = (hidden, x[1], x[2]) if isinstance(x, tuple) else hidden
             t0 = time.perf_counter()
             out = item(args)
             first = out[0] if isinstance(out, tuple) else out
@@ -177,7 +230,7 @@ def measure_item_costs(items: Sequence[Any], batch: int, seq: int, vocab: int, s
         for p in item.parameters():
             p.clear_gradient()
         costs.append(float(np.median(times)))
-        x = out if isinstance(out, tuple) else x
+        x = out
     return costs
 
 
@@ -188,17 +241,19 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
 
     config = ctx.config
     method = config.parallel.pipeline_partition if config is not None else "uniform"
-    items, names = _build_items(model, ctx)
-    layers = len(items) - 2
+    items = _build_items(model)
+    layers = items.decoder_layers
     if method == "uniform":
         costs = uniform_costs(layers)
     elif method == "parameters":
-        costs = item_parameter_counts(items)
+        costs = item_parameter_counts(items.layers)
     else:
         costs = None
         if ctx.rank == 0:
             seq = min(128, config.model.max_seq_len if config is not None else 128)
-            costs = measure_item_costs(items, 1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree)
+            costs = measure_item_costs(
+                items.layers, 1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree
+            )
         box = [costs]
         dist.broadcast_object_list(box, src=0)
         costs = box[0]
@@ -222,17 +277,29 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
         )
     loss_fn = _PipelineLoss(ctx)
     pipe = PipelineLayer(
-        layers=items,
+        layers=items.descs,
         num_stages=ctx.pp_degree,
         topology=ctx.hcg.topology(),
         loss_fn=loss_fn,
         seg_method=bounds,
     )
+    _mark_shared_copies(pipe)
     object.__setattr__(pipe, "_bmtrain_loss", loss_fn)
-    full_names = {n: names[id(p)] for n, p in pipe.named_parameters() if id(p) in names}
+    full_names = {n: items.names[id(p)] for n, p in pipe.named_parameters() if id(p) in items.names}
     object.__setattr__(pipe, NAME_MAP_ATTR, full_names)
     object.__setattr__(pipe, "arch", model.arch)
     return pipe
+
+
+def _mark_shared_copies(pipe: Any) -> None:
+    """Mark the copies of a shared weight on every stage but the first ``is_firstly_shared = False``, so
+    fleet's clip counts the weight once. PipelineLayer means to do it, but compares the parameters'
+    unique names (``embedding_0.w_0``) with the attribute names (``weight``), which never match."""
+    for comm in pipe.shared_comm.values():
+        if pipe.global_rank == min(comm["ranks"]):
+            continue
+        for attr in comm["weight_attr"]:
+            getattr(comm["layer"], attr).is_firstly_shared = False
 
 
 class _PipelineLoss:

@@ -8,7 +8,7 @@ Paddle's CPU build refuses group_sharded_parallel ("only support gpu, xpu and cu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
@@ -53,11 +53,21 @@ def apply_sharding_strategy(strategy: Any, config: Config) -> None:
 
 class GradSumOptimizer:
     """fleet's optimizers average gradients over the data ranks; scale them first so the reduced result
-    is the sum (the context's gradient convention)."""
+    is the sum (the context's gradient convention). ``grad_norm()`` is the global norm that fleet's clip
+    measured in the last step (parallel/grad_norm.py)."""
 
-    def __init__(self, inner: Any, ctx: ParallelContext) -> None:
+    def __init__(self, inner: Any, ctx: ParallelContext, recorder: Any = None) -> None:
         self._inner = inner
         self._ctx = ctx
+        self._recorder = recorder
+
+    def grad_norm(self) -> Optional[float]:
+        """None when nothing was measured (no recorder, or the step's clip did not run)."""
+        if self._recorder is None:
+            return None
+        from bmtrain_cli.parallel.grad_norm import take_norm
+
+        return take_norm(self._recorder)
 
     def _scaled_parameters(self) -> Any:
         inner = self._inner
@@ -88,7 +98,13 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelContext) -> Any:
         raise UserError(
             "sharding stage 2/3 wraps model and optimizer together: use ctx.wrap_model_and_optimizer"
         )
-    return GradSumOptimizer(fleet.distributed_optimizer(optimizer), ctx)
+    fleet_optimizer = fleet.distributed_optimizer(optimizer)
+    recorder = None
+    if getattr(optimizer, "_grad_clip", None) is not None:
+        from bmtrain_cli.parallel.grad_norm import install_recorder
+
+        recorder = install_recorder(fleet_optimizer)
+    return GradSumOptimizer(fleet_optimizer, ctx, recorder)
 
 
 def group_sharded(model: Any, optimizer: Any, ctx: ParallelContext) -> Tuple[Any, Any]:

@@ -297,6 +297,8 @@ class Trainer:
             self.model.enable_recompute(t.recompute_granularity, t.recompute_num_layers)
         self.precision = Precision(t.precision, t.amp_level, t.loss_scale)
         distributed = getattr(self.ctx, "world_size", 1) > 1
+        # under tensor/pipeline parallel and sharding, fleet's hybrid clip measures the whole model's norm
+        # inside step() (after its reductions) and clips with it; the trainer logs what it measured
         fleet_clip = distributed and getattr(self.ctx, "uses_fleet_model", False)
         # sharding stage 2/3 (and their offload) wrap model and optimizer together (parallel/sharding.py)
         self.group_sharded = distributed and p.sharding_parallel > 1 and p.sharding_stage in (2, 3)
@@ -305,7 +307,7 @@ class Trainer:
             t,
             self.rt.derived.learning_rate,
             multi_precision=self.precision.master_weights,
-            grad_clip=t.max_grad_norm if (fleet_clip and t.max_grad_norm) else None,
+            grad_clip=_fleet_clip_bound(t.max_grad_norm) if fleet_clip else None,
             offload=p.offload_optimizer and not self.group_sharded,  # group-sharded offload is Paddle's
         )
         self.own_clip = not fleet_clip
@@ -523,15 +525,30 @@ class Trainer:
         local_tokens = float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
         tokens = float(self.ctx.all_reduce_sum(local_tokens))
         loss = loss_total / max(count, 1.0)
-        # fleet clips inside the step; the norm is not exposed by train_batch
+        grad_norm = self._fleet_grad_norm()  # measured by fleet's clip inside train_batch
         return {
             "loss": loss,
             "lr": lr,
-            "grad_norm": float("nan"),
+            "grad_norm": grad_norm,
             "tokens": tokens,
             "applied": True,
             "finite": math.isfinite(loss),
         }
+
+    def _fleet_grad_norm(self) -> float:
+        """The global norm fleet's clip measured in the step just taken (nan if its clip did not run: a
+        skipped fp16 step). A non-finite measured norm means the update already ran with it, inside fleet:
+        stop rather than train on from non-finite weights."""
+        norm = self.optimizer.grad_norm()
+        if norm is None:
+            return math.nan
+        if not math.isfinite(norm):
+            raise TrainingStopped(
+                f"training stopped at step {self.step + 1}: the gradient norm is {norm} and fleet's optimizer "
+                f"has applied the update; the last good checkpoint is kept in {self.rt.checkpoint_dir}. "
+                "Lower learning_rate or check the data"
+            )
+        return norm
 
     # -- one step
     def train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
@@ -566,7 +583,7 @@ class Trainer:
             step_opt = self.optimizer
         self.precision.unscale(step_opt)
         # the loss and the fp32 global grad norm come to the host together: one sync per step
-        norm_t = grad_norm_tensor(self.params)
+        norm_t = grad_norm_tensor(self.params) if self.own_clip else None
         parts = [loss_acc.astype("float32").reshape([1])]
         if norm_t is not None:
             parts.append(norm_t.reshape([1]))
@@ -580,6 +597,8 @@ class Trainer:
         if finite and self.own_clip and t.max_grad_norm:
             clip_grads_(self.params, t.max_grad_norm, grad_norm)
         applied = self.precision.step(step_opt, finite)
+        if not self.own_clip:
+            grad_norm = self._fleet_grad_norm()  # measured by fleet's clip inside step()
         self.optimizer.clear_grad(set_to_zero=False)
         return {
             "loss": loss,
@@ -809,6 +828,13 @@ class Trainer:
             print(f"  loss curve       {s['plot']}", file=out)
         print(f"  summary          {self.rt.output_dir / 'summary.json'}", file=out)
         out.flush()
+
+
+def _fleet_clip_bound(max_grad_norm: Optional[float]) -> float:
+    """The clip bound for fleet's optimizer: the configured one, or one no gradient reaches (measure only)."""
+    from bmtrain_cli.parallel.grad_norm import MEASURE_ONLY
+
+    return max_grad_norm if max_grad_norm else MEASURE_ONLY
 
 
 def _data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: str) -> Dict[str, Any]:

@@ -1,0 +1,57 @@
+"""The global gradient norm under fleet's hybrid parallel (tensor, pipeline, sharding stage 1).
+
+Fleet's ``HybridParallelClipGrad`` (put in place of the optimizer's ``ClipGradByGlobalNorm`` by
+``fleet.distributed_optimizer``) measures the norm of the whole model's gradient inside ``step()``,
+after the data-parallel reduction:
+
+* a parameter split by an mp layer (``is_distributed``) adds its shard's squares, summed over the
+  tensor-parallel group; a replicated one adds its squares once (not summed over that group);
+* a weight shared by pipeline stages (``SharedLayerDesc``: the tied embedding) counts on its first stage
+  only (the others are marked ``is_firstly_shared = False``); everything is summed over the pipeline group;
+* under sharding stage 1 each rank clips the parameters it owns, summed over the sharding group.
+
+This module keeps that computation (one definition of the rule, fleet's) and records its result, so the
+trainer logs the norm that clipping used. Without ``max_grad_norm`` the clip still runs with a bound no
+gradient reaches (its factor is exactly 1.0), only to measure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import paddle
+from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+    HybridParallelClipGrad,
+)
+
+# max/(max(norm, MEASURE_ONLY) + 1e-6) rounds to exactly 1.0 in fp32 for every finite norm
+MEASURE_ONLY = 3.0e38
+
+
+class RecordingClip(HybridParallelClipGrad):
+    """fleet's hybrid-parallel clip, keeping the global norm it computed (None until it runs)."""
+
+    last_norm: Optional[paddle.Tensor] = None
+
+    def _global_norm(self, global_norm_var_dist: Any, global_norm_var_not_dist: Any) -> None:
+        super()._global_norm(global_norm_var_dist, global_norm_var_not_dist)  # reduces both in place
+        self.last_norm = paddle.sqrt(global_norm_var_dist + global_norm_var_not_dist)
+
+
+def install_recorder(fleet_optimizer: Any) -> RecordingClip:
+    """Swap the HybridParallelClipGrad that fleet.distributed_optimizer attached for a RecordingClip."""
+    opt = fleet_optimizer
+    while opt is not None:
+        clip = vars(opt).get("_grad_clip")  # the optimizer that owns it (the wrappers delegate reads)
+        if isinstance(clip, HybridParallelClipGrad):
+            recorder = RecordingClip(clip._clip, clip._hcg, clip.split_norm_comm, clip._timers)
+            opt._grad_clip = recorder
+            return recorder
+        opt = getattr(opt, "_inner_opt", None)
+    raise RuntimeError("fleet's optimizer carries no HybridParallelClipGrad (was a grad_clip given?)")
+
+
+def take_norm(recorder: RecordingClip) -> Optional[float]:
+    """The norm the last step measured (None when no clip ran, e.g. a skipped fp16 step), and forget it."""
+    norm, recorder.last_norm = recorder.last_norm, None
+    return float(norm.reshape([-1])[0]) if norm is not None else None

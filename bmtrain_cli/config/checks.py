@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from bmtrain_cli.config.env import paddle_has_gpu
-from bmtrain_cli.config.schema import Config
+from bmtrain_cli.config.schema import Config, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
 
@@ -19,6 +19,24 @@ def _nearest_multiples(value: int, unit: int) -> str:
     lo = (value // unit) * unit
     hi = lo + unit
     return " or ".join(str(x) for x in (lo, hi) if x > 0)
+
+
+def cpu_gloo_subgroups(p: ParallelConfig) -> List[str]:
+    """The groups fleet's topology creates (one per degree, and the clip/check groups of world / data and
+    world / sharding ranks) that have 3+ ranks but not the whole world, described for the message. Such a
+    gloo group fails in ProcessGroupGloo's connect ("address.cc:30 sizeof(impl_) == bytes.size()", seen
+    for dp2 x pp3 and dp2 x tp2 x pp2)."""
+    world = p.world_size
+    sizes = {
+        "data": p.data_parallel,
+        "tensor": p.tensor_parallel,
+        "pipeline": p.pipeline_parallel,
+        "sharding": p.sharding_parallel,
+        "clip-check": world // p.data_parallel,
+    }
+    if p.sharding_parallel > 1:
+        sizes["sharding-check"] = world // p.sharding_parallel
+    return [f"{n} ({name})" for name, n in sizes.items() if 3 <= n < world]
 
 
 def check_config(
@@ -140,6 +158,23 @@ def check_config(
             f"launch {p.world_size} processes (bmtrain run does) or change the degrees",
         )
 
+    # --- gloo (the CPU build): a process group of 3+ ranks that is not the whole world fails to connect
+    if p.world_size > 2 and not (paddle_has_gpu() if has_gpu is None else has_gpu):
+        groups = cpu_gloo_subgroups(p)
+        if groups:
+            msg = (
+                f"this layout needs process groups of {' and '.join(groups)} ranks inside a world of "
+                f"{p.world_size}; on the CPU build Paddle's gloo cannot connect a group of 3 or more ranks "
+                "that is not the whole world"
+            )
+            hint = (
+                "on CPU use degrees of 2 beside each other, or one degree equal to the world size (e.g. pp4)"
+            )
+            if strict:
+                err("parallel_config", msg, hint)
+            else:
+                warn("parallel_config", msg + "; training on this machine would refuse", hint)
+
     # --- sharding / offload
     if p.sharding_stage in (2, 3) and p.pipeline_parallel > 1:
         err(
@@ -202,6 +237,33 @@ def check_config(
                 err("parallel_config.sharding_stage", msg, "use sharding_stage: 1 on this machine")
             else:
                 warn("parallel_config.sharding_stage", msg + "; training on this machine would refuse")
+
+    # --- to_static: the compiled step cannot contain fleet's eager schedules and collectives
+    if t.to_static:
+        eager_parts = [
+            (
+                p.pipeline_parallel > 1,
+                "pipeline_parallel > 1",
+                "fleet's 1F1B scheduler runs each stage eagerly",
+            ),
+            (
+                p.sharding_parallel > 1 and p.sharding_stage in (2, 3),
+                "sharding_stage 2/3",
+                "the group-sharded wrapper gathers and releases parameters around an eager forward",
+            ),
+            (
+                p.tensor_parallel > 1,
+                "tensor_parallel > 1",
+                "the tensor-parallel layers communicate inside the forward through eager collectives",
+            ),
+        ]
+        for refused, what, why in eager_parts:
+            if refused:
+                err(
+                    "train_config.to_static",
+                    f"to_static cannot be combined with {what}: {why}",
+                    "set to_static: false for this layout",
+                )
 
     # --- LoRA
     if t.finetuning == "lora":

@@ -3,7 +3,7 @@
 The compiled program covers the model's forward and loss; Paddle runs its backward as one static program
 too, and the optimizer step stays eager. Losses and gradients equal the dygraph path (tested to 1e-5).
 Layouts whose forward goes through fleet's pipeline scheduler or tensor-parallel collectives are refused
-with a clear message rather than silently running in dygraph.
+by config/checks.py (validate-config, and `bmtrain run` before launching) rather than run in dygraph.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import paddle
-
-from bmtrain_cli.config.schema import Config
-from bmtrain_cli.errors import UserError
 
 
 class LossSum(paddle.nn.Layer):
@@ -32,30 +29,6 @@ class LossSum(paddle.nn.Layer):
     ) -> Any:
         return self.model.loss_sum(
             input_ids, labels, attention_mask=attention_mask, position_ids=position_ids
-        )
-
-
-def check_to_static_supported(config: Config, ctx: Any = None) -> None:
-    """Refuse the combinations where to_static cannot compile the step (UserError naming the fix)."""
-    p = config.parallel
-    tp = getattr(ctx, "tp_degree", p.tensor_parallel)
-    pp = getattr(ctx, "pp_degree", p.pipeline_parallel)
-    if pp > 1:
-        raise UserError(
-            "train_config.to_static cannot be combined with pipeline_parallel > 1: fleet's 1F1B scheduler "
-            "runs each stage eagerly (set to_static: false, or pipeline_parallel: 1)"
-        )
-    if p.sharding_parallel > 1 and p.sharding_stage in (2, 3):
-        raise UserError(
-            "train_config.to_static cannot be combined with sharding_stage 2/3: the group-sharded wrapper "
-            "gathers and releases parameters around an eager forward (set to_static: false, or "
-            "sharding_stage: 1)"
-        )
-    if tp > 1:
-        raise UserError(
-            "train_config.to_static cannot be combined with tensor_parallel > 1: the tensor-parallel layers "
-            "communicate inside the forward through eager collectives (set to_static: false, or "
-            "tensor_parallel: 1)"
         )
 
 

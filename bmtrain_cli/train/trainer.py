@@ -212,10 +212,6 @@ class Trainer:
         self.is_main = getattr(self.ctx, "is_main", True)
         self.rt = make_runtime(self.config, is_main=self.is_main)
         check_precision_supported(self.config.train.precision, self.rt.has_gpu)
-        if self.config.train.to_static:
-            from bmtrain_cli.train.static import check_to_static_supported
-
-            check_to_static_supported(self.config, self.ctx)  # before any data or model work
         if not self.rt.has_gpu:
             paddle.set_device("cpu")
             from bmtrain_cli.plan.host_memory import pin_mmap_threshold
@@ -345,9 +341,8 @@ class Trainer:
             return None  # fleet's pipeline schedule computes the loss (ctx.pipeline_step)
         if not t.to_static:
             return self.train_model.loss_sum
-        from bmtrain_cli.train.static import check_to_static_supported, compile_loss_sum
+        from bmtrain_cli.train.static import compile_loss_sum
 
-        check_to_static_supported(self.config, self.ctx)
         if t.batching == "longest":
             self._say(
                 "note: to_static with batching: longest compiles one program per distinct batch length; "

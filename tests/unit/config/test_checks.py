@@ -141,3 +141,40 @@ def test_sharding_stage_2_without_gpu_warns_in_validate_refuses_in_train(write_y
         load_config(path, mode="train", has_gpu=False)
     assert "use sharding_stage: 1" in str(info.value)
     assert load_config(path, mode="train", has_gpu=True).warnings == []
+
+
+@pytest.mark.parametrize(
+    "degrees,expected",
+    [
+        ({"data_parallel": 2, "pipeline_parallel": 3}, "3 (pipeline) and 3 (clip-check)"),
+        ({"data_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2}, "4 (clip-check)"),
+        ({"data_parallel": 3, "sharding_parallel": 2}, "3 (data) and 3 (sharding-check)"),
+    ],
+)
+def test_gloo_subgroups_of_three_or_more_are_refused_for_training_on_cpu(write_yaml, degrees, expected):
+    """`bmtrain run` loads with mode="train": refused before any process starts; validate warns."""
+    lines = "".join(f"  {k}: {v}\n" for k, v in degrees.items())
+    text = (
+        "model_config:\n  num_hidden_layers: 6\ntrain_config:\n  global_batch_size: 96\n  demo_data: arithmetic\n"
+        "parallel_config:\n" + lines
+    )
+    path = write_yaml(text)
+    msg, probs = error_text(lambda _: path, None, mode="train", has_gpu=False)
+    assert f"process groups of {expected} ranks" in msg and probs[0].path == "parallel_config"
+    loaded = load_config(path, has_gpu=False)  # validate: a warning only
+    assert any("gloo" in w.message for w in loaded.warnings)
+    load_config(path, mode="train", has_gpu=True)  # NCCL on GPUs has no such limit
+
+
+def test_gloo_layouts_that_work_on_cpu_are_accepted(write_yaml):
+    for degrees in (
+        {"pipeline_parallel": 4},
+        {"data_parallel": 2, "pipeline_parallel": 2},
+        {"data_parallel": 4},
+    ):
+        lines = "".join(f"  {k}: {v}\n" for k, v in degrees.items())
+        text = (
+            "model_config:\n  num_hidden_layers: 4\ntrain_config:\n  demo_data: arithmetic\nparallel:\n"
+            + lines
+        )
+        load_config(write_yaml(text), mode="train", has_gpu=False)

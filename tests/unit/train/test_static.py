@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from bmtrain_cli.config import load_config
-from bmtrain_cli.errors import UserError
 
 CONFIG = """
 model_config:
@@ -112,13 +111,14 @@ def test_to_static_custom_kernels_equal_dygraph_reference(tmp_path, kernels):
     assert eager[-1][0] < eager[0][0]
 
 
-def test_to_static_refuses_pipeline_and_tensor_parallel():
+def test_to_static_layouts_are_refused_by_the_config_checks():
+    from bmtrain_cli.config.checks import check_config
     from bmtrain_cli.config.schema import Config
-    from bmtrain_cli.train.static import check_to_static_supported
 
     base = {"model_config": {"family": "llama"}, "train_config": {"to_static": True}}
-    for key, label in (("pipeline_parallel", "pipeline_parallel"), ("tensor_parallel", "tensor_parallel")):
+    for key in ("pipeline_parallel", "tensor_parallel"):
         cfg = Config.model_validate({**base, "parallel_config": {key: 2}})
-        with pytest.raises(UserError, match=label):
-            check_to_static_supported(cfg)
-    check_to_static_supported(Config.model_validate(base))  # single process: accepted
+        problems = [p for p in check_config(cfg) if p.severity == "error"]
+        assert [p.path for p in problems] == ["train_config.to_static"]
+        assert key in problems[0].message
+    assert not [p for p in check_config(Config.model_validate(base)) if p.severity == "error"]

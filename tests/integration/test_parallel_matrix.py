@@ -1,0 +1,173 @@
+"""The equivalence matrix: every layout, through `bmtrain run`, logs the single process's per-step loss AND
+grad_norm (1e-5 relative) on real settings.
+
+* The shipped quickstart model (configs/quickstart.yaml: tied embeddings, max_grad_norm 1.0), warmup 0,
+  4 optimizer steps of a global batch of 8. Its gradient norm is ~5 at step 1, so clipping scales every
+  step (asserted): a layout whose norm or clip is off diverges from step 2.
+* An untied grouped-query model (4 heads, 2 KV heads) with full recompute and packed rows.
+* LoRA adapters under tensor parallel.
+
+docs/parallel.md carries the table with the measured maximum differences
+(``python -m tests.integration.test_parallel_matrix`` prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+STEPS = 4
+COMMON = [
+    f"train_config.max_steps={STEPS}",
+    "train_config.warmup_steps=0",
+    "train_config.micro_batch_size=2",
+    "train_config.global_batch_size=8",
+    "train_config.logging_steps=1",
+    "train_config.save_steps=4",
+]
+MODELS: Dict[str, List[str]] = {
+    "quickstart": [],
+    "quickstart-4-layers": ["model_config.num_hidden_layers=4"],
+    "untied-gqa-recompute-packed": [
+        "model_config.tie_word_embeddings=false",
+        "model_config.num_key_value_heads=2",
+        "train_config.gradient_checkpointing=true",
+        "train_config.recompute_granularity=full",
+        "train_config.batching=packed",
+    ],
+    "lora": ["train_config.finetuning=lora", "train_config.lora_target_modules=all-linear"],
+    # tied Qwen2 (q/k/v biases) and Qwen3 (q/k norms) shapes, the small checkpoints users bring
+    "qwen2-tied": ["model_config.family=qwen2"],
+    "qwen3-tied": ["model_config.family=qwen3"],
+}
+DP2 = ["parallel_config.data_parallel=2"]
+TP2 = ["parallel_config.tensor_parallel=2"]
+PP2 = ["parallel_config.pipeline_parallel=2"]
+LAYOUTS: List[Tuple[str, str, List[str]]] = [
+    ("quickstart", "dp2", DP2),
+    ("quickstart", "tp2", TP2),
+    ("quickstart", "pp2", PP2),
+    ("quickstart", "sharding2", ["parallel_config.sharding_parallel=2", "parallel_config.sharding_stage=1"]),
+    ("quickstart", "dp2 x tp2", DP2 + TP2),
+    ("quickstart", "tp2 x pp2", TP2 + PP2),
+    ("quickstart", "dp2 x pp2", DP2 + PP2),
+    ("quickstart-4-layers", "pp4", ["parallel_config.pipeline_parallel=4"]),
+    ("untied-gqa-recompute-packed", "tp2", TP2),
+    ("untied-gqa-recompute-packed", "pp2", PP2),
+    ("untied-gqa-recompute-packed", "dp2 x tp2", DP2 + TP2),
+    ("untied-gqa-recompute-packed", "tp2 x pp2", TP2 + PP2),
+    ("lora", "tp2", TP2),
+    ("qwen2-tied", "pp2", PP2),
+    ("qwen3-tied", "tp2 x pp2", TP2 + PP2),
+]
+
+
+def _bmtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bmtrain_cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def run_layout(out: Path, model: str, layout: List[str]) -> Dict[str, np.ndarray]:
+    """Train through `bmtrain train` (no layout) or `bmtrain run`; per-step loss and grad_norm."""
+    sets = [x for o in COMMON + MODELS[model] + layout for x in ("--set", o)]
+    res = _bmtrain("run" if layout else "train", "--config", str(QUICKSTART), *sets, "--output_dir", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return {k: np.array([float(r[k]) for r in steps]) for k in ("loss", "grad_norm")}
+
+
+def max_rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    cache: Dict[str, Dict[str, np.ndarray]] = {}
+
+    def get(model: str) -> Dict[str, np.ndarray]:
+        if model not in cache:
+            cache[model] = run_layout(tmp_path_factory.mktemp("single"), model, [])
+        return cache[model]
+
+    return get
+
+
+def test_the_clip_fires_in_the_reference_runs(single):
+    """Otherwise the matrix would not exercise the clipping path it claims to check."""
+    for model in ("quickstart", "untied-gqa-recompute-packed"):
+        norms = single(model)["grad_norm"]
+        assert np.all(norms > 1.0), (model, norms)  # max_grad_norm 1.0: every step is scaled
+
+
+@pytest.mark.parametrize("model,name,layout", LAYOUTS, ids=[f"{m}:{n}" for m, n, _ in LAYOUTS])
+def test_layout_matches_one_process(tmp_path, single, model, name, layout):
+    want = single(model)
+    got = run_layout(tmp_path / "run", model, layout)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+    assert want["loss"][-1] < want["loss"][0]  # it trains
+
+
+def test_pipeline_checkpoint_of_a_tied_model_loads_in_one_process(tmp_path, single):
+    """The pp2 checkpoint of the tied quickstart model holds whole weights, the embedding once."""
+    from bmtrain_cli.models import load_pretrained
+
+    run_layout(tmp_path / "pp2", "quickstart", PP2)
+    model = load_pretrained(str(tmp_path / "pp2" / "checkpoints" / f"step-{STEPS}"), kernels="reference")
+    assert model.lm_head is None and model.arch.tie_word_embeddings
+
+
+def test_two_nodes_on_one_machine_equal_one_process(tmp_path, single):
+    """`bmtrain run --nnodes 2 --master 127.0.0.1:PORT --nproc_per_node 1`, started twice (two "nodes"
+    rendezvous through the master), trains dp2 and logs the single process's loss and grad_norm."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    sets = [x for o in COMMON + DP2 for x in ("--set", o)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(QUICKSTART), *sets]
+            + ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--nproc_per_node", "1"]
+            + ["--log_dir", str(tmp_path / f"node{i}"), "--output_dir", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(x[-2000:] for x in logs)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    got = {k: np.array([float(r[k]) for r in rows if "grad_norm" in r]) for k in ("loss", "grad_norm")}
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], single("quickstart")[key], rtol=1e-5)
+
+
+if __name__ == "__main__":  # the table for docs/parallel.md
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        refs: Dict[str, Dict[str, np.ndarray]] = {}
+        print("| model | layout | max rel. diff loss | max rel. diff grad_norm |\n|---|---|---|---|")
+        for i, (model, name, layout) in enumerate(LAYOUTS):
+            if model not in refs:
+                refs[model] = run_layout(Path(tmp) / f"single-{model}", model, [])
+            got = run_layout(Path(tmp) / f"run-{i}", model, layout)
+            d = [max_rel_diff(got[k], refs[model][k]) for k in ("loss", "grad_norm")]
+            print(f"| {model} | {name} | {d[0]:.1e} | {d[1]:.1e} |", flush=True)

@@ -34,14 +34,19 @@ from bmtrain_cli.ops.reference import IGNORE_INDEX
 
 
 class RMSNorm(nn.Layer):
-    def __init__(self, dim: int, eps: float, ops: OpSet):
+    """``weight_view`` (optional) maps the weight before use: the tensor-parallel factory's
+    ``sum_grad_over_group`` for a norm that every rank applies to its own heads (Qwen3's q/k norm)."""
+
+    def __init__(self, dim: int, eps: float, ops: OpSet, weight_view: Optional[Any] = None):
         super().__init__()
         self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
         self.eps = eps
         self.ops = ops
+        self.weight_view = weight_view
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        weight = self.weight if self.weight_view is None else self.weight_view(self.weight)
+        return self.ops.rms_norm(x, weight, self.eps)
 
 
 class KVCache:
@@ -98,9 +103,12 @@ class Attention(nn.Layer):
             self.k_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
             self.v_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
         self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops)
+        if (
+            arch.qk_norm
+        ):  # one weight for all heads: under tensor parallel its gradient sums every rank's heads
+            grad_sum = factory.sum_grad_over_group if tp > 1 else None
+            self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)
+            self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)
         self.qk_norm = arch.qk_norm
 
     def forward(

@@ -71,6 +71,14 @@ class TensorParallelFactory:
         hidden = mp_ops._c_identity(hidden, group=self.mp_group)
         return paddle.matmul(hidden, weight, transpose_y=transposed)
 
+    def sum_grad_over_group(self, weight: Any) -> Any:
+        """The weight itself in forward; in backward its gradient is summed over the group. For a
+        replicated weight that each rank applies to its own shard of the activations (Qwen3's per-head
+        q/k norm over this rank's heads): every rank's copy then gets the whole gradient and stays equal."""
+        from paddle.distributed.fleet.layers.mpu import mp_ops
+
+        return mp_ops._c_identity(weight, group=self.mp_group)
+
     def vocab_cross_entropy_sum(self, logits: Any, labels: Any, ignore_index: int = -100) -> Tuple[Any, Any]:
         """(sum of token losses, number of non-ignored tokens) for vocabulary-split logits."""
         from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy

@@ -95,9 +95,9 @@ def init_distributed(config: Config) -> ParallelContext:
     watchdog = faults.start_watchdog(config)
     from bmtrain_cli.quiet import FLEET_INIT_NOISE, NOISE, filtered_stderr  # noqa: PLC0415
 
-    # rank 0's output is the console: keep fleet's start-up report there out of the way; the other
-    # ranks' worker logs keep it (topology, groups) for debugging
-    console = os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
+    # each node's local rank 0 writes to that node's console: keep fleet's start-up report there out of
+    # the way; the other ranks' worker logs keep it (topology, groups) for debugging
+    console = os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_TRAINER_ID", "0")) == "0"
     with filtered_stderr(FLEET_INIT_NOISE if console else NOISE):
         strategy = build_strategy(config)
         fleet.init(is_collective=True, strategy=strategy)

@@ -13,7 +13,14 @@ from bmtrain_cli.config import load_config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import count_parameters
 from bmtrain_cli.plan.devices import GiB, get_device, parse_bytes
-from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout, memory_warning
+from bmtrain_cli.plan.estimator import (
+    Layout,
+    Workload,
+    estimate,
+    estimate_layout,
+    memory_warning,
+    training_estimate,
+)
 from bmtrain_cli.plan.search import search, step_time, yaml_block
 
 SEVEN_B = "configs/llama2-7b-sft-8gpu.yaml"
@@ -146,8 +153,8 @@ def test_validate_config_shows_estimate(repo_root) -> None:
 
 
 def test_memory_warning(seven_b) -> None:
-    assert memory_warning(seven_b, device=get_device("A100-80GB")) is None
-    msg = memory_warning(seven_b, device=get_device("RTX4090"))
+    assert memory_warning(training_estimate(seven_b, device=get_device("A100-80GB"))) is None
+    msg = memory_warning(training_estimate(seven_b, device=get_device("RTX4090")))
     assert msg is not None and "bmtrain plan" in msg
 
 

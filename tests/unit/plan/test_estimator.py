@@ -227,3 +227,21 @@ def test_validate_config_shows_the_estimate(repo_root) -> None:
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.strip().startswith("memory"))
     assert "peak per device on CPU with every batch at max_seq_len" in line and "fits" in line
+
+
+def test_cli_plan_refuses_gpus_that_do_not_match_the_layout(repo_root) -> None:
+    """`plan --gpus 3` on the 8-GPU config reported the 8-GPU layout as fitting."""
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "3"])
+    assert res.exit_code == 2
+    assert "--gpus 3 x --nodes 1 = 3 devices, but the config's layout needs 8" in res.output
+    assert "--search" in res.output
+    assert runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "8"]).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "4", "--nodes", "2"]
+        ).exit_code
+        == 0
+    )
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "3", "--search"])
+    assert res.exit_code == 0 and "search over 3 x" in res.output

@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
         prompt: str = typer.Option(..., "--prompt", help="Prompt text."),
         max_new_tokens: int = typer.Option(64, "--max_new_tokens", "--max-new-tokens", min=1),
         temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy decoding."),
-        top_p: float = typer.Option(1.0, "--top_p", "--top-p", min=0.0, max=1.0),
+        top_p: float = typer.Option(
+            1.0, "--top_p", "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass; 0 = greedy."
+        ),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
         template: str = typer.Option("auto", "--template", help="With --chat: auto or a built-in name."),
         seed: int = typer.Option(0, "--seed"),
@@ -97,6 +99,19 @@ def register(app: typer.Typer) -> None:
                 ids = [tok.bos_id, *ids]
         if not ids:
             raise UserError("the prompt encodes to no tokens")
+        room = model.arch.max_position_embeddings - len(ids)
+        if room <= 0:
+            raise UserError(
+                f"the prompt has {len(ids)} tokens, as many as the model's max_position_embeddings "
+                f"({model.arch.max_position_embeddings}): no room for new tokens"
+            )
+        if max_new_tokens > room:
+            typer.echo(
+                f"note: --max_new_tokens {max_new_tokens} capped at {room} (max_position_embeddings "
+                f"{model.arch.max_position_embeddings} minus the prompt's {len(ids)} tokens)",
+                err=True,
+            )
+            max_new_tokens = room
         t0 = time.perf_counter()
         if _is_static(model):
             from bmtrain_cli.export.loading import generate_static

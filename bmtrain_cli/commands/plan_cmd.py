@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         """Estimate per-device memory (parameters, gradients, optimizer states, activations, logits,
         buffers) and whether it fits; with --search, print the fastest layout that fits as a config block."""
         from bmtrain_cli.config import load_config
+        from bmtrain_cli.errors import UserError
         from bmtrain_cli.plan.devices import format_bytes, get_device
         from bmtrain_cli.plan.estimator import Layout, Workload, default_device, estimate_layout
         from bmtrain_cli.plan.search import search, yaml_block
@@ -54,6 +55,14 @@ def register(app: typer.Typer) -> None:
         layout = Layout.from_config(cfg)
         current = estimate_layout(workload, layout, dev)
         per_node = gpus if gpus is not None else max(1, world // nodes)
+        if not do_search and per_node * nodes != world:
+            p = cfg.parallel
+            raise UserError(
+                f"--gpus {per_node} x --nodes {nodes} = {per_node * nodes} devices, but the config's layout "
+                f"needs {world} (data {p.data_parallel} x tensor {p.tensor_parallel} x pipeline "
+                f"{p.pipeline_parallel} x sharding {p.sharding_parallel}); give --gpus x --nodes = {world}, or "
+                f"add --search for the best layout on {per_node * nodes} devices"
+            )
         result = {"config": str(config), "device": dev.name, "estimate": current.to_dict()}
         lines = current.lines()
         if do_search:

@@ -7,10 +7,10 @@ file positions. ``mode="train"`` turns machine-dependent warnings into errors.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.env import paddle_has_gpu
-from bmtrain_cli.config.schema import Config, ParallelConfig
+from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
 
@@ -37,6 +37,34 @@ def cpu_gloo_subgroups(p: ParallelConfig) -> List[str]:
     if p.sharding_parallel > 1:
         sizes["sharding-check"] = world // p.sharding_parallel
     return [f"{n} ({name})" for name, n in sizes.items() if 3 <= n < world]
+
+
+def fresh_vocab_size(configured: Optional[int], tokenizer_vocab: int, tokenizer: str) -> int:
+    """The vocabulary of a fresh model: model_config.vocab_size when set (it may pad the tokenizer's, e.g.
+    to a multiple of tensor_parallel), else the tokenizer's. A smaller size than the tokenizer's is
+    refused: the tokenizer's larger ids would have no embedding row."""
+    if configured is None:
+        return tokenizer_vocab
+    if configured < tokenizer_vocab:
+        raise UserError(
+            f"vocab_size ({configured}) is smaller than the {tokenizer_vocab} tokens of {tokenizer}: its "
+            "larger token ids would have no embedding; remove vocab_size (a fresh "
+            f"model takes the tokenizer's) or set it to at least {tokenizer_vocab}"
+        )
+    return configured
+
+
+def _tokenizer_vocab(m: ModelConfig) -> Tuple[Optional[int], str]:
+    """(vocabulary size, description) of the tokenizer a fresh model will be trained with, when known
+    without training one: the smallest vocabulary of a generated tokenizer, or tokenizer_path's."""
+    from bmtrain_cli.data.tokenizers import MIN_GENERATED_VOCAB, load_tokenizer
+
+    if m.tokenizer_path is None:
+        return MIN_GENERATED_VOCAB, "the smallest tokenizer generated from data"
+    try:
+        return load_tokenizer(m.tokenizer_path).vocab_size, f"the tokenizer {m.tokenizer_path}"
+    except UserError:  # a missing or broken tokenizer is reported when training loads it
+        return None, ""
 
 
 def check_config(
@@ -124,6 +152,14 @@ def check_config(
                     f"({arch.num_attention_heads})",
                     "set head_dim explicitly or change the sizes",
                 )
+
+    if m.vocab_size is not None and not m.model_name_or_path:
+        known, tokenizer = _tokenizer_vocab(m)
+        if known is not None:
+            try:
+                fresh_vocab_size(m.vocab_size, known, tokenizer)
+            except UserError as exc:
+                err("model_config.vocab_size", str(exc))
 
     # --- batch arithmetic
     data_ranks = p.data_ranks
@@ -267,6 +303,13 @@ def check_config(
 
     # --- LoRA
     if t.finetuning == "lora":
+        if not m.model_name_or_path:
+            warn(
+                "train_config.finetuning",
+                "LoRA on a fresh, randomly initialised model: the base weights stay random and frozen, so "
+                "only the small adapters learn",
+                "set model_config.model_name_or_path to a pretrained checkpoint, or use finetuning: full",
+            )
         targets = [t.lora_target_modules] if isinstance(t.lora_target_modules, str) else t.lora_target_modules
         for name in targets:
             if name not in LORA_PROJECTIONS and name != "all-linear":
@@ -286,6 +329,11 @@ def check_config(
                     )
 
     # --- data
+    if "shuffle_buffer" in t.model_fields_set:
+        warn(
+            "train_config.shuffle_buffer",
+            "not used: the loader shuffles with a seeded permutation over the token cache (docs/data.md)",
+        )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
     if strict and t.data_path is None and t.demo_data is None:

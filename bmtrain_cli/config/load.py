@@ -21,6 +21,8 @@ Loc = Tuple[str, ...]
 Pos = Tuple[str, Optional[int], Optional[int]]  # (source, line, column), 1-based
 
 SECTION_SYNONYMS = {"parallel": "parallel_config"}
+# Scalars, lists and mappings a config may hold once its aliases are expanded (shipped configs: < 200).
+MAX_YAML_VALUES = 100_000
 
 
 class _StrictSafeLoader(yaml.SafeLoader):
@@ -56,10 +58,15 @@ class LoadedConfig:
 
 
 def _positions(node: Optional[yaml.Node], source: str) -> Dict[Loc, Pos]:
-    """Map every key path of a YAML document to the position of its key (or list item)."""
+    """Map every key path of a YAML document to the position of its key (or list item). A node reached
+    again through an alias is not walked again: errors inside it point at the alias."""
     out: Dict[Loc, Pos] = {}
+    walked: Set[int] = set()
 
     def walk(n: yaml.Node, loc: Loc) -> None:
+        if id(n) in walked:
+            return
+        walked.add(id(n))
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
                 key = str(k.value)
@@ -78,10 +85,56 @@ def _positions(node: Optional[yaml.Node], source: str) -> Dict[Loc, Pos]:
     return out
 
 
+def _check_expansion(node: yaml.Node, source: str) -> None:
+    """Refuse a document whose aliases expand to more than MAX_YAML_VALUES values (a "billion laughs"
+    alias bomb: a few lines that expand to billions) or refer to themselves, before anything walks the
+    expanded tree. Sizes are counted once per node, so this is linear in the text."""
+    sizes: Dict[int, int] = {}
+    open_nodes: Set[int] = set()
+
+    def refuse(n: yaml.Node, what: str) -> None:
+        raise ConfigError(
+            [
+                Problem(
+                    f"invalid YAML: {what}",
+                    file=source,
+                    line=n.start_mark.line + 1,
+                    column=n.start_mark.column + 1,
+                    suggestion="write the values out; a config needs no deep aliases",
+                )
+            ]
+        )
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if id(n) in open_nodes:
+            refuse(n, "a YAML alias refers to the list or mapping that contains it (recursive alias)")
+        open_nodes.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            children = [c for pair in n.value for c in pair]
+        elif isinstance(n, yaml.SequenceNode):
+            children = list(n.value)
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_VALUES:
+                refuse(n, f"the aliases expand to more than {MAX_YAML_VALUES:,} values (an alias bomb?)")
+        open_nodes.discard(id(n))
+        sizes[id(n)] = total
+        return total
+
+    size(node)
+
+
 def parse_yaml(text: str, source: str) -> Tuple[Dict[str, Any], Dict[Loc, Pos]]:
     """Parse YAML safely; return (data, positions) or raise ConfigError naming line and column."""
     try:
         node = yaml.compose(text, Loader=_StrictSafeLoader)
+        if node is not None:
+            _check_expansion(node, source)
         loader = _StrictSafeLoader(text)
         try:
             data = loader.get_single_data()
@@ -107,6 +160,10 @@ def parse_yaml(text: str, source: str) -> Tuple[Dict[str, Any], Dict[Loc, Pos]]:
         ) from None
     except yaml.YAMLError as exc:  # unmarked errors (rare)
         raise ConfigError([Problem(f"invalid YAML: {exc}", file=source)]) from None
+    except RecursionError:
+        raise ConfigError(
+            [Problem("invalid YAML: lists or mappings nested too deeply", file=source)]
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -342,8 +399,10 @@ def load_config(
     """
     from bmtrain_cli.config.checks import check_config
 
-    if path is None:
-        text, source = "", "<defaults>"
+    data: Dict[str, Any] = {}
+    positions: Dict[Loc, Pos] = {}
+    if path is None:  # the defaults alone (tests, `bmtrain plan` without a file)
+        source = "<defaults>"
     else:
         p = Path(path)
         source = str(path)
@@ -359,7 +418,17 @@ def load_config(
             ) from None
         except OSError as exc:
             raise ConfigError([Problem(f"cannot read: {exc.strerror}", file=source)]) from None
-    data, positions = parse_yaml(text, source)
+        data, positions = parse_yaml(text, source)
+        if not data and not overrides:  # all defaults, no data: a wrong or truncated file, not a config
+            raise ConfigError(
+                [
+                    Problem(
+                        "the config file is empty (no settings)",
+                        file=source,
+                        suggestion="start from a shipped config, e.g. configs/quickstart.yaml",
+                    )
+                ]
+            )
     data = apply_overrides(data, positions, overrides)
     emptied: Set[str] = set()
     try:

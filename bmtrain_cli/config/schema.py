@@ -27,7 +27,10 @@ def _allows_bool(tp: Any) -> bool:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+    # allow_inf_nan=False: YAML reads .inf and .nan as floats; no field of a config means either
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, protected_namespaces=(), allow_inf_nan=False
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -59,7 +62,7 @@ class ModelConfig(_Section):
     # from the checkpoint's config.json when model_name_or_path is set.
     hidden_size: Optional[int] = Field(None, gt=0)
     intermediate_size: Optional[int] = Field(None, gt=0)
-    num_hidden_layers: Optional[int] = Field(None, gt=0)
+    num_hidden_layers: Optional[int] = Field(None, gt=0, le=10_000)  # the plan walks the layers one by one
     num_attention_heads: Optional[int] = Field(None, gt=0)
     num_key_value_heads: Optional[int] = Field(None, gt=0)
     head_dim: Optional[int] = Field(None, gt=0)
@@ -131,7 +134,7 @@ class TrainConfig(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_epsilon: float = Field(1e-8, gt=0)
-    max_grad_norm: Optional[float] = Field(1.0, description="Global-norm clipping; null or 0 disables.")
+    max_grad_norm: Optional[float] = Field(1.0, ge=0, description="Global-norm clipping; null or 0 disables.")
 
     # precision and memory
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -150,7 +153,7 @@ class TrainConfig(_Section):
     lora_target_modules: Union[str, List[str]] = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
     # bookkeeping
-    seed: int = 42
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed of Python, NumPy and Paddle (0 .. 2**32-1).")
     logging_steps: int = Field(10, gt=0)
     eval_steps: Optional[int] = Field(None, gt=0)
     save_steps: Optional[int] = Field(500, gt=0)

@@ -22,7 +22,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -120,18 +120,24 @@ def load_dataset(
         more = f" ({bad - 1} more bad record{'s' if bad > 2 else ''}; on_bad_record: skip sets them aside)"
         raise UserError(f"{first['file']}:{first['line']}: {first['reason']}{more if bad > 1 else ''}")
     if bad and write_rejected and output_dir:
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f"{REJECTED_FILE}.tmp.{id(ds)}"
-        with tmp.open("w", encoding="utf-8") as f:
-            for r in ds.rejected():
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        tmp.replace(out / REJECTED_FILE)
-        log.warning("skipped %d bad record(s); see %s", bad, out / REJECTED_FILE)
+        save_rejected(ds, output_dir)
     if len(ds) == 0:
         where = ", ".join(f for f, _ in files)
         raise UserError(f"no usable record in {where}" + (f" ({bad} rejected)" if bad else ""))
     return ds
+
+
+def save_rejected(ds: Dataset, output_dir: Union[str, Path]) -> Path:
+    """Write the dataset's rejected records with their reasons to output_dir/rejected.jsonl (atomically)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{REJECTED_FILE}.tmp.{id(ds)}"
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in ds.rejected():
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(out / REJECTED_FILE)
+    log.warning("skipped %d bad record(s); see %s", ds.rejected_count, out / REJECTED_FILE)
+    return out / REJECTED_FILE
 
 
 class Loader:
@@ -399,10 +405,13 @@ def build_loader(
     data_path: Any = None,
     micro_batch_size: Optional[int] = None,
     output_dir: Optional[str] = None,
+    write_rejected: bool = True,
 ) -> Loader:
     """The loader of one data rank for a config (``data_path`` overrides the config's paths).
 
     Every record is validated (and tokenised into the cache, or read from it) here, before training.
+    A training loader writes its rejected records to output_dir/rejected.jsonl unless ``write_rejected``
+    is False (the trainer writes it with :func:`save_rejected` once every check has passed).
     """
     t = config.train
     sources, weights = _sources_for(config, split, data_path)
@@ -415,7 +424,7 @@ def build_loader(
         on_bad_record=t.on_bad_record,
         cache_dir=t.data_cache_dir,
         output_dir=out_dir,
-        write_rejected=(split == "train"),
+        write_rejected=write_rejected and split == "train",
     )
     train = split == "train"
     return Loader(

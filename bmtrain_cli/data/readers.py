@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Union
@@ -71,6 +72,46 @@ def _decode_error(line: bytes, exc: UnicodeDecodeError) -> str:
     return f"invalid UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1})"
 
 
+# a \uXXXX escape of a UTF-16 surrogate (D800-DFFF): JSON allows it alone, Unicode text cannot hold it
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(value: Any) -> Optional[str]:
+    """The first lone UTF-16 surrogate in a record's strings (keys too), as an escape, or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"\\u{ord(v[exc.start]):04x}"
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
+def _parsed(path: str, line: int, raw: str, value: Any) -> RawRecord:
+    """A parsed record, made bad when its text holds a lone surrogate (no tokenizer can encode one)."""
+    if _SURROGATE_ESCAPE.search(raw):
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            reason = f"invalid text: lone UTF-16 surrogate {bad} (a \\u escape without its pair)"
+            return RawRecord(path, line, raw, None, reason)
+    return RawRecord(path, line, raw, value)
+
+
+def _loads(text: str) -> Any:
+    """json.loads; nesting deeper than Python's recursion allows is reported as invalid JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def read_records(path: str) -> Iterator[RawRecord]:
     """Every non-blank record of a JSONL (or JSON-array) file, parsed or with the reason it is bad.
 
@@ -104,11 +145,11 @@ def read_records(path: str) -> Iterator[RawRecord]:
                 continue
             text = text.rstrip("\r\n")  # so an error at the end of the line names its real column
             try:
-                value = json.loads(text)
+                value = _loads(text)
             except json.JSONDecodeError as exc:
                 yield RawRecord(path, lineno, text, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
                 continue
-            yield RawRecord(path, lineno, text, value)
+            yield _parsed(path, lineno, text, value)
         if n == 0:
             yield RawRecord(path, 1, "", None, "file is empty (no records)")
 
@@ -121,7 +162,7 @@ def _read_json_array(path: str, data: bytes) -> Iterator[RawRecord]:
         yield RawRecord(path, line, "", None, f"invalid UTF-8 (byte 0x{data[exc.start]:02x})")
         return
     try:
-        items = json.loads(text)
+        items = _loads(text)
     except json.JSONDecodeError as exc:
         yield RawRecord(path, exc.lineno, "", None, f"invalid JSON: {exc.msg} (column {exc.colno})")
         return
@@ -139,6 +180,6 @@ def _read_json_array(path: str, data: bytes) -> Iterator[RawRecord]:
             pos += 1
         value, end = decoder.raw_decode(text, pos)
         raw = text[pos:end]
-        yield RawRecord(path, line, raw, value)
+        yield _parsed(path, line, raw, value)
         line += raw.count("\n")
         pos = end

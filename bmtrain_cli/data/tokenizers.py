@@ -248,7 +248,10 @@ class SentencePieceTokenizer(Tokenizer):
         return [list(x) for x in self.sp.encode(list(texts))] if texts else []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = [int(i) for i in ids]
+        # ids past the vocabulary (the rows of a model whose vocab_size pads the tokenizer's) decode to
+        # nothing, as in the tokenizers library
+        n = self.sp.get_piece_size()
+        ids = [int(i) for i in ids if 0 <= int(i) < n]
         if skip_special_tokens:
             ids = [i for i in ids if not (self.sp.IsControl(i) or i == self.pad_id)]
         return self.sp.decode(ids)
@@ -373,6 +376,11 @@ def load_tokenizer(path: str) -> Tokenizer:
     return SentencePieceTokenizer(p.read_bytes(), settings)
 
 
+# The smallest vocabulary train_sentencepiece makes: byte pieces + unk/bos/eos/pad + the printable ASCII
+# characters (each character of the corpus gets a piece too)
+MIN_GENERATED_VOCAB = 256 + 4 + len(set(string.printable))
+
+
 def train_sentencepiece(
     texts: Iterable[str],
     out_dir: str,
@@ -393,7 +401,7 @@ def train_sentencepiece(
         raise UserError("cannot train a tokenizer on no text")
     corpus.append(string.printable)  # every ASCII character (and the space) gets its own piece
     chars = set("".join(corpus))
-    floor = 256 + 4 + len(chars)  # byte pieces + unk/bos/eos/pad + every character
+    floor = MIN_GENERATED_VOCAB - len(set(string.printable)) + len(chars)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus),

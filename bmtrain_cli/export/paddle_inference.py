@@ -125,8 +125,17 @@ class Predictor:
             config.disable_gpu()
             config.set_cpu_math_library_num_threads(threads)
         config.disable_glog_info()
-        with _native_stdout_to_stderr():
-            self.predictor = inference.create_predictor(config)
+        try:
+            with _native_stdout_to_stderr():
+                self.predictor = inference.create_predictor(config)
+        except (RuntimeError, ValueError, OSError) as exc:  # Paddle's C++ errors arrive as RuntimeError
+            reason = next(
+                (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__
+            )
+            raise UserError(
+                f"{export_dir}: cannot load the Paddle Inference model ({files['model'].name}, "
+                f"{files['params'].name}): {reason}; the export is truncated or damaged, export it again"
+            ) from None
         self._input = self.predictor.get_input_handle(self.predictor.get_input_names()[0])
         self._output = self.predictor.get_output_handle(self.predictor.get_output_names()[0])
 

@@ -80,6 +80,25 @@ def check_output(output: str, overwrite: bool) -> Path:
     return out
 
 
+def refuse_training_output(out: Path, ckpt: Path) -> None:
+    """An export never goes into the checkpoint it reads, a directory above or inside it, or a directory
+    holding training state (a step-N checkpoint, a checkpoints directory, a run's output_dir): with
+    --overwrite it would delete the optimizer state and trainer_state.json a resume needs."""
+    o, c = out.resolve(), ckpt.resolve()
+    if o == c or o in c.parents or c in o.parents:
+        raise UserError(
+            f"--output {out} is, holds or lies inside the checkpoint being exported ({ckpt}); choose a "
+            "directory outside the run, e.g. exports/"
+        )
+    if o.is_dir() and (
+        (o / "trainer_state.json").is_file() or (o / "checkpoints").is_dir() or (o / "latest").is_file()
+    ):
+        raise UserError(
+            f"--output {out} holds training state (a checkpoint, a checkpoints directory or a run's "
+            "output_dir); export elsewhere, e.g. exports/"
+        )
+
+
 def _eval_data_from_run(ckpt: Path) -> Optional[str]:
     """The held-out file the run that wrote ``ckpt`` evaluated on, when its trainer state records it."""
     state_file = ckpt / "trainer_state.json"
@@ -131,10 +150,11 @@ def export_checkpoint(
     if quantize is not None and quantize.lower() not in QUANTIZE:
         raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
     quantize = quantize.lower() if quantize else None
-    out = check_output(output, overwrite)
     from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint  # noqa: PLC0415
 
     ckpt = resolve_checkpoint(checkpoint)
+    refuse_training_output(Path(output), ckpt)
+    out = check_output(output, overwrite)
     check_checkpoint(ckpt)
     if not merge:  # LoRA: the adapters alone, in PEFT layout (merging is load_checkpoint_model's default)
         from bmtrain_cli.lora.export import export_adapters  # noqa: PLC0415

@@ -12,13 +12,17 @@ from typing import List, Optional, Sequence
 import numpy as np
 import paddle
 
+from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.decoder import CausalLM, KVCache
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
     """Next token per row of ``logits`` [b, vocab]: argmax when temperature <= 0, else a sample from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability mass
-    reaches top_p."""
+    reaches top_p (top_p 0 keeps only the most likely token: greedy). Non-finite logits (a model with
+    non-finite weights) are refused."""
+    if not np.isfinite(logits).all():
+        raise UserError("the model produced non-finite logits: its weights hold inf or NaN")
     if temperature <= 0:
         return logits.argmax(-1)
     z = logits.astype(np.float64) / temperature
@@ -29,7 +33,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     for i, p in enumerate(probs):
         order = np.argsort(-p, kind="stable")
         sorted_p = p[order]
-        keep = (np.cumsum(sorted_p) - sorted_p) < top_p  # always keeps the most likely token
+        keep = (np.cumsum(sorted_p) - sorted_p) < top_p
+        keep[0] = True  # the most likely token always stays (top_p 0: greedy)
         kept = sorted_p * keep
         out[i] = order[rng.choice(len(kept), p=kept / kept.sum())]
     return out

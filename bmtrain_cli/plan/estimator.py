@@ -584,18 +584,21 @@ def estimate(
 def training_arch(config: Any, vocab_size: Optional[int] = None) -> ModelArch:
     """The architecture the trainer will build: the checkpoint's, or the config's with the tokenizer's
     vocabulary for a fresh model."""
+    from bmtrain_cli.config.checks import fresh_vocab_size
     from bmtrain_cli.models.arch import arch_from_model_config
 
     arch = arch_from_model_config(config.model, allow_known=True)
     if vocab_size and not config.model.model_name_or_path:
-        arch = replace(arch, vocab_size=int(vocab_size))
+        arch = replace(
+            arch, vocab_size=fresh_vocab_size(config.model.vocab_size, int(vocab_size), "the tokenizer")
+        )
     return arch
 
 
-def memory_warning(
+def training_estimate(
     config: Any, vocab_size: Optional[int] = None, device: Any = None, seq_len: Optional[int] = None
-) -> Optional[str]:
-    """A one-paragraph warning when the estimated peak exceeds the device's memory, else None.
+) -> Optional[MemoryEstimate]:
+    """The memory plan of the run the trainer is about to build, or None when it cannot be estimated.
     ``device`` defaults to the device this process trains on (imports Paddle); ``seq_len`` is the
     longest batch the trainer's loader will produce."""
     from bmtrain_cli.plan.devices import detect_device
@@ -606,18 +609,41 @@ def memory_warning(
     from bmtrain_cli.errors import UserError
 
     try:
-        est = estimate(
+        return estimate(
             config, dev, arch=training_arch(config, vocab_size), seq_len=seq_len or config.model.max_seq_len
         )
     except (UserError, ValueError, KeyError, ZeroDivisionError):  # a plan must never stop training
         return None
-    if est.fits:
+
+
+def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:
+    """A one-paragraph warning when the estimated peak exceeds the device's memory, else None."""
+    if est is None or est.fits:
         return None
     return (
         f"warning: the memory plan estimates {format_bytes(est.required)} per device, more than the "
-        f"{format_bytes(dev.memory_bytes)} of {dev.name}; training may run out of memory. "
+        f"{format_bytes(est.device.memory_bytes)} of {est.device.name}; training may run out of memory. "
         "Run `bmtrain plan --config ... --search` for a layout that fits (recompute, sharding, offload, LoRA)."
     )
+
+
+def weights_exceed_device(est: MemoryEstimate) -> bool:
+    """The weights alone (not an estimate: their exact size) are larger than the device's memory."""
+    return est.parameters > est.device.memory_bytes
+
+
+def check_weights_fit(est: Optional[MemoryEstimate]) -> None:
+    """Refuse, before anything is allocated, a model whose weights alone exceed the device's memory
+    (building it would end in a MemoryError or the kernel's out-of-memory kill)."""
+    from bmtrain_cli.errors import UserError
+
+    if est is not None and weights_exceed_device(est):
+        raise UserError(
+            f"the model's weights alone need {format_bytes(est.parameters)} per device, more than the "
+            f"{format_bytes(est.device.memory_bytes)} of {est.device.name} (the memory plan estimates "
+            f"{format_bytes(est.required)} in all); use a smaller model or more devices "
+            "(`bmtrain plan --config ... --search`)"
+        )
 
 
 def default_device(config: Any) -> Device:
@@ -639,6 +665,10 @@ def summary_line(config: Any) -> Optional[str]:
     except UserError:
         return None
     verdict = "fits" if est.fits else "does NOT fit"
+    if weights_exceed_device(est):
+        verdict += " (the weights alone exceed the device's memory: `bmtrain train` refuses it)"
+    elif not est.fits:
+        verdict += " (training would likely run out of memory)"
     longest = config.train.batching == "longest"
     return (
         f"  memory     ~{format_bytes(est.peak)} peak per device on {est.device.name}"

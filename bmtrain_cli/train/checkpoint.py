@@ -65,17 +65,25 @@ def step_dirs(root: Path) -> List[Tuple[int, Path]]:
 
 
 def find_latest(root: Path) -> Optional[Path]:
-    """The checkpoint ``latest`` names, or the newest complete one when the pointer is missing/stale."""
+    """The checkpoint ``latest`` names, or the newest complete one when the pointer is missing/stale.
+    A pointer naming a step directory that exists but lacks trainer_state.json is refused: a save never
+    leaves one (it renames a complete directory into place), so it was damaged, and silently continuing
+    from an older step would hide that."""
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
         try:
             name = pointer.read_text(encoding="utf-8").strip()
-        except OSError:
+        except (OSError, ValueError):
             name = ""
         candidate = root / name
         if name and _STEP_RE.match(name) and (candidate / STATE_FILE).is_file():
             return candidate
+        if name and _STEP_RE.match(name) and candidate.is_dir():
+            raise CheckpointError(
+                f"{pointer} names {name}, which has no {STATE_FILE}: the checkpoint is damaged; resume from "
+                "an earlier one with train_config.resume: PATH/step-N, or start over"
+            )
     found = step_dirs(root)
     return found[-1][1] if found else None
 
@@ -430,9 +438,12 @@ def save_checkpoint(
 def read_state(ckpt_dir: Path) -> Dict[str, Any]:
     path = Path(ckpt_dir) / STATE_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or UTF-8
         raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: not a trainer state (no integer step); the checkpoint is damaged")
+    return state
 
 
 def optimizer_file_for(
@@ -470,6 +481,7 @@ def load_training_state(
     """Restore optimizer state (and RNG) from a checkpoint; the weights are loaded by the caller
     (models.load_pretrained, or load_native_weights for plain layers). Returns trainer_state.json with
     ``optimizer_restored`` (bool) and, when False, ``optimizer_message`` saying why."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     ckpt_dir = Path(ckpt_dir)
@@ -481,7 +493,14 @@ def load_training_state(
     else:
         if not opt_file.is_file():
             raise CheckpointError(f"{ckpt_dir} has no {opt_file.name}: not a training checkpoint")
-        restore_optimizer(optimizer, model, load_file(str(opt_file)))
+        try:
+            tensors = load_file(str(opt_file))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(
+                f"{opt_file}: unreadable or truncated optimizer state ({exc}); resume from an earlier "
+                "checkpoint (train_config.resume: PATH) or start over"
+            ) from None
+        restore_optimizer(optimizer, model, tensors)
         state["optimizer_restored"] = True
     if restore_rng and state.get("rng"):
         set_rng_state(state["rng"])

@@ -69,8 +69,9 @@ def resolve_resume(resume: Any, checkpoint_dir: Path) -> Optional[Path]:
 
 
 def prepare_output_dir(config: Config, *, is_main: bool = True) -> Optional[Path]:
-    """Refuse an output dir holding another run's checkpoints unless resuming or overwriting; with
-    overwrite, remove the previous run's outputs. Returns the checkpoint to resume from."""
+    """Refuse an output dir holding another run's checkpoints unless resuming or overwriting, and create
+    it. Removes and replaces nothing: :func:`clear_output_dir` does, once every check has passed.
+    Returns the checkpoint to resume from."""
     t = config.train
     out = Path(t.output_dir)
     ckpt = out / "checkpoints"
@@ -85,19 +86,26 @@ def prepare_output_dir(config: Config, *, is_main: bool = True) -> Optional[Path
             "--overwrite to start over in it, or choose another --output_dir"
         )
     if is_main:
-        if t.overwrite_output_dir:
-            for name in RUN_OUTPUTS:
-                p = out / name
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
-        remove_stale_temporaries(ckpt)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create output_dir {out}: {exc.strerror}") from None
     return None
+
+
+def clear_output_dir(config: Config, *, resuming: bool) -> None:
+    """Called once every check has passed (data, tokenizer, model, optimizer, checkpoint), on the main
+    rank: remove the half-written saves of a process killed mid-save and, when starting over with
+    overwrite, the previous run's outputs (RUN_OUTPUTS; nothing else in output_dir is touched)."""
+    out = Path(config.train.output_dir)
+    if config.train.overwrite_output_dir and not resuming:
+        for name in RUN_OUTPUTS:
+            p = out / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    remove_stale_temporaries(out / "checkpoints")
 
 
 def make_runtime(config: Config, has_gpu: Optional[bool] = None, *, is_main: bool = True) -> Runtime:

@@ -25,7 +25,7 @@ import yaml
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.train.runtime import Runtime, make_runtime
+from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
 
 
 class TrainingStopped(UserError):
@@ -169,6 +169,7 @@ def _data_config(config: Config, paths: Dict[str, Any]) -> Config:
 
 
 def _build_model(rt: Runtime, tokenizer: Any, ctx: Any) -> Any:
+    from bmtrain_cli.config.checks import fresh_vocab_size
     from bmtrain_cli.models import build, load_pretrained
     from bmtrain_cli.models.arch import arch_from_model_config
 
@@ -187,7 +188,7 @@ def _build_model(rt: Runtime, tokenizer: Any, ctx: Any) -> Any:
     arch = arch_from_model_config(m)
     arch = dataclasses.replace(
         arch,
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=fresh_vocab_size(m.vocab_size, tokenizer.vocab_size, "the tokenizer"),
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
@@ -237,6 +238,7 @@ class Trainer:
             data_rank=getattr(self.ctx, "data_rank", 0),
             data_world=getattr(self.ctx, "data_world", 1),
             seed=t.seed,
+            write_rejected=False,  # written by _claim_output_dir, once every check has passed
         )
         self.eval_loader = None
         if self.paths["eval"] is not None:
@@ -250,16 +252,35 @@ class Trainer:
             )
         self.data_report = _data_report(self.loader, self.eval_loader, self.rt.output_dir, t.truncation)
 
-        from bmtrain_cli.plan.estimator import memory_warning
+        from bmtrain_cli.plan.estimator import (
+            check_weights_fit,
+            format_bytes,
+            memory_warning,
+            training_estimate,
+        )
 
         longest = self.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
-        warning = memory_warning(
+        plan = training_estimate(
             self.config, vocab_size=getattr(self.tokenizer, "vocab_size", None), seq_len=longest
         )
+        check_weights_fit(plan)
+        warning = memory_warning(plan)
         if warning:
             self._say(warning)
         self.memory = MemoryMeter(self.rt.has_gpu)
-        self._build_model_and_optimizer()
+        try:
+            self._build_model_and_optimizer()
+        except MemoryError:
+            figure = (
+                f" (the memory plan estimates {format_bytes(plan.required)} per device; {plan.device.name} "
+                f"has {format_bytes(plan.device.memory_bytes)})"
+                if plan is not None
+                else ""
+            )
+            raise UserError(
+                f"out of memory while building the model and optimizer{figure}; use a smaller model or more "
+                "devices (`bmtrain plan --config ... --search`)"
+            ) from None
         self.rt.total_steps = self._total_steps()
 
         from bmtrain_cli.train.schedule import build_schedule
@@ -277,6 +298,7 @@ class Trainer:
         self.step_callbacks: List[Callable[[Trainer, Dict[str, Any]], None]] = []
         if self.rt.resume_from is not None:
             self._restore(self.rt.resume_from)
+        self._claim_output_dir()
 
     # -- construction
     def _build_model_and_optimizer(self) -> None:
@@ -327,7 +349,18 @@ class Trainer:
         from bmtrain_cli.models.arch import count_parameters
 
         self.n_params = count_parameters(self.raw_model.arch)
-        if self.lora is not None:
+
+    def _claim_output_dir(self) -> None:
+        """Every check has passed (data, tokenizer, model, optimizer, the checkpoint to resume): only now
+        are the previous run's outputs removed (with overwrite) and this run's first files written."""
+        from bmtrain_cli.data.loader import save_rejected
+
+        if self.is_main:
+            clear_output_dir(self.config, resuming=self.rt.resume_from is not None)
+            if self.loader.dataset.rejected_count:
+                save_rejected(self.loader.dataset, self.rt.output_dir)
+        _barrier(self.ctx)
+        if self.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
             self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
             self._say(self.lora.describe(self.raw_model, self.n_params))
 
@@ -413,9 +446,29 @@ class Trainer:
             else:
                 print(text, file=self.stream, flush=True)
 
+    def _check_weights_finite(self) -> None:
+        """A checkpoint never holds inf or NaN weights, and a run that made them never reports success.
+        Collective (every rank checks its own parameters; the verdict is summed over all ranks)."""
+        paddle = self.paddle
+        checks = [paddle.isfinite(q).all() for q in self.raw_model.parameters()]
+        finite = bool(paddle.stack(checks).all()) if checks else True  # one device-to-host sync
+        bad = paddle.to_tensor(0.0 if finite else 1.0)
+        if getattr(self.ctx, "world_size", 1) > 1:
+            import paddle.distributed as dist
+
+            dist.all_reduce(bad)
+        if float(bad) > 0:
+            raise TrainingStopped(
+                f"training stopped at step {self.step}: the weights hold inf or NaN (the updates diverged: "
+                "lower learning_rate or check the data); they were not saved, the last good checkpoint is "
+                f"kept in {self.rt.checkpoint_dir}",
+                exit_code=2,
+            )
+
     def save(self) -> Path:
         from bmtrain_cli.train.checkpoint import optimizer_layout, save_checkpoint, write_optimizer_shard
 
+        self._check_weights_finite()
         eval_path = self.paths.get("eval")
         if isinstance(eval_path, list):
             eval_path = eval_path[0] if eval_path else None

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from tests.tiny import model_yaml
+from tests.tree import tree_digest
 
 TINY = (
     model_yaml(max_seq_len=24, kv_heads=None)
@@ -303,3 +304,94 @@ def test_unreadable_data_is_named_and_leaves_no_output_dir(tmp_path):
         app, ["train", "--config", cfg, "--data_path", str(data), "--set", "train_config.demo_data=null"]
     )
     assert res.exit_code == 2 and (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def _previous_run(trained, tmp_path: Path) -> Path:
+    src, _, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(src / "out", out)
+    return out
+
+
+def test_failing_overwrite_run_deletes_nothing(trained, tmp_path):
+    """With --overwrite, the previous run's checkpoints were deleted before the model was even built;
+    a run that then failed lost them. Nothing is removed before every check has passed."""
+    out = _previous_run(trained, tmp_path)
+    before = tree_digest(out)
+    cfg = _config(tmp_path, steps=3)
+    huge = ["--set", "model_config.hidden_size=65536", "--set", "model_config.intermediate_size=131072"]
+    res = CliRunner().invoke(app, ["train", "--config", cfg, "--overwrite", *huge])
+    assert res.exit_code == 2, res.output
+    assert "the model's weights alone need" in res.output and "Traceback" not in res.output
+    assert tree_digest(out) == before
+    res = CliRunner().invoke(app, ["train", "--config", cfg, "--overwrite", "--set", "train_config.seed=-1"])
+    assert res.exit_code == 2 and "train_config.seed" in res.output
+    assert tree_digest(out) == before
+
+
+def test_out_of_memory_at_model_build_is_one_line(trained, tmp_path, monkeypatch):
+    from bmtrain_cli.train.trainer import Trainer
+
+    out = _previous_run(trained, tmp_path)
+    before = tree_digest(out)
+
+    def no_memory(self):
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(Trainer, "_build_model_and_optimizer", no_memory)
+    res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=3), "--overwrite"])
+    assert res.exit_code == 2, res.output
+    assert "out of memory while building the model and optimizer (the memory plan estimates" in res.output
+    assert tree_digest(out) == before
+
+
+def test_overwrite_replaces_the_previous_outputs_once_checks_pass(trained, tmp_path):
+    out = _previous_run(trained, tmp_path)
+    (out / "checkpoints" / ".tmp-step-9-12345").mkdir()  # a save killed mid-way
+    (out / "notes.txt").write_text("mine")
+    res = _train("--config", _config(tmp_path, steps=3), "--overwrite", "--set", "train_config.save_steps=1")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-1", "step-2", "step-3"]
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "rejected.jsonl").exists()
+
+
+def test_configured_vocab_size_is_honoured(tmp_path):
+    """vocab_size above the tokenizer's (padding) is the model's; it used to be replaced silently."""
+    cfg = _config(tmp_path, steps=3)
+    res = _train("--config", cfg, "--set", "model_config.vocab_size=512")
+    assert res.exit_code == 0, res.output
+    hf = json.loads((tmp_path / "out" / "checkpoints" / "step-3" / "config.json").read_text())
+    assert hf["vocab_size"] == 512
+
+
+def test_non_finite_weights_are_never_saved_nor_reported_as_success(tmp_path):
+    """learning_rate .inf trained, wrote a checkpoint of all-NaN weights and exited 0."""
+    from bmtrain_cli.config import load_config
+    from bmtrain_cli.train.trainer import Trainer, TrainingStopped
+
+    trainer = Trainer(load_config(_config(tmp_path, steps=4), mode="train"))
+
+    def poison(tr, out):
+        if tr.step == 3:  # after step 3's checkpoint, as an update with an infinite step size would
+            w = tr.raw_model.parameters()[0]
+            w.set_value(w * float("inf"))
+
+    trainer.step_callbacks.append(poison)
+    with pytest.raises(TrainingStopped) as info:
+        trainer.train()
+    assert info.value.exit_code == 2 and "the weights hold inf or NaN" in str(info.value)
+    ckpts = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-3"]
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_resume_removes_half_written_saves(trained, tmp_path):
+    """After kill -9 during a save, --resume left .tmp-step-N-PID behind (docs say the next start removes it)."""
+    out = _previous_run(trained, tmp_path)
+    stale = out / "checkpoints" / ".tmp-step-7-4242"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    _, cfg, _ = trained
+    res = _train("--config", cfg, "--output_dir", str(out), "--resume")
+    assert res.exit_code == 0, res.output
+    assert not stale.exists()

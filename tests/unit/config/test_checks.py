@@ -178,3 +178,34 @@ def test_gloo_layouts_that_work_on_cpu_are_accepted(write_yaml):
             + lines
         )
         load_config(write_yaml(text), mode="train", has_gpu=False)
+
+
+def test_vocab_size_smaller_than_the_tokenizer_is_refused(write_yaml, tmp_path):
+    """A configured vocab_size below the tokenizer's used to be replaced by the tokenizer's silently."""
+    from bmtrain_cli.data.tokenizers import MIN_GENERATED_VOCAB, train_sentencepiece
+
+    text, probs = error_text(write_yaml, "model_config:\n  vocab_size: 10\n")
+    assert f"vocab_size (10) is smaller than the {MIN_GENERATED_VOCAB} tokens" in text and probs[0].line == 2
+    tok = train_sentencepiece(["a b c " * 50], str(tmp_path / "tok"), vocab_size=400)
+    text, _ = error_text(
+        write_yaml, f"model_config:\n  tokenizer_path: {tmp_path / 'tok'}\n  vocab_size: 370\n"
+    )
+    assert f"smaller than the {tok.vocab_size} tokens of the tokenizer" in text
+    # equal or larger (padding, e.g. for tensor parallel) is accepted; a checkpoint's vocabulary is its own
+    load_config(
+        write_yaml(f"model_config:\n  tokenizer_path: {tmp_path / 'tok'}\n  vocab_size: {tok.vocab_size}\n")
+    )
+    load_config(write_yaml(f"model_config:\n  vocab_size: {MIN_GENERATED_VOCAB}\n"))
+
+
+def test_lora_on_a_fresh_model_warns(write_yaml):
+    warnings = load_config(write_yaml("train_config:\n  finetuning: lora\n")).warnings
+    assert any("LoRA on a fresh, randomly initialised model" in w.message for w in warnings)
+    hf = "model_config:\n  model_name_or_path: meta-llama/Llama-2-7b-hf\ntrain_config:\n  finetuning: lora\n"
+    assert not any("fresh" in w.message for w in load_config(write_yaml(hf)).warnings)
+
+
+def test_shuffle_buffer_is_said_to_be_unused(write_yaml):
+    warnings = load_config(write_yaml("train_config:\n  shuffle_buffer: 50\n")).warnings
+    assert [w.line for w in warnings if "shuffle_buffer" in w.path and "not used" in w.message] == [2]
+    assert not load_config(write_yaml("train_config:\n  shuffle: false\n")).warnings

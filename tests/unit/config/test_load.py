@@ -23,9 +23,14 @@ def test_defaults_from_few_lines(write_yaml):
     assert cfg.model.family == "llama"
 
 
-def test_empty_file_is_all_defaults(write_yaml):
-    cfg = load_config(write_yaml("")).config
-    assert cfg.train.micro_batch_size == 1
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n", "{}\n"])
+def test_empty_file_is_refused(write_yaml, text):
+    """An empty file validated as "OK" (all defaults, no data): it is refused, saying it is empty."""
+    with pytest.raises(ConfigError, match="the config file is empty"):
+        load_config(write_yaml(text))
+    assert load_config(None).config.train.micro_batch_size == 1  # the defaults alone stay available
+    # an empty file completed by --set overrides is a config
+    assert load_config(write_yaml(text), ["train_config.max_steps=3"]).config.train.max_steps == 3
 
 
 def test_parallel_short_form_is_synonym(write_yaml):
@@ -149,7 +154,7 @@ def test_override_errors_name_the_override(write_yaml):
 
 
 def test_config_is_frozen(write_yaml):
-    cfg = load_config(write_yaml("")).config
+    cfg = load_config(write_yaml("train_config:\n  max_steps: 3\n")).config
     with pytest.raises(ValidationError):
         cfg.train.learning_rate = 1.0  # type: ignore[misc]
 
@@ -181,3 +186,57 @@ def test_boolean_for_a_number_is_refused(write_yaml):
     # boolean fields and fields that take a boolean among other values still do
     cfg = load_config(write_yaml("train_config:\n  gradient_checkpointing: yes\n")).config
     assert cfg.train.gradient_checkpointing is True
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    lines = ["a0: &a0 [" + ", ".join(['"lol"'] * width) + "]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines) + f"\ntrain_config:\n  data_path: *a{levels - 1}\n"
+
+
+def test_alias_bomb_is_refused_quickly(write_yaml):
+    """Nine levels of nine aliases expand to 9**9 values: the loader grew past 15 GB on it."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(_alias_bomb()))
+    assert time.monotonic() - start < 5
+    assert "aliases expand to more than 100,000 values" in str(info.value)
+    assert info.value.problems[0].line is not None
+    # a few honest aliases (the same value reused) stay fine
+    text = "train_config:\n  data_path: &d [a.jsonl, b.jsonl]\n  eval_data_path: *d\n"
+    assert load_config(write_yaml(text)).config.train.eval_data_path == ["a.jsonl", "b.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("train_config:\n  data_path: &r [*r]\n", "recursive alias"),
+        ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+    ],
+)
+def test_recursive_and_deep_yaml_is_refused(write_yaml, text, reason):
+    with pytest.raises(ConfigError, match=reason):
+        load_config(write_yaml(text))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("seed: -1", "greater than or equal to 0"),
+        ("seed: 4294967296", "less than or equal to 4294967295"),
+        ("learning_rate: .inf", "finite number"),
+        ("min_lr: .nan", "finite number"),
+        ("adam_epsilon: .inf", "finite number"),
+        ("weight_decay: .inf", "finite number"),
+        ("max_grad_norm: .inf", "finite number"),
+        ("max_grad_norm: -1", "greater than or equal to 0"),
+        ("data_weights: [1.0, .inf]\n  data_path: [a.jsonl, b.jsonl]", "finite number"),
+    ],
+)
+def test_out_of_range_values_are_refused_with_their_line(write_yaml, line, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(f"train_config:\n  {line}\n"))
+    assert message in str(info.value) and info.value.problems[0].line == 2

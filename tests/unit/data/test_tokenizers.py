@@ -77,3 +77,10 @@ def test_missing_tokenizer_is_a_user_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no tokenizer"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(sp_tok):
+    """A model whose vocab_size pads the tokenizer's can emit those ids: decoding them raised IndexError."""
+    ids = sp_tok.encode("12+3")
+    n = sp_tok.vocab_size
+    assert sp_tok.decode(ids + [n, n + 7]) == sp_tok.decode(ids) == "12+3"

@@ -144,3 +144,22 @@ def test_lora_checkpoint_without_base_is_a_user_error(tmp_path):
     r, text = _run("--checkpoint", str(d), "--output", str(tmp_path / "o"))
     assert r.exit_code == 2, text
     assert "Traceback" not in text and not (tmp_path / "o").exists()
+
+
+def test_export_into_training_state_is_refused(trained_run, tmp_path):
+    """`export --checkpoint RUN/checkpoints/step-60 --output RUN/checkpoints/step-60 --overwrite` deleted
+    the optimizer state and trainer_state.json; --resume then continued from an older step silently."""
+    from tests.tree import tree_digest
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    step = run / "checkpoints" / "step-60"
+    before = tree_digest(run)
+    other = tmp_path / "other-run"
+    shutil.copytree(trained_run, other)
+    for output in (step, run, run / "checkpoints", step / "hf", other, other / "checkpoints" / "step-60"):
+        r, text = _run("--checkpoint", str(step), "--output", str(output), "--format", "hf", "--overwrite")
+        assert r.exit_code == 2, (output, text)
+        assert "--output" in text and "Traceback" not in text
+        assert tree_digest(run) == before
+    assert (other / "checkpoints" / "step-60" / "trainer_state.json").is_file()

@@ -84,3 +84,47 @@ def test_eval_accepts_a_run_dir_and_its_checkpoints_dir(models, trained_run, hel
         for p in (models["checkpoint"], trained_run, trained_run / "checkpoints")
     ]
     assert res[1] == res[0] and res[2] == res[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_paddle_inference_export_is_one_line(models, heldout, tmp_path, damage):
+    """A truncated or garbage model.pdiparams gave Paddle's traceback and exit 1 in generate and eval."""
+    import shutil
+
+    bad = tmp_path / "export"
+    shutil.copytree(models["paddle-inference-None"], bad)
+    params = bad / "model.pdiparams"
+    data = params.read_bytes()
+    params.write_bytes(data[: len(data) // 2] if damage == "truncated" else bytes(range(256)) * 64)
+    for args in (["generate", "--prompt", "1+2="], ["eval", "--data_path", heldout]):
+        r = runner.invoke(app, [args[0], "--model_path", str(bad), *args[1:]])
+        assert r.exit_code == 2, r.output
+        assert f"{bad}: cannot load the Paddle Inference model" in r.output and "Traceback" not in r.output
+
+
+def test_generate_top_p_zero_is_greedy_and_max_new_tokens_is_capped(models):
+    """--top_p 0 --temperature 1 raised `Probabilities contain NaN`; --max_new_tokens 100000 ran past the
+    model's positions without a word."""
+    ckpt = str(models["checkpoint"])
+    greedy = _cmd("generate", "--model_path", ckpt, "--prompt", "12+35=", "--max_new_tokens", "6")
+    top0 = _cmd(
+        "generate",
+        "--model_path",
+        ckpt,
+        "--prompt",
+        "12+35=",
+        "--max_new_tokens",
+        "6",
+        "--top_p",
+        "0",
+        "--temperature",
+        "1",
+    )
+    assert top0 == greedy
+    r = runner.invoke(
+        app, ["generate", "--model_path", ckpt, "--prompt", "12+35=", "--max_new_tokens", "100000"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "--max_new_tokens 100000 capped at" in r.output and "max_position_embeddings 128" in r.output
+    r = runner.invoke(app, ["generate", "--model_path", ckpt, "--prompt", "1", "--temperature", "nan"])
+    assert r.exit_code == 2 and "Traceback" not in r.output  # the option's range refuses nan

@@ -13,7 +13,14 @@ from bmtrain_cli.config import load_config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import count_parameters
 from bmtrain_cli.plan.devices import GiB, get_device, parse_bytes
-from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout, memory_warning
+from bmtrain_cli.plan.estimator import (
+    Layout,
+    Workload,
+    estimate,
+    estimate_layout,
+    memory_warning,
+    training_estimate,
+)
 from bmtrain_cli.plan.search import search, step_time, yaml_block
 
 SEVEN_B = "configs/llama2-7b-sft-8gpu.yaml"
@@ -146,8 +153,8 @@ def test_validate_config_shows_estimate(repo_root) -> None:
 
 
 def test_memory_warning(seven_b) -> None:
-    assert memory_warning(seven_b, device=get_device("A100-80GB")) is None
-    msg = memory_warning(seven_b, device=get_device("RTX4090"))
+    assert memory_warning(training_estimate(seven_b, device=get_device("A100-80GB"))) is None
+    msg = memory_warning(training_estimate(seven_b, device=get_device("RTX4090")))
     assert msg is not None and "bmtrain plan" in msg
 
 
@@ -220,3 +227,21 @@ def test_validate_config_shows_the_estimate(repo_root) -> None:
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.strip().startswith("memory"))
     assert "peak per device on CPU with every batch at max_seq_len" in line and "fits" in line
+
+
+def test_cli_plan_refuses_gpus_that_do_not_match_the_layout(repo_root) -> None:
+    """`plan --gpus 3` on the 8-GPU config reported the 8-GPU layout as fitting."""
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "3"])
+    assert res.exit_code == 2
+    assert "--gpus 3 x --nodes 1 = 3 devices, but the config's layout needs 8" in res.output
+    assert "--search" in res.output
+    assert runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "8"]).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "4", "--nodes", "2"]
+        ).exit_code
+        == 0
+    )
+    res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "3", "--search"])
+    assert res.exit_code == 0 and "search over 3 x" in res.output

@@ -7,6 +7,7 @@ column (PyYAML's compose() keeps a start mark on every node) and raised together
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -442,6 +443,10 @@ def load_config(
     problems = check_config(config, mode=mode, world_size=world_size, has_gpu=has_gpu)
     if early and emptied:
         problems = [p for p in problems if not (p.path and p.path.split(".")[0] in emptied)]
+    if early:  # a cross-field finding about a refused field would judge its default, not the user's value
+        refused = [prob.path.split(".")[-1] for prob in early if prob.path and "." in prob.path]
+        named = re.compile(r"\b(" + "|".join(map(re.escape, refused)) + r")\b") if refused else None
+        problems = [p for p in problems if named is None or not named.search(p.message)]
     file_section = (
         {"parallel_config": "parallel"} if "parallel" in data and "parallel_config" not in data else {}
     )

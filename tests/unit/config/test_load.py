@@ -240,3 +240,14 @@ def test_out_of_range_values_are_refused_with_their_line(write_yaml, line, messa
     with pytest.raises(ConfigError) as info:
         load_config(write_yaml(f"train_config:\n  {line}\n"))
     assert message in str(info.value) and info.value.problems[0].line == 2
+
+
+def test_a_refused_field_is_not_judged_again_by_its_default_in_cross_field_checks(write_yaml):
+    """learning_rate .inf is refused; min_lr must not then be reported as exceeding the default lr."""
+    path = write_yaml("train_config:\n  learning_rate: .inf\n  min_lr: 3.0e-4\n  demo_data: arithmetic\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [p.path for p in info.value.problems] == ["train_config.learning_rate"]
+    path = write_yaml("train_config:\n  learning_rate: 1.0e-4\n  min_lr: 3.0e-4\n  demo_data: arithmetic\n")
+    with pytest.raises(ConfigError, match="min_lr"):  # the cross-field check still runs on real values
+        load_config(path)

@@ -219,7 +219,8 @@ def init_distributed_mode() -> DistributedMode:
 @dataclass
 class _Spec:
     tensor_parallel: bool = False
-    pipeline: Optional[_PipelineLoss] = None  # the pipeline's loss hook when PipelineParallel was applied
+    loss_fn: Optional[Callable[[Any, Any], Any]] = None  # PipelineParallel's, used when train_step gets None
+    pipeline: Optional[_PipelineLoss] = None  # the pipeline's loss hook when PipelineParallel cut the model
 
 
 def _spec(model: Any) -> _Spec:
@@ -516,12 +517,11 @@ class _PipelineLoss:
 
     def __init__(self, loss_fn: Optional[Callable[[Any, Any], Any]]) -> None:
         self.loss_fn = loss_fn
-        self.step_loss_fn: Optional[Callable[[Any, Any], Any]] = None
         self.scale = 1.0
         self.row_sums: List[float] = []
 
     def __call__(self, output: Any, labels: Any) -> Any:
-        loss = _scalar_loss((self.step_loss_fn or self.loss_fn)(output, labels))
+        loss = _scalar_loss(self.loss_fn(output, labels))
         rows = int(labels.shape[0])
         self.row_sums.append(float(loss) * rows)
         return loss * (rows * self.scale)
@@ -562,6 +562,7 @@ def PipelineParallel(  # noqa: N802
     items = pipeline_items(model)
     if len(items) < stages:
         raise UserError(f"PipelineParallel: {len(items)} layer(s) cannot be cut into {stages} stages")
+    _spec(model).loss_fn = loss_fn
     if stages == 1:
         return model
     import paddle.distributed as dist
@@ -597,7 +598,7 @@ def PipelineParallel(  # noqa: N802
         "micro_batch_size": 1,
     }
     wrapped = fleet.distributed_model(layer)
-    spec = _Spec(tensor_parallel=_spec(model).tensor_parallel, pipeline=loss)
+    spec = _Spec(tensor_parallel=_spec(model).tensor_parallel, loss_fn=loss_fn, pipeline=loss)
     object.__setattr__(wrapped, _SPEC_ATTR, spec)
     return wrapped
 
@@ -669,7 +670,8 @@ def train_step(
             f"train_step: init_distributed set up tensor_parallel={ctx.tp_degree}; wrap the model with "
             "TensorParallel(model) before building the optimizer"
         )
-    if loss_fn is None and (spec.pipeline is None or spec.pipeline.loss_fn is None):
+    loss_fn = loss_fn or spec.loss_fn
+    if loss_fn is None:
         raise UserError("train_step: no loss_fn (pass one here or to PipelineParallel)")
     inputs, labels = (_to_tensor(x) for x in batch)
     rows = int(labels.shape[0])
@@ -705,7 +707,7 @@ def _pipeline_step(
             "micro-batches (PipelineParallel's micro_batches)"
         )
     model.micro_batch_size = rows // micro
-    hook.step_loss_fn, hook.row_sums = loss_fn, []
+    hook.loss_fn, hook.row_sums = loss_fn, []
     hook.scale = micro * ctx.data_world / total_rows
     inputs.stop_gradient = True
     # train_batch wants fleet's own optimizer; the data-rank averaging is undone by ``scale`` instead

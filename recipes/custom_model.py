@@ -8,6 +8,7 @@ python -m paddle.distributed.launch --nproc_per_node 2 recipes/custom_model.py  
 python -m paddle.distributed.launch --nproc_per_node 2 recipes/custom_model.py --tensor_parallel 2    # tp2
 python -m paddle.distributed.launch --nproc_per_node 2 recipes/custom_model.py --pipeline_parallel 2  # pp2
 python -m paddle.distributed.launch --nproc_per_node 4 recipes/custom_model.py --tensor_parallel 2    # dp2 x tp2
+python -m paddle.distributed.launch --nproc_per_node 2 recipes/custom_model.py --sharding_parallel 2  # ZeRO-1
 
 Every layout prints the same losses as one process: each data rank trains on its own rows of the global
 batch, and train_step returns the mean over the whole global batch.
@@ -81,6 +82,7 @@ def main(argv: list) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensor_parallel", type=int, default=1)
     ap.add_argument("--pipeline_parallel", type=int, default=1)
+    ap.add_argument("--sharding_parallel", type=int, default=1, help="optimizer state split (stage 1)")
     ap.add_argument("--micro_batches", type=int, default=None, help="pipeline micro-batches per step")
     ap.add_argument("--partition", default="uniform", choices=["uniform", "parameters", "measured"])
     ap.add_argument("--steps", type=int, default=20)
@@ -89,7 +91,11 @@ def main(argv: list) -> None:
     ap.add_argument("--out", default=None, help="write the per-step losses as JSON here (rank 0)")
     args = ap.parse_args(argv)
 
-    ctx = init_distributed(tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel)
+    ctx = init_distributed(
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+        sharding_parallel=args.sharding_parallel,
+    )
     init_distributed_mode()  # prints rank, world, devices, degrees, Paddle build
     if args.global_batch % ctx.data_world:
         raise SystemExit(
@@ -102,7 +108,9 @@ def main(argv: list) -> None:
     with paddle.no_grad():
         expected = model(probe).numpy()
 
-    model = DataParallel(model, group_size=ctx.data_world)
+    model = DataParallel(
+        model, group_size=ctx.data_world, sharding_stage=1 if args.sharding_parallel > 1 else None
+    )
     model = TensorParallel(model, split_dim=1)
     tp_diff = None
     if args.tensor_parallel > 1 and args.pipeline_parallel == 1:

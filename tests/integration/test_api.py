@@ -1,7 +1,7 @@
 """The Python API on user models under the launcher equals one process (CPU, gloo).
 
 recipes/custom_model.py (a Sequential of embedding, MLP blocks, norm and head; AdamW with a global-norm
-clip that is active from step 2) runs 4 steps in one process and under dp2, tp2, pp2 and dp2 x tp2; every
+clip that is active from step 2) runs 4 steps in one process and under dp2, tp2, pp2, dp2 x tp2 and sharding stage 1 x2; every
 step's loss must equal the single process's to 1e-5 relative, and under tp2 the wrapped model's outputs
 the whole model's. api_scripts/layerlist_worker.py (layers in one LayerList, an explicit plan with a
 gathered column head, the measured partition, the loss given to PipelineParallel only, SGD with clipping)
@@ -61,6 +61,7 @@ def single(tmp_path_factory):
         ("tp2", 2, ["--tensor_parallel", "2"]),
         ("pp2", 2, ["--pipeline_parallel", "2"]),
         ("dp2tp2", 4, ["--tensor_parallel", "2"]),
+        ("sharding2", 2, ["--sharding_parallel", "2"]),
     ],
 )
 def test_recipe_layouts_match_one_process(tmp_path, single, name, nproc, args):

@@ -271,7 +271,6 @@ def DataParallel(model: Any, group_size: Optional[int] = None, sharding_stage: O
             )
     for group in ctx._data_groups():
         _broadcast_parameters(model, group)
-    _spec(model)
     return model
 
 

@@ -206,8 +206,13 @@ class ParallelConfig(_Section):
         None, gt=0, description="Micro-batches per pipeline step (default: gradient accumulation steps)."
     )
     pipeline_partition: Literal["uniform", "parameters", "measured"] = "uniform"
-    gradient_compression: Literal["none", "int8", "topk"] = "none"
+    gradient_compression: Literal["none", "int8", "topk", "threshold"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)
+    compression_threshold: float = Field(
+        1e-3,
+        gt=0,
+        description="threshold compression: gradient entries below this magnitude wait in the residual",
+    )
     fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
 
     @property

@@ -5,6 +5,10 @@
 * ``topk``: only the ``topk_ratio`` largest-magnitude entries are sent (int32 index + fp32 value); what
   is not sent stays in a per-rank residual added to the next step's gradient (error feedback), so every
   gradient component is applied eventually.
+* ``threshold``: only the entries whose magnitude (gradient + residual) reaches ``compression_threshold``
+  are sent (int32 index + fp32 value), the rest stays in the residual (error feedback). How many are
+  sent varies per rank and step; the ranks agree on the largest count and pad to it (gloo's all-gather
+  needs equal sizes), and the padded bytes are what is counted.
 
 Each rank all-gathers the compressed payloads (gloo has no reduce-scatter) and sums the decoded
 contributions in rank order, so all ranks apply the identical gradient and stay in sync. Bytes are
@@ -53,7 +57,7 @@ class Compressor:
         grads = [p.grad for p in params]
         flat = paddle.concat([g.astype("float32").reshape([-1]) for g in grads])
         numel = int(flat.shape[0])
-        payload = self.encode(flat)
+        payload = self.equalise(self.encode(flat), group)
         self.bytes_sent += self.payload_bytes(payload)
         self.bytes_dense += numel * 4
         self.steps += 1
@@ -71,6 +75,10 @@ class Compressor:
             n = int(math.prod(g.shape))
             g.set_value(total[offset : offset + n].reshape(g.shape).astype(g.dtype))
             offset += n
+
+    def equalise(self, payload: List[Any], group: Any) -> List[Any]:
+        """The payload made the same size on every rank of ``group`` (fixed-size encodings already are)."""
+        return payload
 
     def stats(self) -> Dict[str, float]:
         ratio = self.bytes_dense / self.bytes_sent if self.bytes_sent else 0.0
@@ -153,6 +161,51 @@ class TopKCompressor(Compressor):
         return paddle.scatter(out, idx.astype("int64"), values)
 
 
+class ThresholdCompressor(Compressor):
+    """Entries whose magnitude reaches ``threshold``, with error feedback (the residual carries the rest)."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.residual: Optional[Any] = None
+
+    def encode(self, flat: Any) -> List[Any]:
+        import paddle
+
+        if self.residual is None or int(self.residual.shape[0]) != int(flat.shape[0]):
+            self.residual = paddle.zeros_like(flat)
+        acc = flat + self.residual
+        idx = paddle.nonzero(acc.abs() >= self.threshold).reshape([-1])
+        values = paddle.gather(acc, idx)
+        self.residual = paddle.scatter(acc, idx, paddle.zeros_like(values))
+        return [idx.astype("int32"), values]
+
+    def equalise(self, payload: List[Any], group: Any) -> List[Any]:
+        """Pad to the largest count in the group with index 0 / value 0 (decode adds, so padding adds 0)."""
+        import paddle
+        import paddle.distributed as dist
+
+        idx, values = payload
+        counts: List[Any] = []
+        dist.all_gather(counts, paddle.to_tensor([int(idx.shape[0])], dtype="int64"), group=group)
+        pad = max(int(c.numpy()[0]) for c in counts) - int(idx.shape[0])
+        if pad:
+            idx = paddle.concat([idx, paddle.zeros([pad], dtype="int32")])
+            values = paddle.concat([values, paddle.zeros([pad], dtype=values.dtype)])
+        return [idx, values]
+
+    def decode(self, payload: Sequence[Any], numel: int) -> Any:
+        import paddle
+
+        idx, values = payload
+        out = paddle.zeros([numel], dtype="float32")
+        if int(idx.shape[0]) == 0:
+            return out
+        return paddle.scatter(out, idx.astype("int64"), values, overwrite=False)
+
+
 def make_compressor(par: Optional[Any]) -> Optional[Compressor]:
     """The compressor for parallel_config.gradient_compression (None when off)."""
     if par is None or par.gradient_compression == "none":
@@ -161,4 +214,6 @@ def make_compressor(par: Optional[Any]) -> Optional[Compressor]:
         return Int8Compressor()
     if par.gradient_compression == "topk":
         return TopKCompressor(par.topk_ratio)
+    if par.gradient_compression == "threshold":
+        return ThresholdCompressor(par.compression_threshold)
     raise ValueError(f"unknown gradient_compression {par.gradient_compression!r}")

@@ -202,14 +202,20 @@ def item_parameter_counts(items: Sequence[Any]) -> List[float]:
     return [float(sum(int(np.prod(p.shape)) for p in it.parameters())) for it in items]
 
 
-def measure_item_costs(items: Sequence[Any], batch: int, seq: int, vocab: int, steps: int = 3) -> List[float]:
-    """Seconds of forward+backward per item on a random batch (median of ``steps`` after one warm-up)."""
+def decoder_sample(batch: int, seq: int, vocab: int) -> Tuple[Any, Any, Any]:
+    """A random (input_ids, attention_mask, position_ids) batch: the decoder's first pipeline input."""
     import paddle
 
     ids = paddle.randint(0, vocab, [batch, seq])
     mask = paddle.ones([batch, seq], dtype="int64")
     pos = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
-    x = (ids, mask, pos)
+    return ids, mask, pos
+
+
+def measure_item_costs(items: Sequence[Any], x: Any, steps: int = 3) -> List[float]:
+    """Seconds of forward+backward per item, ``x`` being the first item's input (median of ``steps``
+    after one warm-up). Items after the first get the previous item's output, a tensor or a tuple whose
+    first element is the hidden state."""
     costs = []
     for item in items:
         times = []
@@ -251,9 +257,8 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
         costs = None
         if ctx.rank == 0:
             seq = min(128, config.model.max_seq_len if config is not None else 128)
-            costs = measure_item_costs(
-                items.layers, 1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree
-            )
+            sample = decoder_sample(1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree)
+            costs = measure_item_costs(items.layers, sample)
         box = [costs]
         dist.broadcast_object_list(box, src=0)
         costs = box[0]
@@ -385,7 +390,6 @@ def pipeline_train_step(
 
     Returns (loss_sum, token_count) summed over micro-batches and data ranks, on every rank."""
     import paddle
-    import paddle.distributed as dist
 
     ctx.mark_progress()
     data = stack_micro_batches(
@@ -415,10 +419,17 @@ def pipeline_train_step(
     target = paddle.to_tensor(data["target"])
     model.train_batch([inputs, target], optimizer, lr_scheduler)
     local = float(sum(float(s) for s in loss_fn.sums)) if loss_fn.sums else 0.0
-    t = paddle.to_tensor([local], dtype="float64")
-    pp_group = ctx.hcg.get_pipe_parallel_group()
-    last_rank = pp_group.ranks[-1]
-    dist.broadcast(t, src=last_rank, group=pp_group)
-    total = ctx.all_reduce_sum(float(t.numpy()[0]))
+    total = ctx.all_reduce_sum(from_last_stage(ctx, local))
     ctx.mark_progress()
     return total, count
+
+
+def from_last_stage(ctx: ParallelContext, value: float) -> float:
+    """The last pipeline stage's ``value`` (where the loss is computed), on every stage."""
+    import paddle
+    import paddle.distributed as dist
+
+    t = paddle.to_tensor([value], dtype="float64")
+    pp_group = ctx.hcg.get_pipe_parallel_group()
+    dist.broadcast(t, src=pp_group.ranks[-1], group=pp_group)
+    return float(t.numpy()[0])

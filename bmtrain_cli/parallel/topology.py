@@ -9,7 +9,7 @@ ParallelContext describing this rank.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
@@ -75,11 +75,7 @@ def build_strategy(config: Config) -> Any:
 
 def init_distributed(config: Config) -> ParallelContext:
     """Initialise fleet for this process and return its ParallelContext."""
-    import paddle
-    import paddle.distributed as dist
-    from paddle.distributed import fleet
-
-    from bmtrain_cli.parallel import cpu_compat, faults
+    from bmtrain_cli.parallel import faults
 
     launched = launched_world_size()
     par = config.parallel
@@ -89,10 +85,25 @@ def init_distributed(config: Config) -> ParallelContext:
             f"{par.data_parallel} x tensor {par.tensor_parallel} x pipeline {par.pipeline_parallel} x "
             f"sharding {par.sharding_parallel}); launch with `bmtrain run`, which starts the right number"
         )
+    ctx = start_fleet(config, faults.start_watchdog)
+    faults.check_agreement(ctx, config)
+    return ctx
+
+
+def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]] = None) -> ParallelContext:
+    """fleet.init with this config's degrees (the CPU compatibility layer first when Paddle has no GPU)
+    and the rank's ParallelContext. Shared by ``bmtrain train`` (above) and the Python API
+    (bmtrain_cli/api.py); ``start_watchdog(config)`` runs before fleet.init so that a hang there is seen."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    from bmtrain_cli.parallel import cpu_compat
+
     on_cpu = cpu_compat.apply_if_cpu()
     if on_cpu:
         paddle.set_device("cpu")
-    watchdog = faults.start_watchdog(config)
+    watchdog = start_watchdog(config) if start_watchdog is not None else None
     from bmtrain_cli.quiet import FLEET_INIT_NOISE, NOISE, filtered_stderr  # noqa: PLC0415
 
     # each node's local rank 0 writes to that node's console: keep fleet's start-up report there out of
@@ -121,5 +132,4 @@ def init_distributed(config: Config) -> ParallelContext:
     )
     if watchdog is not None:
         watchdog.set_rank(ctx.rank, ctx.world_size)
-    faults.check_agreement(ctx, config)
     return ctx

@@ -94,9 +94,9 @@ def test_tp2_matches_and_its_checkpoint_is_layout_independent(tmp_path, referenc
     np.testing.assert_allclose(again["losses"], single_again["losses"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int8", "topk"])
+@pytest.mark.parametrize("kind", ["int8", "topk", "threshold"])
 def test_gradient_compression_loss_within_one_percent(tmp_path, reference, kind):
-    par = {"data_parallel": 2, "gradient_compression": kind, "topk_ratio": 0.3}
+    par = {"data_parallel": 2, "gradient_compression": kind, "topk_ratio": 0.3, "compression_threshold": 1e-3}
     result = _launch(tmp_path, kind, 2, par)
     assert abs(result["losses"][-1] / reference[0][-1] - 1) < 0.01
     stats = result["compression"]

@@ -7,7 +7,12 @@ import paddle
 import pytest
 
 from bmtrain_cli.config.schema import ParallelConfig
-from bmtrain_cli.parallel.compression import Int8Compressor, TopKCompressor, make_compressor
+from bmtrain_cli.parallel.compression import (
+    Int8Compressor,
+    ThresholdCompressor,
+    TopKCompressor,
+    make_compressor,
+)
 
 
 def test_int8_roundtrip_error_is_bounded_per_chunk():
@@ -36,7 +41,34 @@ def test_topk_error_feedback_sends_everything_eventually():
     np.testing.assert_allclose(sent + c.residual.numpy(), np.sum(grads, axis=0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int8", "topk"])
+def test_threshold_sends_large_entries_and_keeps_the_rest_in_the_residual():
+    c = ThresholdCompressor(threshold=0.5)
+    idx, values = c.encode(paddle.to_tensor(np.array([0.1, -0.7, 0.3, 0.6, 0.0], np.float32)))
+    assert idx.numpy().tolist() == [1, 3] and values.numpy().tolist() == pytest.approx([-0.7, 0.6])
+    np.testing.assert_allclose(c.residual.numpy(), [0.1, 0, 0.3, 0, 0], atol=1e-7)
+    # the held-back 0.3 + 0.3 reaches the threshold next step; 0.1 + 0.1 does not
+    idx, values = c.encode(paddle.to_tensor(np.array([0.1, 0, 0.3, 0, 0], np.float32)))
+    assert idx.numpy().tolist() == [2] and values.numpy().tolist() == pytest.approx([0.6])
+    empty = c.encode(paddle.zeros([5]))
+    assert empty[0].shape[0] == 0 and float(c.decode(empty, 5).abs().sum()) == 0.0
+
+
+def test_threshold_error_feedback_sends_everything_eventually():
+    rng = np.random.default_rng(3)
+    c = ThresholdCompressor(threshold=1.0)
+    grads = [rng.normal(size=50).astype(np.float32) for _ in range(30)]
+    sent = np.zeros(50, np.float32)
+    counts = []
+    for g in grads:
+        payload = c.encode(paddle.to_tensor(g))
+        counts.append(int(payload[0].shape[0]))
+        sent += c.decode(payload, 50).numpy()
+    np.testing.assert_allclose(sent + c.residual.numpy(), np.sum(grads, axis=0), rtol=1e-5, atol=1e-5)
+    assert 0 < sum(counts) < 0.5 * 50 * 30  # sparse, yet something is sent
+    assert np.abs(c.residual.numpy()).max() < 1.0
+
+
+@pytest.mark.parametrize("kind", ["int8", "topk", "threshold"])
 def test_two_rank_training_with_compression_matches_uncompressed(kind):
     """Linear regression on two simulated data ranks: final loss within 1% of exact gradient sums."""
     rng = np.random.default_rng(2)
@@ -51,7 +83,9 @@ def test_two_rank_training_with_compression_matches_uncompressed(kind):
         x, y = xs[r], ys[r]
         return (2 * x.T @ (x @ w - y) / len(y)).astype(np.float32)
 
-    par = ParallelConfig(data_parallel=2, gradient_compression=kind, topk_ratio=0.25)
+    par = ParallelConfig(
+        data_parallel=2, gradient_compression=kind, topk_ratio=0.25, compression_threshold=0.05
+    )
     comps = [make_compressor(par) for _ in range(2)]
     w_ref = np.zeros(20, np.float32)
     w = np.zeros(20, np.float32)

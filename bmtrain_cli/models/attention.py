@@ -186,7 +186,10 @@ class BlockedAttention(PyLayer):
             outs.append(out.reshape([b, hk, h // hk, n, d]))
             lses.append(lse.reshape([b, hk, h // hk, n]))
         out = _ungrouped(paddle.concat(outs, axis=3))
-        ctx.save_for_backward(q, k, v, out, paddle.concat(lses, axis=3), seg)
+        # a copy of the segment ids: the caller's tensor may be released before the backward (fleet's
+        # pipeline frees the tensors a stage has sent on, and the ids travel with the activations)
+        kept_seg = None if seg is None else seg.clone()
+        ctx.save_for_backward(q, k, v, out, paddle.concat(lses, axis=3), kept_seg)
         ctx.block = block
         return out
 

@@ -35,15 +35,16 @@ def choose_kernel(
         if kind == "causal":
             return "sdpa_causal", "attention_implementation: sdpa; right-padded rows need no mask"
         return "sdpa_mask", "attention_implementation: sdpa; segment ids become an additive [b, 1, s, s] mask"
-    if on_gpu and half:
-        if kind == "causal":
-            return "flash", "GPU half precision; right-padded rows need no mask"
-        return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
+    if on_gpu and half and kind == "causal":
+        return "flash", "GPU half precision; right-padded rows need no mask"
     if static:
-        # the blocked kernel loops over query blocks of a known length; an exported graph has none
+        # the blocked kernel loops over query blocks, and the variable-length kernel lays the rows end to
+        # end, both by sizes a graph of unknown length does not have
         if kind == "causal":
             return "sdpa_causal", "static graph of unknown length: Paddle's sdpa, causal"
         return "sdpa_mask", "static graph of unknown length: Paddle's sdpa with a mask from the segment ids"
+    if on_gpu and half:
+        return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
     where = "GPU fp32" if on_gpu else "CPU"
     rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
     return "blocked", f"{where}: exact blocked attention, memory linear in the sequence length; {rows}"

@@ -128,6 +128,8 @@ def test_kernel_choice():
     assert choose_kernel("segments", "sdpa", False, False)[0] == "sdpa_mask"
     assert choose_kernel("causal", "eager", True, True)[0] == "eager"
     assert choose_kernel("segments", "auto", False, False, static=True)[0] == "sdpa_mask"
+    assert choose_kernel("segments", "auto", True, True, static=True)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "auto", True, True, static=True)[0] == "flash"
     assert all(
         choose_kernel(k, "auto", h, g)[0] in LINEAR_KERNELS
         for k in ("causal", "segments")

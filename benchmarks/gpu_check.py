@@ -2,8 +2,11 @@
 
 Builds kernels/cuda/*.cu with nvcc into a shared library, calls the C ABI launchers through ctypes on
 device buffers owned by PyTorch (preferred) or CuPy, checks every kernel (forward and backward) against a
-float64 NumPy reference of the same (rounded) inputs for fp32, fp16 and bf16 (bf16 needs PyTorch), and
-times each launcher against the same computation written as composite framework ops on the GPU.
+float64 NumPy reference of the same (rounded) inputs for fp32, fp16 and bf16 (bf16 needs PyTorch; the
+softmax cross-entropy launcher is fp32 by design: its logits are fp32), times each launcher against the same
+computation written as composite framework ops on the GPU, and reports the achieved memory bandwidth of our
+forward + backward (the bytes each launcher must read and write, over its time) as a fraction of the
+device's peak (from the memory clock and bus width the driver reports, else a table of known devices).
 
 It imports neither Paddle nor bmtrain_cli. Run on the GPU machine:
     python benchmarks/gpu_check.py            # build, check, time; exit 1 on a mismatch
@@ -31,6 +34,7 @@ KERNELS = REPO / "kernels"
 CU_SOURCES = [KERNELS / "cuda" / "fused_cuda.cu"]
 ARCHS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 F32, F16, BF16 = 0, 1, 2
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # max abs error / max(1, max |ref|)
 
 
@@ -205,6 +209,40 @@ def pick_backend():
 
 
 # ---------------------------------------------------------------- checks
+# Peak HBM bandwidth (bytes/s) of common devices, used when the driver's clock/bus figures are unavailable.
+PEAK_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 SXM": 3.35e12,
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100 80GB PCIe": 1.935e12,
+    "A100": 1.555e12,
+    "L40S": 0.864e12,
+    "RTX 4090": 1.008e12,
+}
+
+
+def peak_bandwidth(be) -> Optional[float]:
+    """Bytes/s: 2 (double data rate) x memory clock x bus width, as the driver reports them, else the table."""
+    clock_khz = bus_bits = None
+    if be.name == "cupy":
+        props = be.cp.cuda.runtime.getDeviceProperties(0)
+        clock_khz, bus_bits = props.get("memoryClockRate"), props.get("memoryBusWidth")
+    else:
+        props = be.t.cuda.get_device_properties(0)
+        clock_khz = getattr(props, "memory_clock_rate", None)
+        bus_bits = getattr(props, "memory_bus_width", None)
+    if clock_khz and bus_bits:
+        return 2.0 * clock_khz * 1e3 * bus_bits / 8
+    name = be.device_name()
+    for key, value in PEAK_BANDWIDTH.items():  # most specific names first
+        if key in name:
+            return value
+    return None
+
+
 def _err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max(initial=0.0)) / max(1.0, float(np.abs(want).max(initial=0.0)))
 
@@ -272,6 +310,8 @@ def check_rms(be, lib, dtype: str, rows: int, cols: int, rng, timing: bool) -> D
     if timing:
         out["ours_ms"] = _time(be, lambda: (fwd(), bwd()))
         out["framework_fwd_ms"] = _time(be, lambda: be.ref_rms(x, w, 1e-6))
+        e = ELEMENT_BYTES[dtype]  # fwd: x in, y out, rstd; bwd: dy and x in, dx out, rstd and w
+        out["bytes"] = 5 * rows * cols * e + 2 * rows * 4 + 3 * cols * e
     return out
 
 
@@ -296,6 +336,7 @@ def check_swiglu(be, lib, dtype: str, n: int, rng, timing: bool) -> Dict[str, fl
     if timing:
         res["ours_ms"] = _time(be, lambda: (fwd(), bwd()))
         res["framework_fwd_ms"] = _time(be, lambda: be.ref_swiglu(g, u))
+        res["bytes"] = 8 * n * ELEMENT_BYTES[dtype]  # fwd: gate, up in, out; bwd: gate, up, grad in, 2 out
     return res
 
 
@@ -340,6 +381,8 @@ def check_rotary(be, lib, dtype: str, b: int, s_: int, qh: int, kh: int, d: int,
         cc = c.reshape(b, s_, 1, d) if be.name == "torch" else c[:, :, None]
         ss = sn.reshape(b, s_, 1, d) if be.name == "torch" else sn[:, :, None]
         res["framework_fwd_ms"] = _time(be, lambda: (be.ref_rotary(q, cc, ss), be.ref_rotary(k, cc, ss)))
+        # each of fwd and bwd reads q, k, cos, sin and writes q, k
+        res["bytes"] = 2 * (2 * b * s_ * (qh + kh) * d + 2 * b * s_ * d) * ELEMENT_BYTES[dtype]
     return res
 
 
@@ -373,7 +416,25 @@ def check_xent(be, lib, rows: int, vocab: int, rng, timing: bool) -> Dict[str, f
     if timing:
         res["ours_ms"] = _time(be, run)
         res["framework_fwd_ms"] = _time(be, lambda: be.ref_xent(logits, labels))
+        res["bytes"] = 2 * rows * vocab * 4 + rows * 12  # logits in, dlogits out, labels, loss
     return res
+
+
+def _errors(res: Dict[str, float]) -> Dict[str, float]:
+    return {k: v for k, v in res.items() if not k.endswith("_ms") and k not in ("bytes", "GBps", "of_peak")}
+
+
+def _speed(res: Dict[str, float], peak: Optional[float]) -> str:
+    """Times, and (for the timed cases) the achieved bandwidth of our fwd + bwd and its fraction of peak;
+    recorded into ``res`` too."""
+    text = "".join(f"  {k} {v:.3f}" for k, v in res.items() if k.endswith("_ms"))
+    if "bytes" in res and res.get("ours_ms"):
+        res["GBps"] = res["bytes"] / (res["ours_ms"] * 1e-3) / 1e9
+        text += f"  {res['GBps']:.0f} GB/s"
+        if peak:
+            res["of_peak"] = res["GBps"] * 1e9 / peak
+            text += f" ({100 * res['of_peak']:.0f}% of peak)"
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -387,7 +448,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
         lib = ctypes.CDLL(str(lib_path))
         bind(lib)
         be = pick_backend()
-        print(f"device: {be.device_name()}  backend: {be.name}")
+        peak = peak_bandwidth(be)
+        print(
+            f"device: {be.device_name()}  backend: {be.name}  peak memory bandwidth: "
+            + (f"{peak / 1e9:.0f} GB/s" if peak else "unknown")
+        )
         dtypes = ["float32", "float16"] + (["bfloat16"] if be.name == "torch" else [])
         rng = np.random.default_rng(0)
         results: Dict[str, Dict[str, float]] = {}
@@ -407,24 +472,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 res = fn(be, lib, dtype, *shape, rng, timing)
                 key = f"{name} {dtype}"
                 results[key] = res
-                errs = {k: v for k, v in res.items() if not k.endswith("_ms")}
+                errs = _errors(res)
                 bad = [k for k, v in errs.items() if not v <= TOL[dtype]]
                 if bad:
                     failures.append(f"{key}: {bad}")
-                times = "".join(f"  {k} {v:.3f}" for k, v in res.items() if k.endswith("_ms"))
                 worst = max(errs.values())
-                print(f"{key:34s} max rel err {worst:.2e} {'OK' if not bad else 'FAIL'}{times}", flush=True)
+                print(
+                    f"{key:34s} max rel err {worst:.2e} {'OK' if not bad else 'FAIL'}{_speed(res, peak)}",
+                    flush=True,
+                )
         for rows, vocab in [(1, 2), (37, 1001), (8192, 32000)]:
             res = check_xent(be, lib, rows, vocab, rng, rows > 1000)
             key = f"softmax_xent {rows}x{vocab} float32"
             results[key] = res
-            errs = {k: v for k, v in res.items() if not k.endswith("_ms")}
+            errs = _errors(res)
             bad = [k for k, v in errs.items() if not v <= 1e-4]
             if bad:
                 failures.append(f"{key}: {bad}")
-            times = "".join(f"  {k} {v:.3f}" for k, v in res.items() if k.endswith("_ms"))
             print(
-                f"{key:34s} max rel err {max(errs.values()):.2e} {'OK' if not bad else 'FAIL'}{times}",
+                f"{key:34s} max rel err {max(errs.values()):.2e} {'OK' if not bad else 'FAIL'}{_speed(res, peak)}",
                 flush=True,
             )
         print("ALL OK" if not failures else "FAILURES:\n  " + "\n  ".join(failures))

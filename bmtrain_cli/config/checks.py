@@ -225,6 +225,13 @@ def check_config(
             "parameter offload needs sharding_stage: 3",
             "set sharding_stage: 3 or use offload_optimizer alone",
         )
+    elif p.offload_params and p.sharding_parallel <= 1:
+        err(
+            "parallel_config.offload_params",
+            "parameter offload runs through group-sharded stage 3, which needs sharding_parallel > 1: with "
+            f"sharding_parallel {p.sharding_parallel} it would not be applied",
+            "use offload_optimizer: true instead (it works on one device), or set sharding_parallel > 1",
+        )
     if p.gradient_compression != "none" and p.data_ranks == 1:
         warn(
             "parallel_config.gradient_compression",

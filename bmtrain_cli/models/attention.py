@@ -1,21 +1,40 @@
-"""Attention maths: the mask/bias from segment ids (padding and packed rows), and the attention core
-with three implementations: Paddle's fused scaled_dot_product_attention, flash attention (GPU, half
-precision, plain causal rows), and an exact eager fallback (matmul + softmax in fp32).
+"""Attention maths: the mask/bias from segment ids (padding and packed rows), and the attention core.
 
 Mask semantics (shared with the data loader): attention_mask is an int tensor [b, s]; 0 = padding,
 k > 0 = segment id. A query attends to keys at the same or an earlier index that carry the same
 segment id. Padding (segment 0) attends only to padding, so no row is ever empty and nothing real
 ever sees padding.
+
+What :func:`attend` receives as ``mask`` decides the kernel (``models.attention_choice.choose_kernel``):
+
+- ``None``: plain causal attention. Training batches whose rows are right-padded single samples come
+  this way with no mask at all (padding follows every real token and carries no loss, so no real query
+  ever needs to be kept from a pad key; ``train.evaluate.to_tensors`` drops their mask).
+- an int tensor [b, s] of segment ids: block-diagonal causal attention (packed rows; left-padded
+  prompts), never expanded to an s x s tensor.
+- a float tensor [b or 1, heads or 1, q, k]: an additive bias (KV-cache decoding, a sliding window
+  that bites, ALiBi, and static graphs), given to sdpa or to the eager reference.
+
+Kernels: ``flash`` (Paddle's flash_attention, GPU fp16/bf16, causal), ``flash_varlen``
+(flash_attn_unpadded over cu_seqlens, GPU fp16/bf16, segment ids), ``blocked`` (exact attention one
+query block at a time with a custom backward: the softmax is never kept, so memory grows linearly with
+the sequence; every device and dtype, used on CPU and for fp32), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
+scaled_dot_product_attention without / with an additive mask) and ``eager`` (matmul + softmax in fp32).
+K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, sdpa and
+blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import paddle
 import paddle.nn.functional as F
+from paddle.autograd import PyLayer
 
-IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
+from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, IMPLEMENTATIONS, choose_kernel
+
+__all__ = ["IMPLEMENTATIONS", "attend", "blocked_attention", "build_bias", "cu_seqlens", "eager_attention"]
 
 
 def build_bias(
@@ -34,14 +53,9 @@ def build_bias(
     ``alibi`` holds per-head slopes [heads] and adds slope * (key index - query index)
     (equal, under softmax, to Baichuan's slope * key position).
     """
+    allowed = _allowed(seg_q, seg_k, q_len, k_len, q_offset, sliding_window)
     q_idx = paddle.arange(q_len, dtype="int64").unsqueeze(-1) + q_offset
     k_idx = paddle.arange(k_len, dtype="int64").unsqueeze(0)
-    allowed = (k_idx <= q_idx).unsqueeze(0)  # [1, q, k]
-    if sliding_window is not None:
-        allowed = paddle.logical_and(allowed, (q_idx - k_idx < sliding_window).unsqueeze(0))
-    if seg_q is not None:
-        same = seg_q.unsqueeze(-1) == seg_k.unsqueeze(1)  # [b, q, k]
-        allowed = paddle.logical_and(allowed, same)
     dtype = dtype_name(dtype)
     neg = paddle.finfo(getattr(paddle, dtype)).min
     bias = paddle.where(
@@ -52,6 +66,26 @@ def build_bias(
         bias = bias + alibi.astype("float32").reshape([1, -1, 1, 1]) * rel.unsqueeze(0).unsqueeze(0)
         bias = paddle.maximum(bias, paddle.full([1], neg, dtype="float32"))
     return bias.astype(dtype)
+
+
+def _allowed(
+    seg_q: Optional[paddle.Tensor],
+    seg_k: Optional[paddle.Tensor],
+    q_len: int,
+    k_len: int,
+    q_offset: int,
+    sliding_window: Optional[int] = None,
+) -> paddle.Tensor:
+    """Boolean [b or 1, q_len, k_len]: which keys each query may see (causal, same segment, window)."""
+    q_idx = paddle.arange(q_len, dtype="int64").unsqueeze(-1) + q_offset
+    k_idx = paddle.arange(k_len, dtype="int64").unsqueeze(0)
+    allowed = (k_idx <= q_idx).unsqueeze(0)  # [1, q, k]
+    if sliding_window is not None:
+        allowed = paddle.logical_and(allowed, (q_idx - k_idx < sliding_window).unsqueeze(0))
+    if seg_q is not None:
+        same = seg_q.unsqueeze(-1) == seg_k.unsqueeze(1)  # [b, q, k]
+        allowed = paddle.logical_and(allowed, same)
+    return allowed
 
 
 def dtype_name(dtype: Any) -> str:
@@ -81,42 +115,200 @@ def eager_attention(
     return paddle.matmul(probs, vt).transpose([0, 2, 1, 3])
 
 
+# ---------------------------------------------------------------------------------------------------
+# blocked attention: exact, memory linear in the sequence length
+
+
+def _block_scores(
+    qg: paddle.Tensor, kt: paddle.Tensor, seg: Optional[paddle.Tensor], i0: int, i1: int, scale: float
+) -> paddle.Tensor:
+    """Masked fp32 scores of queries i0..i1 against keys 0..i1: [b, kv_heads, rep * (i1 - i0), i1]
+    (the rep query heads of a KV head stacked on the query axis; -inf where a key is not visible)."""
+    b, hk, rep, _, d = qg.shape
+    n = i1 - i0
+    qb = qg[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
+    scores = paddle.matmul(qb, kt[:, :, :i1], transpose_y=True).astype("float32") * scale
+    seg_q = None if seg is None else seg[:, i0:i1]
+    seg_k = None if seg is None else seg[:, :i1]
+    allowed = _allowed(seg_q, seg_k, n, i1, i0)  # [b or 1, n, i1]
+    if rep > 1:
+        allowed = paddle.tile(allowed, [1, rep, 1])
+    neg = paddle.full([1], float("-inf"), dtype="float32")
+    return paddle.where(allowed.unsqueeze(1), scores, neg)
+
+
+def _grouped(x: paddle.Tensor, kv_heads: int) -> paddle.Tensor:
+    """[b, s, kv_heads * rep, d] -> [b, kv_heads, rep, s, d] (query head j belongs to kv head j // rep)."""
+    b, s, h, d = x.shape
+    return x.reshape([b, s, kv_heads, h // kv_heads, d]).transpose([0, 2, 3, 1, 4])
+
+
+def _ungrouped(x: paddle.Tensor) -> paddle.Tensor:
+    """[b, kv_heads, rep, s, d] -> [b, s, kv_heads * rep, d]."""
+    b, hk, rep, s, d = x.shape
+    return x.transpose([0, 3, 1, 2, 4]).reshape([b, s, hk * rep, d])
+
+
+def _blocks(s: int, block: int) -> List[Tuple[int, int]]:
+    return [(i, min(i + block, s)) for i in range(0, s, block)]
+
+
+class BlockedAttention(PyLayer):
+    """Causal (optionally block-diagonal by segment ids) attention, one block of queries at a time.
+
+    Forward keeps q, k, v, the output and the per-query log-sum-exp; backward recomputes each block's
+    probabilities from them (the FlashAttention recurrences). Nothing of size s x s outlives a block, so
+    the kept memory is linear in s and the transient is [b, heads, block, s]. K/V carry their own (fewer)
+    heads: the query heads of one KV head are stacked on the query axis, so K/V are never repeated.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        seg: Optional[paddle.Tensor],
+        block: int,
+    ) -> paddle.Tensor:
+        b, s, h, d = q.shape
+        hk = k.shape[2]
+        scale = float(d) ** -0.5
+        qg = _grouped(q, hk)
+        kt, vt = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [b, hk, s, d]
+        outs, lses = [], []
+        for i0, i1 in _blocks(s, block):
+            n = i1 - i0
+            scores = _block_scores(qg, kt, seg, i0, i1, scale)
+            lse = paddle.logsumexp(scores, axis=-1)  # [b, hk, rep * n]
+            probs = paddle.exp(scores - lse.unsqueeze(-1)).astype(v.dtype)
+            out = paddle.matmul(probs, vt[:, :, :i1])
+            outs.append(out.reshape([b, hk, h // hk, n, d]))
+            lses.append(lse.reshape([b, hk, h // hk, n]))
+        out = _ungrouped(paddle.concat(outs, axis=3))
+        # a copy of the segment ids: the caller's tensor may be released before the backward (fleet's
+        # pipeline frees the tensors a stage has sent on, and the ids travel with the activations)
+        kept_seg = None if seg is None else seg.clone()
+        ctx.save_for_backward(q, k, v, out, paddle.concat(lses, axis=3), kept_seg)
+        ctx.block = block
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: paddle.Tensor) -> Tuple[Optional[paddle.Tensor], ...]:
+        q, k, v, out, lse, seg = ctx.saved_tensor()
+        b, s, h, d = q.shape
+        hk = k.shape[2]
+        rep = h // hk
+        scale = float(d) ** -0.5
+        qg = _grouped(q, hk)
+        dog = _grouped(dout, hk)
+        kt, vt = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
+        # D_i = sum_j P_ij dP_ij = dO_i . O_i
+        delta = (dog.astype("float32") * _grouped(out, hk).astype("float32")).sum(axis=-1)  # [b, hk, rep, s]
+        dk = paddle.zeros([b, hk, s, d], dtype="float32")
+        dv = paddle.zeros([b, hk, s, d], dtype="float32")
+        dqs = []
+        for i0, i1 in _blocks(s, ctx.block):
+            n = i1 - i0
+            lse_b = lse[:, :, :, i0:i1].reshape([b, hk, rep * n, 1])
+            probs = paddle.exp(_block_scores(qg, kt, seg, i0, i1, scale) - lse_b)
+            dob = dog[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
+            qb = qg[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
+            dv[:, :, :i1] += paddle.matmul(probs.astype(v.dtype), dob, transpose_x=True).astype("float32")
+            dp = paddle.matmul(dob, vt[:, :, :i1], transpose_y=True).astype("float32")
+            ds = probs * (dp - delta[:, :, :, i0:i1].reshape([b, hk, rep * n, 1])) * scale
+            ds = ds.astype(q.dtype)
+            dqs.append(paddle.matmul(ds, kt[:, :, :i1]).reshape([b, hk, rep, n, d]))
+            dk[:, :, :i1] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
+        dq = _ungrouped(paddle.concat(dqs, axis=3))
+        dk = dk.astype(k.dtype).transpose([0, 2, 1, 3])
+        dv = dv.astype(v.dtype).transpose([0, 2, 1, 3])
+        return (dq, dk, dv) if seg is None else (dq, dk, dv, None)
+
+
+def blocked_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    segment_ids: Optional[paddle.Tensor] = None,
+    block: int = ATTENTION_BLOCK,
+) -> paddle.Tensor:
+    """Exact causal attention q [b, s, h, d], k/v [b, s, kv_heads, d] -> [b, s, h, d] without an s x s
+    tensor: see :class:`BlockedAttention`. ``segment_ids`` [b, s] restrict each query to its segment."""
+    return BlockedAttention.apply(q, k, v, segment_ids, block)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the choice and the dispatch
+
+
 def _on_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and "gpu" in str(paddle.get_device())
+
+
+def mask_kind(mask: Optional[paddle.Tensor]) -> str:
+    """'causal' (None), 'segments' (int [b, s] segment ids) or 'bias' (additive float mask)."""
+    if mask is None:
+        return "causal"
+    return "segments" if mask.ndim == 2 else "bias"
+
+
+def cu_seqlens(segment_ids: paddle.Tensor) -> paddle.Tensor:
+    """int32 [n + 1] offsets of the n runs of equal segment id in the flattened [b, s] ids (a run never
+    crosses a row): the sequences flash_attn_unpadded sees when the rows are laid end to end."""
+    b, s = segment_ids.shape
+    flat = segment_ids.reshape([-1])
+    change = paddle.concat([paddle.ones([1], dtype="bool"), flat[1:] != flat[:-1]])
+    row_start = (paddle.arange(b * s, dtype="int64") % s) == 0
+    starts = paddle.nonzero(paddle.logical_or(change, row_start)).reshape([-1])
+    return paddle.concat([starts, paddle.full([1], b * s, dtype="int64")]).astype("int32")
 
 
 def attend(
     q: paddle.Tensor,
     k: paddle.Tensor,
     v: paddle.Tensor,
-    bias: Optional[paddle.Tensor],
+    mask: Optional[paddle.Tensor],
     implementation: str = "auto",
     training: bool = False,
 ) -> paddle.Tensor:
-    """Attention over [b, s, heads, d] tensors (k/v already repeated to the query heads).
+    """Attention of q [b, sq, heads, d] over k/v [b, sk, kv_heads, d] (kv_heads divides heads; K/V are
+    not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
+    [b, s], or an additive float bias; see the module docstring."""
+    kind = mask_kind(mask)
+    if kind == "causal" and q.shape[1] != k.shape[1]:
+        mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
+    half = q.dtype in (paddle.float16, paddle.bfloat16)
+    kernel, _ = choose_kernel(kind, implementation, half, _on_gpu(), not paddle.in_dynamic_mode())
+    n_rep = q.shape[2] // k.shape[2]
+    if kernel == "flash":
+        from paddle.nn.functional.flash_attention import flash_attention  # noqa: PLC0415
 
-    ``bias`` None means plain causal attention with the query block at the end of the keys.
-    """
-    scale = float(q.shape[-1]) ** -0.5
-    impl = implementation
-    if impl == "auto":
-        half = q.dtype in (paddle.float16, paddle.bfloat16)
-        impl = "flash" if (bias is None and half and _on_gpu()) else "sdpa"
-    if impl == "flash":
-        if bias is not None or not _on_gpu():
-            # flash attention has no arbitrary-mask path and no CPU kernel for half precision
-            impl = "sdpa"
-        else:
-            from paddle.nn.functional.flash_attention import flash_attention  # noqa: PLC0415
+        return flash_attention(q, k, v, causal=True, training=training)[0]
+    if kernel == "flash_varlen":
+        from paddle.nn.functional.flash_attention import flash_attn_unpadded  # noqa: PLC0415
 
-            out, _ = flash_attention(q, k, v, causal=True, training=training)
-            return out
-    if impl == "sdpa":
-        if bias is None and q.shape[1] != k.shape[1]:
-            bias = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype)
-        if bias is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, training=training)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.astype(q.dtype), training=training)
-    if impl == "eager":
-        return eager_attention(q, k, v, bias, scale)
-    raise ValueError(f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})")
+        b, s, h, d = q.shape
+        cu = cu_seqlens(mask)
+        out, _ = flash_attn_unpadded(
+            q.reshape([b * s, h, d]),
+            k.reshape([b * s, k.shape[2], d]),
+            v.reshape([b * s, v.shape[2], d]),
+            cu,
+            cu,
+            s,
+            s,
+            float(d) ** -0.5,
+            causal=True,
+            training=training,
+        )
+        return out.reshape([b, s, h, d])
+    if kernel == "blocked":
+        return blocked_attention(q, k, v, None if kind == "causal" else mask.astype("int64"))
+    if kind == "segments":
+        mask = build_bias(mask, mask, q.shape[1], k.shape[1], 0, q.dtype)
+    if kernel == "sdpa_causal":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, training=training)
+    if kernel == "sdpa_mask":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.astype(q.dtype), training=training)
+    return eager_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, float(q.shape[-1]) ** -0.5)

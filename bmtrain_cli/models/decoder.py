@@ -26,7 +26,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch
-from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias, repeat_kv
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, select
@@ -88,7 +88,6 @@ class Attention(nn.Layer):
         self.head_dim = arch.head_dim
         self.num_heads = _local_heads(arch.num_attention_heads, tp, "num_attention_heads")
         self.num_kv_heads = _local_heads(arch.num_key_value_heads, tp, "num_key_value_heads")
-        self.n_rep = self.num_heads // self.num_kv_heads
         self.implementation = implementation
         self.ops = ops
         self.use_rope = arch.position_embedding == "rope"
@@ -136,7 +135,6 @@ class Attention(nn.Layer):
             q, k = self.ops.rotary(q, k, cos.astype(q.dtype), sin.astype(q.dtype))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         if self.recompute_core and self.training:
             from paddle.distributed.fleet.utils import recompute  # noqa: PLC0415
 
@@ -355,11 +353,13 @@ class CausalLM(nn.Layer):
     def _attention_bias(
         self, attention_mask: Optional[paddle.Tensor], s: int, past: int, dtype: Any
     ) -> Optional[paddle.Tensor]:
+        """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
+        the segment ids [b, s] for padded or packed rows without a cache, else an additive bias."""
         window = self.arch.sliding_window
         if window is not None and past + s <= window:
             window = None  # the window cannot bite: keep the plain causal fast path
-        if attention_mask is None and past == 0 and window is None and self.alibi is None:
-            return None  # plain causal attention
+        if past == 0 and window is None and self.alibi is None:
+            return None if attention_mask is None else attention_mask.astype("int64")
         seg_q = seg_k = None
         if attention_mask is not None:
             seg_k = attention_mask.astype("int64")

@@ -1,9 +1,12 @@
 """Build (and cache) the custom-op extension from kernels/: ``python -m bmtrain_cli.ops.build``.
 
 One Paddle extension holds every op: the C++ CPU kernels always, plus the CUDA launchers when Paddle is a
-GPU build and nvcc is found. The build goes to ``<cache>/<key>`` where the key hashes the sources, the
-flags, the Paddle version, the Python version and the CPU's instruction set, so an unchanged tree loads in
-about a second and a changed one rebuilds. The cache root is ``$BMTRAIN_KERNELS_CACHE`` or
+GPU build and nvcc is found. The sources are the checkout's top-level ``kernels/``, or in an installed
+package the copy its wheel carries (``bmtrain_cli/_kernels``, made at build time by
+bmtrain_cli/_build_kernels.py). The build goes to ``<cache>/<key>`` where the key hashes the sources, the
+flags, the Paddle version, the C++ compiler (path and version), the Python version and the CPU's
+instruction set, so an unchanged tree loads in about a second and a changed one rebuilds (a line on
+stderr says so while it builds). The cache root is ``$BMTRAIN_KERNELS_CACHE`` or
 ``~/.cache/bmtrain_cli/kernels``. Concurrent processes (several ranks) serialise on a file lock.
 """
 
@@ -24,7 +27,14 @@ from typing import Dict, List, Optional, Tuple
 
 from bmtrain_cli.config.env import find_cxx
 
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+def _kernels_dir() -> Path:
+    """The kernel sources: an installed package's copy (bmtrain_cli/_kernels), else the checkout's kernels/."""
+    packaged = Path(__file__).resolve().parents[1] / "_kernels"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "kernels"
+
+
+KERNELS_DIR = _kernels_dir()
 CPU_SOURCES = ["cpu/fused_cpu.cc", "paddle/fused_ops.cc"]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h"]
@@ -81,6 +91,20 @@ def plan() -> Tuple[List[str], List[str], List[str], bool]:
     return sources, cxx, cuda, with_cuda
 
 
+def compiler_id() -> str:
+    """The C++ compiler's path and the first line of its ``--version`` ('' without a compiler)."""
+    import subprocess
+
+    cxx = find_cxx()
+    if cxx is None:
+        return ""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{cxx} {(out.splitlines() or [''])[0]}".strip()
+
+
 def build_key(sources: List[str], cxx: List[str], cuda: List[str]) -> str:
     import paddle
 
@@ -91,6 +115,7 @@ def build_key(sources: List[str], cxx: List[str], cuda: List[str]) -> str:
     for part in (cxx, cuda, LD_FLAGS):
         h.update(" ".join(part).encode())
     h.update(paddle.__version__.encode())
+    h.update(compiler_id().encode())
     h.update(sys.version.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -127,9 +152,12 @@ def _build(verbose: bool) -> ModuleType:
     if missing:
         raise KernelBuildError(f"kernel sources not found under {KERNELS_DIR}: {', '.join(missing)}")
     if find_cxx() is None:
-        raise KernelBuildError("no C++ compiler found (install g++ to build the custom kernels)")
+        raise KernelBuildError(
+            "no C++ compiler found (install g++, or set $CXX, to build the custom kernels; "
+            "model_config.kernels: paddle uses Paddle's own fused ops instead)"
+        )
     try:
-        import paddle  # noqa: F401
+        import paddle
         from paddle.utils import cpp_extension  # imported by `import paddle`, which warns about ccache
     except ImportError as exc:  # pragma: no cover - paddle is a precondition of the package
         raise KernelBuildError(f"paddle.utils.cpp_extension unavailable: {exc}") from exc
@@ -141,13 +169,22 @@ def _build(verbose: bool) -> ModuleType:
     log = io.StringIO()
     from bmtrain_cli.quiet import filtered_stderr
 
+    name = f"bmt_fused_ops_{key}"
     with _file_lock(build_dir / ".lock"):
+        fresh = not (build_dir / name / f"{name}.so").is_file()
+        if fresh:
+            print(
+                f"building the custom kernels for Paddle {paddle.__version__} with {find_cxx()} into "
+                f"{build_dir} (first use with this Paddle and compiler; about a minute)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             with warnings.catch_warnings(), filtered_stderr():
                 warnings.simplefilter("ignore")
                 with contextlib.redirect_stdout(log) if not verbose else contextlib.nullcontext():
                     return cpp_extension.load(
-                        name=f"bmt_fused_ops_{key}",
+                        name=name,
                         sources=sources,
                         extra_cxx_cflags=cxx,
                         extra_cuda_cflags=cuda,
@@ -168,7 +205,7 @@ def compile_cuda_launchers(out_dir: Optional[Path] = None) -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise KernelBuildError("nvcc not found")
-    out_dir = out_dir or KERNELS_DIR / "build"
+    out_dir = out_dir or cache_root() / "cuda-launchers"
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / "libbmt_cuda.so"
     cmd = [nvcc, *CUDA_FLAGS, "-std=c++17", "-Xcompiler", "-fPIC", "-shared", f"-I{KERNELS_DIR / 'include'}"]

@@ -4,9 +4,10 @@ buffers; and whether it fits a device.
 
 The model is the tensors the code actually keeps. Per decoder layer and token, autograd keeps the layer
 input and the two RMSNorm outputs' inputs/outputs (4 x hidden), q/k/v as they enter the attention core
-(k/v after ``repeat_kv``), the attention output, the MLP gate/up inputs of SwiGLU and its output
-(3 x intermediate); the attention core adds its softmax (heads x seq per token) unless it is a flash
-kernel or recomputed. Tensor parallelism divides everything but the hidden-size tensors (no sequence
+(k/v repeated to the query heads only by the score-keeping kernels), the attention output, the MLP
+gate/up inputs of SwiGLU and its output (3 x intermediate); the attention core adds its softmax
+(heads x seq per token) unless it is a flash or blocked kernel (models/attention_choice.py) or
+recomputed. Tensor parallelism divides everything but the hidden-size tensors (no sequence
 parallel). Full recompute keeps only each layer's input and rebuilds one layer at a time in backward.
 
 Two targets are predicted:
@@ -32,6 +33,7 @@ from bmtrain_cli.models.arch import (
     lora_parameters_per_layer,
     lora_targets,
 )
+from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.plan.devices import Device, format_bytes
 
 # --- CPU: the process around the tensors (Python, Paddle's libraries and thread pools; ~0.4 GiB resident
@@ -42,6 +44,10 @@ GPU_FRAGMENTATION = 0.05
 # Chunk of the fused linear + cross-entropy (bmtrain_cli/ops/custom.py CHUNK_ELEMENTS)
 CE_CHUNK_ELEMENTS = 1 << 23
 DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
+# score-sized [b, heads, block, s] fp32 temporaries alive at once in the blocked attention's backward:
+# the probabilities, the gradient of the probabilities and the intermediate products of the score gradient
+# (counted from models/attention.py; the calibration cases with long rows and few heads agree)
+BLOCKED_TEMPORARIES = 6
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class Workload:
     lora_dropout: float = 0.0
     attention: str = "auto"
     kernels: str = "auto"
-    masked: bool = True  # the trainer passes segment-id masks (padding / packing) to the attention
+    packed: bool = False  # batching: packed (segment ids reach the attention; else no mask at all)
     note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
 
     @classmethod
@@ -157,6 +163,7 @@ class Workload:
             lora_dropout=t.lora_dropout,
             attention=m.attention_implementation,
             kernels=m.kernels,
+            packed=t.batching == "packed",
             note=facts.note,
         )
 
@@ -264,13 +271,18 @@ def stage_layers(num_layers: int, pp: int) -> List[int]:
 # activations
 
 
-def _attention_kernel(w: Workload, device: Device) -> str:
-    """'flash' (no score matrix kept) or 'math' (softmax probabilities kept per layer)."""
-    if device.kind == "cpu":
-        return "math" if w.masked else "flash"
-    if w.attention == "eager":
-        return "math"
-    return "flash"
+def _attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
+    """The kernel training runs (models/attention_choice.py): a flash or blocked one keeps no score
+    matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
+    kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
+    gpu = device.kind != "cpu"
+    return choose_kernel(kind, w.attention, gpu and w.precision in ("bf16", "fp16"), gpu)[0]
+
+
+def _keeps_scores(kernel: str, device: Device) -> bool:
+    """Whether the attention keeps an s x s probability matrix per layer (Paddle's sdpa is its math
+    composition on a CPU; on a GPU it picks a flash or memory-efficient kernel)."""
+    return kernel == "eager" or (kernel.startswith("sdpa") and device.kind == "cpu")
 
 
 def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
@@ -294,24 +306,28 @@ def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
     return extra
 
 
-def _layer_activation_elems(w: Workload, device: Device, tp: int, mode: str) -> Tuple[float, float]:
+def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: str) -> Tuple[float, float]:
     """(elements kept per token of one layer, of which hidden-size), for mode none|attention|full."""
     a = w.arch
     h, hd = a.hidden_size, a.head_dim
     q = a.num_attention_heads * hd
     kv = a.num_key_value_heads * hd
     n_rep = a.num_attention_heads // a.num_key_value_heads
+    tp = layout.tp
     heads = a.num_attention_heads / tp
     if mode == "full":
         return float(h), float(h)
     hidden_part = 4 * h  # layer input, input-norm output, attention residual, post-norm output
-    core_in = (3 * q if n_rep > 1 else q + 2 * kv) / tp  # q, k, v as the attention core receives them
+    kernel = _attention_kernel(w, device, layout)
+    scores = _keeps_scores(kernel, device)
+    # q, k, v as the attention core keeps them: the score-keeping compositions repeat K/V to the query
+    # heads (eager and sdpa's math path); the flash and blocked kernels keep K/V with their own heads
+    core_in = (3 * q if (n_rep > 1 and scores) else q + 2 * kv) / tp
     attn_out = q / tp
     mlp = 3 * a.intermediate_size / tp  # gate, up (SwiGLU inputs), SwiGLU output
     core = 0.0
-    kernel = _attention_kernel(w, device)
     if mode == "none":
-        if kernel == "math":
+        if scores:
             core = heads * w.seq_len  # softmax probabilities [b, heads, s, s] (per token: heads x s)
         else:
             core = heads  # log-sum-exp
@@ -341,18 +357,29 @@ def layer_activations(
         if mode == "none"
         else (layers if layout.recompute_layers is None else min(layers, layout.recompute_layers))
     )
-    full_layer, _ = _layer_activation_elems(w, device, layout.tp, "none")
-    kept_rec, _ = _layer_activation_elems(w, device, layout.tp, mode)
+    full_layer, _ = _layer_activation_elems(w, device, layout, "none")
+    kept_rec, _ = _layer_activation_elems(w, device, layout, mode)
     a = w.arch
-    # the MLP's backward (the gradients of its largest tensors), then the attention core's. With the math
-    # kernel that one adds the gradients of the probabilities and of the scores [b, heads, s, s] while
-    # the probabilities are still held (measured: +2 score matrices), by which time the MLP's kept
-    # tensors (gate, up, SwiGLU output, the post-attention norm's input and output) are freed.
+    # the MLP's backward (the gradients of its largest tensors), then the attention core's, by which time
+    # the MLP's kept tensors (gate, up, SwiGLU output, the post-attention norm's input and output) are
+    # freed. A score-keeping kernel adds the gradients of the probabilities and of the scores
+    # [b, heads, s, s] while the probabilities are still held (measured: +2 score matrices). The blocked
+    # kernel's backward holds grouped copies of q, the output and its gradient, the query-gradient blocks,
+    # fp32 K/V gradient accumulators, and one block's fp32 score-sized temporaries [b, heads, block, s].
     work = (a.hidden_size + 1.5 * a.intermediate_size / layout.tp) * tokens * e
-    if _attention_kernel(w, device) == "math":
-        scores = 2 * (a.num_attention_heads / layout.tp) * w.seq_len
-        mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size
-        work = max(work, (scores - mlp_freed) * tokens * e)
+    kernel = _attention_kernel(w, device, layout)
+    heads = a.num_attention_heads / layout.tp
+    mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size
+    if _keeps_scores(kernel, device):
+        work = max(work, (2 * heads * w.seq_len - mlp_freed) * tokens * e)
+    elif kernel == "blocked":
+        q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
+        per_token = (
+            4 * q_el
+            + 2 * kv_el * 4 / e
+            + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, w.seq_len) * 4 / e
+        )
+        work = max(work, (per_token - mlp_freed) * tokens * e)
     out = []
     for i in range(layers):
         if i < n_rec:
@@ -452,9 +479,13 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
     if layout.offload_optimizer:
         host += opt + master + (trainable * 4 if not master else 0)
         opt = master = 0
-    if layout.offload_params:
+    if layout.offload_params and S > 1 and layout.stage == 3:
         host += params
         params = (mats + vecs) * pbytes * 2  # the layers being gathered
+    elif layout.offload_params:
+        # group-sharded stage 3 is what offloads parameters; without it training does not (and
+        # validate-config refuses the setting): no saving is counted
+        notes.append("offload_params needs sharding_parallel > 1 with sharding_stage 3: not counted")
 
     # --- activations
     in_flight = 1
@@ -472,7 +503,7 @@ def _stage_estimate(w: Workload, layout: Layout, device: Device, idx: int, layer
     work = max((wk for _, wk in per_layer), default=0)  # the largest backward working set of a layer
     tokens = layout.micro_batch * w.seq_len
     e = _act_bytes(w)
-    if w.masked:
+    if _attention_kernel(w, device, layout) in ("sdpa_mask", "eager"):
         acts += layout.micro_batch * w.seq_len * w.seq_len * e  # the additive mask [b, 1, s, s]
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)

@@ -25,8 +25,18 @@ def count_targets(batch: Dict[str, np.ndarray]) -> int:
     return int(valid.sum())
 
 
+def right_padded(mask: np.ndarray) -> bool:
+    """Whether every row of segment ids [b, s] is one sample followed by padding (1 ... 1 0 ... 0)."""
+    return bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] <= mask[:, :-1]).all())
+
+
 def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
-    keys = ("input_ids", "labels", "attention_mask", "position_ids")
+    """The model's inputs. Rows of one sample followed by padding need no attention mask: padding comes
+    after every real token and carries no target, so plain causal attention gives every real token the
+    same result and the loss the same targets; such batches go without one (the mask-free kernels)."""
+    keys = ["input_ids", "labels", "attention_mask", "position_ids"]
+    if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):
+        keys.remove("attention_mask")
     return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
 
 

@@ -364,6 +364,16 @@ class Trainer:
             self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
             self._say(self.lora.describe(self.raw_model, self.n_params))
 
+    def _attention_line(self) -> str:
+        """Which attention kernel the training batches reach, and why (models/attention_choice.py)."""
+        from bmtrain_cli.models.attention_choice import choose_kernel, training_mask_kind
+
+        m, t = self.config.model, self.config.train
+        pipeline = getattr(self.ctx, "pp_degree", 1) > 1
+        kind = training_mask_kind(self.raw_model.arch, m.max_seq_len, t.batching == "packed", pipeline)
+        kernel, why = choose_kernel(kind, m.attention_implementation, self.precision.enabled, self.rt.has_gpu)
+        return f"attention: {kernel} ({why})"
+
     def _loss_function(self) -> Optional[Callable[..., Any]]:
         """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
         (the forward and its backward become one static program; the optimizer step stays eager)."""
@@ -693,6 +703,7 @@ class Trainer:
             + (f" (resumed from {self.rt.resume_from.name})" if resumed else "")
         )
         self._say(self.data_report["line"])
+        self._say(self._attention_line())
         if self.paths.get("heldout") and "accuracy_before" not in self.history:
             acc = self.demo_accuracy()
             if acc is not None:

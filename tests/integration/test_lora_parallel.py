@@ -44,11 +44,14 @@ def test_lora_tp2_matches_tp1(tmp_path):
     # each rank holds only its shards of the split adapters
     assert tp2["local_trainable"] < single["local_trainable"]
     assert set(tp2["adapters"]) == set(single["adapters"])
-    # Adam divides by sqrt(v): a near-zero gradient's rounding noise can move one element by ~lr * 0.5%
+    # Adam divides by sqrt(v): a near-zero gradient's rounding noise moves an element by up to a few % of
+    # lr (1e-2). Which elements, and how far, depends on float rounding alone: two exact attention kernels
+    # (sdpa with a mask, and the blocked kernel) in ONE process end 2.75e-4 apart on one element of layer
+    # 0's up_proj.lora_B and 1e-5..5e-5 apart on 3.5% of its lora_A. Bounds: lr * 5%, and 95% within 1e-5.
     for name, want in single["adapters"].items():
         got = tp2["adapters"][name]
-        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=name)
-        assert np.mean(np.abs(got - want) < 1e-5) > 0.99, name
+        np.testing.assert_allclose(got, want, atol=5e-4, err_msg=name)
+        assert np.mean(np.abs(got - want) < 1e-5) > 0.95, name
 
 
 LORA_RUN = (

@@ -93,6 +93,13 @@ def test_outputs_of_a_run(trained):
     assert (out / "logs" / "hparams").is_dir()
 
 
+def test_start_says_which_attention_kernel(trained):
+    """Right-padded batches on a CPU: the blocked kernel without a mask, and why."""
+    _, _, output = trained
+    line = next(x for x in output.splitlines() if x.startswith("attention: "))
+    assert line.startswith("attention: blocked (CPU: exact blocked attention") and "need no mask" in line
+
+
 def test_checkpoint_is_hf_loadable(trained):
     tmp, _, _ = trained
     ck = tmp / "out" / "checkpoints"

@@ -1,0 +1,60 @@
+"""Which attention kernel runs, and why (no Paddle import: the memory planner uses it too).
+
+The kernels themselves live in models/attention.py. What the core receives decides the mask kind:
+``causal`` (no mask: right-padded or unpadded rows), ``segments`` (segment ids of packed rows or
+left-padded prompts) or ``bias`` (an additive mask: KV-cache decoding, a sliding window that bites,
+ALiBi).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
+KERNELS = ("flash", "flash_varlen", "blocked", "sdpa_causal", "sdpa_mask", "eager")
+# kernels whose memory is linear in the sequence length (no s x s tensor is kept or materialised)
+LINEAR_KERNELS = ("flash", "flash_varlen", "blocked")
+# Queries per block of the blocked kernel: its transient score blocks are [b, heads, BLOCK, s].
+ATTENTION_BLOCK = 128
+
+
+def choose_kernel(
+    kind: str, implementation: str, half: bool, on_gpu: bool, static: bool = False
+) -> Tuple[str, str]:
+    """(kernel, why) for a mask kind, the configured ``attention_implementation``, the compute dtype
+    (half: fp16/bf16), the device and whether a static graph with unknown sizes is being built."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})"
+        )
+    if implementation == "eager":
+        return "eager", "attention_implementation: eager (matmul + softmax reference with an additive mask)"
+    if kind == "bias":
+        return "sdpa_mask", "an additive mask is needed (KV cache, sliding window or ALiBi)"
+    if implementation == "sdpa":
+        if kind == "causal":
+            return "sdpa_causal", "attention_implementation: sdpa; right-padded rows need no mask"
+        return "sdpa_mask", "attention_implementation: sdpa; segment ids become an additive [b, 1, s, s] mask"
+    if on_gpu and half and kind == "causal":
+        return "flash", "GPU half precision; right-padded rows need no mask"
+    if static:
+        # the blocked kernel loops over query blocks, and the variable-length kernel lays the rows end to
+        # end, both by sizes a graph of unknown length does not have
+        if kind == "causal":
+            return "sdpa_causal", "static graph of unknown length: Paddle's sdpa, causal"
+        return "sdpa_mask", "static graph of unknown length: Paddle's sdpa with a mask from the segment ids"
+    if on_gpu and half:
+        return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
+    where = "GPU fp32" if on_gpu else "CPU"
+    rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
+    return "blocked", f"{where}: exact blocked attention, memory linear in the sequence length; {rows}"
+
+
+def training_mask_kind(arch: Any, seq_len: int, packed: bool, pipeline: bool = False) -> str:
+    """The mask kind training batches reach the attention with: ``bias`` for ALiBi or a sliding window
+    shorter than the sequence, ``segments`` for packed rows (and under pipeline parallelism, whose stages
+    always pass the segment ids on), else ``causal`` (right-padded rows go without a mask)."""
+    window = getattr(arch, "sliding_window", None)
+    if getattr(arch, "position_embedding", "rope") == "alibi" or (window is not None and seq_len > window):
+        return "bias"
+    return "segments" if (packed or pipeline) else "causal"

@@ -1,0 +1,193 @@
+"""The attention kernels against the eager reference (CPU, fp32): the blocked kernel (causal, packed,
+left-padded, grouped-query, forward and backward), the variable-length layout flash_attn_unpadded gets,
+the kernel choice, and training batches that go without a mask."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import paddle
+import pytest
+
+from bmtrain_cli.data.collate import collate
+from bmtrain_cli.models import build
+from bmtrain_cli.models.attention import (
+    attend,
+    blocked_attention,
+    build_bias,
+    cu_seqlens,
+    eager_attention,
+    repeat_kv,
+)
+from bmtrain_cli.models.attention_choice import LINEAR_KERNELS, choose_kernel, training_mask_kind
+from bmtrain_cli.train.evaluate import right_padded, to_tensors
+from tests.unit.models.tiny import TINY
+
+# segment ids: packed with a padded tail; left-padded; one sample; pads only after a packed row
+SEGMENTS = {
+    "packed": [[1] * 9 + [2] * 14 + [3] * 6 + [0] * 8, [1] * 30 + [2] * 7],
+    "left_padded": [[0] * 5 + [1] * 32, [0] * 12 + [1] * 25],
+    "right_padded": [[1] * 37, [1] * 20 + [0] * 17],
+}
+
+
+def _qkv(b: int, s: int, heads: int, kv_heads: int, d: int = 8, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for h in (heads, kv_heads, kv_heads):
+        t = paddle.to_tensor(rng.standard_normal((b, s, h, d)).astype("float32"))
+        t.stop_gradient = False
+        out.append(t)
+    return out
+
+
+def _reference(q, k, v, seg):
+    rep = q.shape[2] // k.shape[2]
+    bias = build_bias(seg, seg, q.shape[1], k.shape[1], 0, "float32") if seg is not None else None
+    return eager_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), bias, float(q.shape[-1]) ** -0.5)
+
+
+def _value_and_grads(fn, q, k, v, upstream):
+    out = fn(q, k, v)
+    (out * upstream).sum().backward()
+    grads = [t.grad.numpy().copy() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.clear_gradient()
+    return out.numpy(), grads
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("layout", [None, *SEGMENTS], ids=["causal", *SEGMENTS])
+@pytest.mark.parametrize("block", [8, 16, 64])
+def test_blocked_attention_equals_eager_reference(kv_heads, layout, block):
+    q, k, v = _qkv(2, 37, 4, kv_heads)
+    seg = None if layout is None else paddle.to_tensor(SEGMENTS[layout], dtype="int64")
+    upstream = paddle.to_tensor(np.random.default_rng(9).standard_normal(q.shape).astype("float32"))
+    got, got_g = _value_and_grads(lambda a, b, c: blocked_attention(a, b, c, seg, block), q, k, v, upstream)
+    want, want_g = _value_and_grads(lambda a, b, c: _reference(a, b, c, seg), q, k, v, upstream)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for name, g, w in zip("qkv", got_g, want_g):
+        assert g.shape == w.shape, name  # k/v gradients keep the kv heads: nothing was repeated
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=name)
+
+
+def test_blocked_attention_ignores_what_padding_holds():
+    """Real queries of a padded row give the same output whatever the padded keys contain."""
+    q, k, v = _qkv(2, 37, 4, 2)
+    seg = paddle.to_tensor(SEGMENTS["packed"], dtype="int64")
+    out = blocked_attention(q, k, v, seg, 16).numpy()
+    k2 = k.numpy().copy()
+    k2[0, 29:] = 100.0
+    out2 = blocked_attention(q, paddle.to_tensor(k2), v, seg, 16).numpy()
+    np.testing.assert_allclose(out2[0, :29], out[0, :29], atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(SEGMENTS))
+def test_cu_seqlens_lay_rows_end_to_end(layout):
+    """The offsets flash_attn_unpadded gets: attending within each run of the flattened rows (done here
+    with sdpa per run, as the GPU kernel does in one call) equals the segment-masked reference."""
+    seg = paddle.to_tensor(SEGMENTS[layout], dtype="int64")
+    b, s = seg.shape
+    cu = cu_seqlens(seg)
+    assert cu.dtype == paddle.int32
+    ids = np.asarray(SEGMENTS[layout]).reshape(-1)
+    starts = [i for i in range(b * s) if i % s == 0 or ids[i] != ids[i - 1]]
+    assert cu.numpy().tolist() == [*starts, b * s]
+    q, k, v = _qkv(b, s, 4, 2)
+    flat = [t.reshape([b * s, t.shape[2], t.shape[3]]) for t in (q, k, v)]
+    edges = cu.numpy().tolist()
+    runs = [
+        attend(*(t[i0:i1].unsqueeze(0) for t in flat), None, "sdpa")[0] for i0, i1 in zip(edges, edges[1:])
+    ]
+    got = paddle.concat(runs).reshape(q.shape).numpy()
+    np.testing.assert_allclose(got, _reference(q, k, v, seg).numpy(), atol=2e-6)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "sdpa", "flash", "eager"])
+@pytest.mark.parametrize("layout", [None, "packed"], ids=["causal", "packed"])
+def test_attend_implementations_agree_with_fewer_kv_heads(implementation, layout):
+    q, k, v = _qkv(2, 37, 4, 2)
+    seg = None if layout is None else paddle.to_tensor(SEGMENTS[layout], dtype="int64")
+    got = attend(q, k, v, seg, implementation).numpy()
+    np.testing.assert_allclose(got, _reference(q, k, v, seg).numpy(), atol=2e-6)
+
+
+def test_kernel_choice():
+    # CPU: the blocked kernel for causal and packed rows, whatever the precision asked for
+    assert choose_kernel("causal", "auto", False, False)[0] == "blocked"
+    assert choose_kernel("segments", "auto", False, False)[0] == "blocked"
+    assert choose_kernel("causal", "flash", True, False)[0] == "blocked"
+    # GPU half precision: Paddle's flash kernels; fp32 on a GPU: the blocked kernel
+    assert choose_kernel("causal", "auto", True, True)[0] == "flash"
+    assert choose_kernel("segments", "auto", True, True)[0] == "flash_varlen"
+    assert choose_kernel("segments", "auto", False, True)[0] == "blocked"
+    # a bias, an explicit sdpa, the reference, a static graph of unknown length
+    assert choose_kernel("bias", "auto", True, True)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "sdpa", False, False)[0] == "sdpa_causal"
+    assert choose_kernel("segments", "sdpa", False, False)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "eager", True, True)[0] == "eager"
+    assert choose_kernel("segments", "auto", False, False, static=True)[0] == "sdpa_mask"
+    assert choose_kernel("segments", "auto", True, True, static=True)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "auto", True, True, static=True)[0] == "flash"
+    assert all(
+        choose_kernel(k, "auto", h, g)[0] in LINEAR_KERNELS
+        for k in ("causal", "segments")
+        for h in (False, True)
+        for g in (False, True)
+    )
+    with pytest.raises(ValueError):
+        choose_kernel("causal", "fast", False, False)
+
+
+def test_training_mask_kind():
+    assert training_mask_kind(TINY, 512, packed=False) == "causal"
+    assert training_mask_kind(TINY, 512, packed=True) == "segments"
+    assert training_mask_kind(TINY, 512, packed=False, pipeline=True) == "segments"
+    assert training_mask_kind(replace(TINY, position_embedding="alibi"), 512, packed=False) == "bias"
+    assert training_mask_kind(replace(TINY, sliding_window=256), 512, packed=False) == "bias"
+    assert training_mask_kind(replace(TINY, sliding_window=1024), 512, packed=False) == "causal"
+
+
+def _batch(rows, pad_id=0):
+    rng = np.random.default_rng(3)
+    samples = [[(rng.integers(1, 97, n), np.arange(n) >= n // 3) for n in row] for row in rows]
+    return collate(samples, pad_id)
+
+
+def test_right_padded_batches_go_without_a_mask():
+    right = _batch([[9], [14]])  # the loader right-pads: one sample per row, padding after it
+    assert right_padded(right["attention_mask"]) and "attention_mask" not in to_tensors(right)
+    packed = _batch([[5, 7], [12]])
+    assert not right_padded(packed["attention_mask"]) and "attention_mask" in to_tensors(packed)
+    left = {k: v[:, ::-1].copy() for k, v in right.items()}
+    assert not right_padded(left["attention_mask"]) and "attention_mask" in to_tensors(left)
+    # pads carry no target: the labels are ignored wherever the mask is 0
+    assert (right["labels"][right["attention_mask"] == 0] == -100).all()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "attention"])
+@pytest.mark.parametrize("rows", [[[9], [14]], [[5, 7], [3, 4, 2]]], ids=["right_padded", "packed"])
+def test_training_loss_and_gradients_equal_the_masked_reference(rows, recompute):
+    """A training step as the trainer runs it (to_tensors: no mask for right-padded rows; the blocked
+    kernel) gives the loss, count and gradients of the eager kernel with the full segment mask."""
+    batch = _batch(rows)
+    results = []
+    for impl, tensors in (
+        ("auto", to_tensors(batch)),
+        ("eager", {k: paddle.to_tensor(v) for k, v in batch.items()}),
+    ):
+        paddle.seed(0)
+        m = build(replace(TINY, num_key_value_heads=2), attention_implementation=impl)
+        m.train()
+        if recompute != "none":
+            m.enable_recompute(recompute)
+        total, count = m.loss_sum(**tensors)
+        (total / count).backward()
+        grads = {n: p.grad.numpy().copy() for n, p in m.named_parameters()}
+        results.append((float(total), float(count), grads))
+    (t0, c0, g0), (t1, c1, g1) = results
+    assert c0 == c1 > 0
+    assert abs(t0 - t1) < 1e-4 * max(1.0, abs(t1))
+    for n in g1:
+        np.testing.assert_allclose(g0[n], g1[n], atol=2e-6, err_msg=n)

@@ -10,7 +10,14 @@ from typing import Any, Callable, Dict
 
 from tests.tiny import model_yaml
 
-USAGE_ERRORS = ("Invalid value", "No such option", "Missing option", "requires an argument", "Got unexpected")
+USAGE_ERRORS = (
+    "Invalid value",
+    "No such option",
+    "Missing option",
+    "requires an argument",
+    "Got unexpected",
+    "does not take a value",
+)
 
 
 def assert_clean_exit(result: Any, what: str) -> None:
@@ -24,7 +31,7 @@ def assert_clean_exit(result: Any, what: str) -> None:
     if result.exit_code == 2:
         lines = [x for x in out.splitlines() if x.strip()]
         assert lines, f"{what}: exit 2 without a message"
-        if lines[0].startswith("Usage: "):
+        if lines[0].startswith("Usage: ") or "─ Error ─" in lines[0]:
             assert len(lines) <= 8 and any(u in out for u in USAGE_ERRORS), f"{what}:\n{out}"
             return
         errors = [x for x in lines if x.startswith("error: ") or ": error: " in x]

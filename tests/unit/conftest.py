@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
+from bmtrain_cli.quiet import import_paddle
 from tests.robustness import run_config, write_arithmetic
 
 
@@ -16,6 +17,10 @@ from tests.robustness import run_config, write_arithmetic
 def robust_run(tmp_path_factory) -> Tuple[Path, Path, Path]:
     """(folder, output_dir, data) of a 2-step `bmtrain train` run (checkpoints step-1 and step-2) of the
     robustness suites; tests copy what they damage."""
+    # Paddle's loggers keep the stream that is sys.stderr when Paddle is imported: import it here, not
+    # inside a CliRunner invocation whose stream is closed afterwards (a later log line would then print
+    # a "--- Logging error ---" traceback into another invocation's output)
+    import_paddle()
     tmp = tmp_path_factory.mktemp("run")
     data = write_arithmetic(tmp / "train.jsonl")
     out = tmp / "out"

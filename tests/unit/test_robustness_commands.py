@@ -76,6 +76,11 @@ def _under(path: str, prefixes: Sequence[str]) -> bool:
     return any(p in ("", ".") or path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
+def _makes_room(path: str, outputs: Sequence[str]) -> bool:
+    """``path`` is inside an output, or a folder created on the way to one."""
+    return _under(path, outputs) or any(o.startswith(path + "/") for o in outputs)
+
+
 def _remove_added(ws: Path, added: List[str]) -> None:
     """Put the folder back as it was before a case that exited 0 (its outputs go; the cache stays)."""
     for rel in added:  # sorted: a folder comes before what it holds
@@ -101,7 +106,7 @@ def invoke_case(
         return str(exc)
     added, touched = _changes(before, tree_digest(ws))
     allowed = [CACHE, *outputs] if res.exit_code == 0 else [CACHE]
-    stray = [p for p in added if not _under(p, allowed)]
+    stray = [p for p in added if not _makes_room(p, allowed)]
     if res.exit_code == 0 and replaces:
         touched = [p for p in touched if not _under(p, outputs)]
     if res.exit_code == 0 and not stray:
@@ -400,3 +405,14 @@ def test_a_damaged_export_file_is_refused_by_generate_and_eval(workspace, tmp_pa
             assert res.exit_code == 2, f"{what}: a damaged export was used\n{res.output}"
             assert str(model) in res.output or name in res.output, f"{what}: {res.output}"
     assert tree_digest(tmp_path) == before
+
+
+def test_train_refuses_to_replace_its_own_config(workspace, monkeypatch):
+    """`bmtrain train --output_dir ''` (or `.`) beside config.yaml replaced the user's config with the
+    resolved one (the run writes output_dir/config.yaml): refused before anything is written."""
+    monkeypatch.chdir(workspace)
+    for out in ("", ".", str(workspace)):
+        before = tree_digest(workspace)
+        res = CliRunner().invoke(app, ["train", "--config", "config.yaml", "--output_dir", out])
+        assert res.exit_code == 2 and "replaces with the resolved config" in res.output, res.output
+        assert tree_digest(workspace) == before

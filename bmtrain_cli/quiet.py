@@ -10,6 +10,8 @@
 
 Only those lines are dropped: everything else written to standard error in the block, by this process
 or its children, is passed on as it is written.
+
+`bmtrain run` shows the launcher's output without the error dumps of the ranks (LauncherConsole).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Iterator, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 NOISE = (
     "No ccache found",
@@ -88,3 +90,80 @@ def import_paddle() -> None:
         return
     with filtered_stderr():
         import paddle  # noqa: F401
+
+
+# Python prints these between the tracebacks of a chained exception
+_CHAINED = (
+    b"During handling of the above exception, another exception occurred:",
+    b"The above exception was the direct cause of the following exception:",
+)
+
+
+class LauncherConsole:
+    """What `bmtrain run` shows of the launcher's output: everything except error dumps, which the worker
+    logs keep and the clear ``error: distributed run failed: ...`` line replaces.
+
+    Paddle's launcher copies local rank 0's worker log to its standard output every 2 s; when a rank
+    fails it logs "Container failed !!!" and then copies the last 3000 bytes of that rank's log (from
+    the middle of a line, repeating what was shown). When one rank dies, the others stop inside a
+    collective with a gloo error. Dropped: Python tracebacks (frames, exception line and its indented
+    continuation, chained tracebacks), Paddle's C++ error dumps ("C++ Traceback" / "Error Message
+    Summary" blocks, as its signal handler also prints them), C++ ``terminate called ...`` aborts, and
+    everything from "Container failed" on. Lines starting with ``error: `` (the ranks' one-line errors)
+    are always shown. ``feed`` takes one line at a time, so normal output passes as it comes; only a line
+    of dashes waits for the next line (it may open a C++ dump)."""
+
+    def __init__(self) -> None:
+        self.state = "normal"  # normal | python | exception | cpp | summary | summary-message | done
+        self.held: Optional[bytes] = None
+
+    def feed(self, line: bytes) -> List[bytes]:
+        """The lines to show now for ``line`` (none, ``line``, or a held line of dashes and ``line``)."""
+        text = line.rstrip(b"\r\n")
+        held, self.held = self.held, None
+        if self.state == "done" or b"Container failed !!!" in text:
+            self.state = "done"
+            return []
+        if text.startswith(b"error: "):
+            self.state = "normal"
+            return [held, line] if held is not None else [line]
+        if text.startswith(b"C++ Traceback (most recent call last):"):
+            self.state = "cpp"
+            return []
+        if text.startswith(b"Error Message Summary:"):
+            self.state = "summary"
+            return []
+        if text.startswith(b"Traceback (most recent call last):") or text in _CHAINED:
+            self.state = "python"
+            return []
+        if text.startswith(b"terminate called after throwing"):
+            self.state = "exception"
+            return []
+        kept = [] if held is None else [held]
+        dashes = len(text) >= 10 and not text.strip(b"-")
+        continuation = not text.strip() or text[:1] in (b" ", b"\t", b"[")
+        if self.state == "python":
+            if not continuation:  # the exception line ends the frames
+                self.state = "exception"
+            return kept
+        if self.state in ("exception", "summary-message"):
+            if dashes:
+                self.state = "cpp"
+            if dashes or continuation:
+                return kept
+            self.state = "normal"
+        elif self.state == "cpp":
+            return kept
+        elif self.state == "summary":
+            if not (dashes or continuation):  # the error's name and message
+                self.state = "summary-message"
+            return kept
+        if dashes:
+            self.held = line
+            return kept
+        return kept + [line]
+
+    def close(self) -> List[bytes]:
+        """What is still held at the end of the output (a last line of dashes)."""
+        held, self.held = self.held, None
+        return [] if held is None or self.state == "done" else [held]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, List, Optional, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import typer
 
@@ -31,6 +32,7 @@ def user_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            refuse_undecodable(kwargs)
             return fn(*args, **kwargs)
         except ConfigError as exc:
             n = len([p for p in exc.problems if p.severity == "error"])
@@ -47,6 +49,22 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def refuse_undecodable(params: Dict[str, Any]) -> None:
+    """Command-line bytes that are not UTF-8 (a Latin-1 file name, a binary paste) reach Python as lone
+    surrogates, which cannot be printed, written or tokenised: refuse them, naming the option."""
+    for name, value in params.items():
+        if isinstance(value, typer.Context):  # `bmtrain run` passes its extra arguments on
+            where, values = "argument", list(value.args)
+        else:
+            where, values = f"--{name.rstrip('_')}", value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, (str, Path)) and not str(v).isascii():
+                try:
+                    str(v).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise UserError(f"{where} {ascii(str(v))} is not valid UTF-8 text") from None
 
 
 def _record_rank_failure(message: str) -> None:

@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
             typer.echo("  " + w.format(), err=True)
 
     @app.command("schema")
+    @user_errors
     def schema(
         output: Optional[Path] = typer.Option(
             None, "--output", "-o", help="Write to a file instead of stdout."
@@ -54,7 +55,14 @@ def register(app: typer.Typer) -> None:
 
         text = json.dumps(Config.model_json_schema(by_alias=True), indent=2)
         if output:
-            output.write_text(text + "\n", encoding="utf-8")
+            from bmtrain_cli.errors import UserError
+
+            if output.is_dir():
+                raise UserError(f"--output {output} is a directory; name the file to write")
+            try:
+                output.write_text(text + "\n", encoding="utf-8")
+            except OSError as exc:
+                raise UserError(f"cannot write --output {output}: {exc.strerror or exc}") from None
             typer.echo(f"wrote {output}")
         else:
             typer.echo(text)

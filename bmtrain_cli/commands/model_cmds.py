@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
         ),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
         template: str = typer.Option("auto", "--template", help="With --chat: auto or a built-in name."),
-        seed: int = typer.Option(0, "--seed"),
+        seed: int = typer.Option(0, "--seed", min=0, help="Sampling seed (0 or more)."),
         tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:

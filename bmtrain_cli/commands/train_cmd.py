@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from bmtrain_cli.commands.common import set_option, user_errors
+from bmtrain_cli.errors import UserError
 
 
 def train_overrides(
@@ -58,6 +59,12 @@ def train_main(
     loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
     for w in loaded.warnings:
         typer.echo("  " + w.format(), err=True)
+    resolved = Path(loaded.config.train.output_dir) / "config.yaml"
+    if resolved.is_file() and os.path.samefile(resolved, config):
+        raise UserError(
+            f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
+            "config; choose another --output_dir or copy the config elsewhere"
+        )
     from bmtrain_cli.train.trainer import run_training
 
     return run_training(loaded)

@@ -406,7 +406,7 @@ def load_config(
         source = "<defaults>"
     else:
         p = Path(path)
-        source = str(path)
+        source = str(path) or str(p)  # an empty --config is the current directory
         if not p.exists():
             raise ConfigError([Problem("config file not found", file=source, suggestion="check the path")])
         if p.is_dir():

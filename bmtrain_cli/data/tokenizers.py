@@ -373,7 +373,10 @@ def load_tokenizer(path: str) -> Tokenizer:
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{p}: cannot read: {exc}") from None
         return HFTokenizer(text, settings)
-    return SentencePieceTokenizer(p.read_bytes(), settings)
+    try:
+        return SentencePieceTokenizer(p.read_bytes(), settings)
+    except UserError as exc:  # name the file that is not a sentencepiece model
+        raise UserError(f"{p}: {exc}") from None
 
 
 # The smallest vocabulary train_sentencepiece makes: byte pieces + unk/bos/eos/pad + the printable ASCII

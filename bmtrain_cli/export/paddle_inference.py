@@ -83,6 +83,8 @@ def export_paddle_inference(
     }
     info.update(meta or {})
     info["files"] = {k: v.name for k, v in files.items()}
+    # Paddle Inference loads a params file cut short by a few bytes without a word: the loader compares
+    info["sizes"] = {v.name: v.stat().st_size for v in files.values()}
     (out / META_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
     return files
 
@@ -109,6 +111,23 @@ def _native_stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def check_sizes(export_dir: Path, files: Dict[str, Path]) -> None:
+    """UserError naming a model file that is missing or not the size the export wrote (bmtrain_export.json
+    records it; exports from before that are only checked for presence)."""
+    from bmtrain_cli.export.loading import read_export_meta  # noqa: PLC0415
+
+    sizes = read_export_meta(export_dir).get("sizes")
+    for f in files.values():
+        if not f.is_file():
+            raise UserError(f"{export_dir}: {f.name} is missing; the export is incomplete, export it again")
+        expected = sizes.get(f.name) if isinstance(sizes, dict) else None
+        if expected is not None and f.stat().st_size != expected:
+            raise UserError(
+                f"{f}: {f.stat().st_size} bytes, the export wrote {expected}; the export is truncated or "
+                "damaged, export it again"
+            )
+
+
 class Predictor:
     """A paddle.inference predictor over an export directory: ``logits(input_ids) -> np.ndarray``."""
 
@@ -116,6 +135,7 @@ class Predictor:
         from paddle import inference  # noqa: PLC0415
 
         files = model_files(Path(export_dir))
+        check_sizes(Path(export_dir), files)
         config = inference.Config(str(files["model"]), str(files["params"]))
         if use_gpu is None:
             use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel import faults
+from bmtrain_cli.quiet import LauncherConsole
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,6 +100,9 @@ def plan_launch(
         faults.LOG_DIR_ENV: str(Path(log_dir).resolve()),
         # Paddle's "No ccache found" warning at every `import paddle` (bmtrain_cli/quiet.py)
         "PYTHONWARNINGS": "ignore:No ccache found:UserWarning",
+        # the launcher copies rank 0's log to its standard output, a pipe to run_plan: unbuffered, so
+        # that every line shows when it is written (the ranks themselves run with -u)
+        "PYTHONUNBUFFERED": "1",
     }
     return LaunchPlan(
         command=cmd,
@@ -112,8 +116,9 @@ def plan_launch(
 
 
 def run_plan(plan: LaunchPlan, *, echo: bool = True) -> int:
-    """Run the launcher; on failure print which rank failed first and where its log is. Returns the
-    launcher's exit code."""
+    """Run the launcher, showing its output line by line as it comes without the error dumps of the
+    ranks (quiet.LauncherConsole; the worker logs keep them); on failure print which rank failed first
+    and where its log is. Returns the launcher's exit code."""
     env = dict(os.environ)
     env.update(plan.env)
     Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
@@ -121,10 +126,25 @@ def run_plan(plan: LaunchPlan, *, echo: bool = True) -> int:
         print(
             f"launching {plan.world_size} process(es): {' '.join(plan.command)}", file=sys.stderr, flush=True
         )
-    proc = subprocess.run(plan.command, env=env, check=False)
-    if proc.returncode != 0:
+    console = LauncherConsole()
+    # one pipe for the launcher's standard output (its copy of rank 0's log) and error (its own log
+    # lines), so that they stay in the order the launcher wrote them
+    with subprocess.Popen(plan.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            _show(console.feed(line))
+        _show(console.close())
+        returncode = proc.wait()
+    if returncode != 0:
         print(failure_summary(plan), file=sys.stderr, flush=True)
-    return proc.returncode
+    return returncode
+
+
+def _show(lines: List[bytes]) -> None:
+    for line in lines:
+        sys.stdout.write(line.decode("utf-8", errors="replace"))
+    if lines:
+        sys.stdout.flush()
 
 
 def failure_summary(plan: LaunchPlan) -> str:

@@ -14,7 +14,6 @@ docs/training.md ("Guarantees") states what these check.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, get_args
@@ -25,27 +24,11 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.config.schema import SECTION_MODELS
+from tests.robustness import FILE_MUTATIONS, assert_clean_exit, run_config
 from tests.tiny import model_yaml
 from tests.tree import tree_digest
 
 MISSING = object()  # "remove the key" / "remove the file"
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def assert_clean_exit(result: Any, what: str) -> None:
-    """Exit 0, or exit 2 where every line is one problem (or the header); no traceback, no crash."""
-    out = result.output
-    assert result.exit_code in (0, 2), f"{what}: exit {result.exit_code}\n{out}"
-    assert "Traceback" not in out, f"{what}:\n{out}"
-    exc = result.exception
-    assert exc is None or isinstance(exc, SystemExit), f"{what}: {type(exc).__name__}: {exc}"
-    if result.exit_code == 2:
-        lines = [x for x in out.splitlines() if x.strip()]
-        assert lines, f"{what}: exit 2 without a message"
-        errors = [x for x in lines if x.startswith("error: ") or ": error: " in x]
-        assert errors, f"{what}: exit 2 without an error line\n{out}"
-
 
 # ----------------------------------------------------------------------------- config fields
 
@@ -224,61 +207,6 @@ def test_a_lone_surrogate_is_a_bad_record_in_every_command(tmp_path, tokenizer):
 
 # ----------------------------------------------------------------------------- checkpoint files
 
-RUN_YAML = (
-    model_yaml(max_seq_len=24, kv_heads=None)
-    + """train_config:
-  data_path: {data}
-  output_dir: {out}
-  max_steps: {steps}
-  micro_batch_size: 4
-  learning_rate: 1.0e-3
-  save_steps: 1
-  logging_steps: 1
-  num_workers: 0
-"""
-)
-
-
-def _run_config(tmp: Path, out: Path, data: Path, steps: int) -> str:
-    cfg = tmp / f"run-{steps}.yaml"
-    cfg.write_text(RUN_YAML.format(data=data, out=out, steps=steps), encoding="utf-8")
-    return str(cfg)
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A 2-step run (checkpoints step-1 and step-2) and the config that resumes it for one more step."""
-    tmp = tmp_path_factory.mktemp("run")
-    data = tmp / "train.jsonl"
-    data.write_text("\n".join(json.dumps({"input": f"{i}+{i}=", "output": str(2 * i)}) for i in range(40)))
-    out = tmp / "out"
-    res = CliRunner().invoke(app, ["train", "--config", _run_config(tmp, out, data, 2)])
-    assert res.exit_code == 0, res.output
-    return tmp, out, data
-
-
-def _truncate(at: Any):
-    def mutate(p: Path) -> None:
-        data = p.read_bytes().rstrip()  # a trailing newline is no content: cut into the content
-        n = at(len(data)) if callable(at) else at
-        p.write_bytes(data[:n])
-
-    return mutate
-
-
-def _replace(content: bytes):
-    return lambda p: p.write_bytes(content)
-
-
-FILE_MUTATIONS = {
-    "empty": _truncate(0),
-    "truncated at 8 bytes": _truncate(8),
-    "truncated at half": _truncate(lambda n: n // 2),
-    "last byte of content missing": _truncate(lambda n: n - 1),
-    "garbage": _replace(bytes(range(256)) * 16),
-    "pickle bytes": _replace(pickle.dumps({"step": 1, "weights": [1.0, 2.0]})),
-    "missing": lambda p: p.unlink(),
-}
 CHECKPOINT_FILES = ["model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json"]
 FAST = {"truncated at half", "garbage"}  # the rest of the matrix runs with -m slow
 
@@ -290,16 +218,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, mutation", CASES)
-def test_a_damaged_checkpoint_file_is_named_and_nothing_changes(trained_run, tmp_path, name, mutation):
+def test_a_damaged_checkpoint_file_is_named_and_nothing_changes(robust_run, tmp_path, name, mutation):
     """A truncated optimizer.safetensors gave a SafetensorError traceback. Resuming from a damaged
     checkpoint exits 2 naming the file (or resumes when the damage is harmless), and a refused resume
     changes no file of the run directory."""
-    src, out0, data = trained_run
+    src, out0, data = robust_run
     out = tmp_path / "out"
     shutil.copytree(out0, out)
     FILE_MUTATIONS[mutation](out / "checkpoints" / "step-2" / name)
     before = tree_digest(out)
-    cfg = _run_config(tmp_path, out, data, 3)
+    cfg = run_config(tmp_path, out, data, 3)
     res = CliRunner().invoke(app, ["train", "--config", cfg, "--resume"])
     assert_clean_exit(res, f"{name} {mutation}")
     assert res.exit_code == 2, f"{name} {mutation}: a damaged checkpoint was resumed\n{res.output}"
@@ -307,11 +235,11 @@ def test_a_damaged_checkpoint_file_is_named_and_nothing_changes(trained_run, tmp
     assert tree_digest(out) == before
 
 
-def test_an_intact_checkpoint_resumes(trained_run, tmp_path):
+def test_an_intact_checkpoint_resumes(robust_run, tmp_path):
     """The control of the test above: the same copy, undamaged, resumes to step 3."""
-    _, out0, data = trained_run
+    _, out0, data = robust_run
     out = tmp_path / "out"
     shutil.copytree(out0, out)
-    res = CliRunner().invoke(app, ["train", "--config", _run_config(tmp_path, out, data, 3), "--resume"])
+    res = CliRunner().invoke(app, ["train", "--config", run_config(tmp_path, out, data, 3), "--resume"])
     assert res.exit_code == 0, res.output
     assert "resumed from step-2" in res.output and (out / "checkpoints" / "step-3").is_dir()

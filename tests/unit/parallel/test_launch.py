@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -13,7 +17,7 @@ from bmtrain_cli.commands.run_cmd import split_train_args
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel import faults
-from bmtrain_cli.parallel.launch import REPO_ROOT, failure_summary, plan_launch
+from bmtrain_cli.parallel.launch import REPO_ROOT, failure_summary, plan_launch, run_plan
 
 
 def _cfg(**par) -> Config:
@@ -190,3 +194,35 @@ def test_run_refuses_what_the_ranks_would_refuse_before_launching(tmp_path, monk
     assert res.exit_code == 2 and "use precision: fp32" in res.output and not launched
     res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--dry_run"])  # only prints the command
     assert res.exit_code == 0 and "--nproc_per_node 2" in res.output
+
+
+def test_bmtrain_run_shows_each_line_as_the_launcher_writes_it(tmp_path, monkeypatch):
+    """run_plan passes the launcher's output on line by line while it runs (a stand-in launcher, with the
+    planned environment, waits for its first line to be shown before it goes on) and drops its
+    traceback."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    release = tmp_path / "shown"
+    launcher = f"""
+import os, sys, time
+print("step 1/2 loss 1.0")
+deadline = time.time() + 20
+while not os.path.exists({str(release)!r}) and time.time() < deadline:
+    time.sleep(0.05)
+print("step 2/2 loss 0.5" if os.path.exists({str(release)!r}) else "the first line was held back")
+raise RuntimeError("gloo: Connection reset by peer")
+"""
+
+    class Console(io.StringIO):
+        def write(self, text: str) -> int:
+            if "step 1/2" in text:
+                release.touch()
+            return super().write(text)
+
+    console = Console()
+    monkeypatch.setattr(sys, "stdout", console)
+    cfg = Config.model_validate({"train_config": {"output_dir": str(tmp_path / "out")}})
+    plan = dataclasses.replace(plan_launch(cfg, [], script="t.py"), command=[sys.executable, "-c", launcher])
+    t0 = time.time()
+    assert run_plan(plan, echo=False) == 1
+    assert time.time() - t0 < 15
+    assert console.getvalue().splitlines() == ["step 1/2 loss 1.0", "step 2/2 loss 0.5"]

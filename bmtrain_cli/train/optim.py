@@ -51,7 +51,8 @@ def build_optimizer(
     """AdamW over the trainable parameters. ``grad_clip`` attaches Paddle's global-norm clip to the
     optimizer (used under tensor/pipeline parallel, where fleet turns it into a cross-rank clip);
     otherwise the trainer clips with :func:`clip_grads_` before ``step()``. ``offload`` keeps the
-    optimizer state in host memory (train/offload.py)."""
+    optimizer state in host memory (train/offload.py). On the CPU (and for offloaded states) the update is
+    train/cpu_adamw.CpuAdamW: Paddle's CPU adamw kernel slows every later matmul 3-4x with 2+ threads."""
     params = [p for _, p in trainable_parameters(model)]
     if not params:
         raise UserError("the model has no trainable parameters")
@@ -66,11 +67,14 @@ def build_optimizer(
         grad_clip=paddle.nn.ClipGradByGlobalNorm(grad_clip) if grad_clip else None,
         multi_precision=multi_precision,
     )
-    if offload:
+    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+
+    if offload:  # the update runs on the host copies: the CPU AdamW
         from bmtrain_cli.train.offload import OffloadOptimizer
 
-        return OffloadOptimizer(params, paddle.optimizer.AdamW, **kwargs)
-    return paddle.optimizer.AdamW(parameters=params, **kwargs)
+        return OffloadOptimizer(params, CpuAdamW, **kwargs)
+    on_cpu = paddle.get_device() == "cpu"
+    return (CpuAdamW if on_cpu else paddle.optimizer.AdamW)(parameters=params, **kwargs)
 
 
 def grads_of(params: Sequence[paddle.Tensor]) -> List[paddle.Tensor]:

@@ -1,0 +1,55 @@
+"""The slowdown after the first Adam/AdamW step on the CPU build, and CpuAdamW's fix.
+
+For each optimizer: the process CPU time of a 384x576 @ 576x1536 matmul (on a tensor no optimizer
+touches) before and after one optimizer step of a Linear(576, 1536). Run with OMP_NUM_THREADS=2:
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_adam_slowdown.py
+
+Each optimizer runs in its own process (the slowdown is process-wide and does not go away).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+CHILD = """
+import sys, time, paddle
+paddle.set_device("cpu")
+from bmtrain_cli.train.cpu_adamw import CpuAdamW
+x, w = paddle.randn([384, 576]), paddle.randn([576, 1536])
+def matmul_ms():
+    for _ in range(3): paddle.matmul(x, w)
+    t = time.process_time()
+    for _ in range(30): paddle.matmul(x, w)
+    return (time.process_time() - t) / 30 * 1e3
+lin = paddle.nn.Linear(576, 1536)
+cls = {"paddle AdamW": paddle.optimizer.AdamW, "paddle Adam": paddle.optimizer.Adam,
+       "paddle SGD": paddle.optimizer.SGD, "CpuAdamW": CpuAdamW}[sys.argv[1]]
+opt = cls(learning_rate=1e-3, parameters=lin.parameters())
+lin(x).mean().backward()
+before = matmul_ms()
+opt.step()
+print(f"{before:.1f} {matmul_ms():.1f}")
+"""
+
+
+def main() -> dict:
+    results = {}
+    print("| optimizer | matmul CPU ms before its first step | after | ratio |\n|---|---|---|---|")
+    for name in ("paddle SGD", "paddle Adam", "paddle AdamW", "CpuAdamW"):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-c", CHILD, name], capture_output=True, text=True, check=True)
+        before, after = map(float, out.stdout.split())
+        results[name] = {"before_ms": before, "after_ms": after, "ratio": after / before}
+        print(
+            f"| {name} | {before:.1f} | {after:.1f} | {after / before:.2f}x |  ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
+
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -16,15 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
-TRAIN_TAGS = (
-    "train/loss",
-    "train/lr",
-    "train/grad_norm",
-    "train/tokens_per_sec",
-    "train/mfu",
-    "train/memory",
-)
 EVAL_TAGS = ("eval/loss", "eval/ppl")
+TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory")
+TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
+# also logged as train/<key> when present: data parallel with gradient_compression
+COMPRESSION_KEYS = ("compression_ratio", "compression_bytes_sent")
 
 
 # ----------------------------------------------------------------------------- memory / flops
@@ -206,7 +202,7 @@ class MetricsWriter:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
         if self.tb is not None and self._is_logging_step(step):
-            for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory"):
+            for key in TRAIN_KEYS + COMPRESSION_KEYS:
                 v = values.get(key)
                 if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{key}", v, step)

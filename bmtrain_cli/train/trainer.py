@@ -769,6 +769,10 @@ class Trainer:
                 }
                 if self.precision.loss_scale is not None:
                     values["loss_scale"] = self.precision.loss_scale
+                compression = getattr(self.ctx, "compression_stats", {})
+                if compression:  # gradient compression: dense / sent bytes so far, and bytes sent
+                    values["compression_ratio"] = compression["ratio"]
+                    values["compression_bytes_sent"] = compression["bytes_sent"]
                 if self.metrics is not None:
                     self.metrics.log_train(self.step, values)
                 if t.eval_steps and self.step % t.eval_steps == 0 and self.step < total:

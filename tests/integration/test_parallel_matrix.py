@@ -130,6 +130,25 @@ def test_pipeline_checkpoint_of_a_tied_model_loads_in_one_process(tmp_path, sing
     assert model.lm_head is None and model.arch.tie_word_embeddings
 
 
+def test_gradient_compression_is_logged_per_step(tmp_path):
+    """dp2 with int8 compression: metrics.jsonl and TensorBoard carry the bytes sent and the ratio."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "int8"
+    sets = [x for o in COMMON + DP2 + ["parallel_config.gradient_compression=int8"] for x in ("--set", o)]
+    res = _bmtrain("run", "--config", str(QUICKSTART), *sets, "--output_dir", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "compression_ratio" in r]
+    assert len(steps) == STEPS
+    assert all(3.0 < r["compression_ratio"] < 4.1 for r in steps)  # int8 + one fp32 scale per 256 values
+    sent = [r["compression_bytes_sent"] for r in steps]
+    assert sent == sorted(sent) and sent[0] > 0  # cumulative
+    acc = EventAccumulator(str(out / "logs"))
+    acc.Reload()
+    assert "train/compression_ratio" in acc.Tags()["scalars"]
+
+
 def test_two_nodes_on_one_machine_equal_one_process(tmp_path, single):
     """`bmtrain run --nnodes 2 --master 127.0.0.1:PORT --nproc_per_node 1`, started twice (two "nodes"
     rendezvous through the master), trains dp2 and logs the single process's loss and grad_norm."""

@@ -19,6 +19,20 @@ ARCH = ModelArch(
 )
 
 
+def model_dict(max_seq_len: int = 32, **extra: Any) -> dict:
+    """The ``model_config`` mapping of a tiny fresh LLaMA with the default (multi-head) attention, for
+    tests that write their config with yaml.safe_dump; ``extra`` adds or replaces keys."""
+    return {
+        "family": "llama",
+        "hidden_size": ARCH.hidden_size,
+        "intermediate_size": ARCH.intermediate_size,
+        "num_hidden_layers": ARCH.num_hidden_layers,
+        "num_attention_heads": ARCH.num_attention_heads,
+        "max_seq_len": max_seq_len,
+        **extra,
+    }
+
+
 def model_yaml(
     max_seq_len: int = 32, kv_heads: Optional[int] = 2, kernels: Optional[str] = "reference", **extra: Any
 ) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.tiny import model_dict
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,15 +25,7 @@ def _config(tmp: Path, kernels: str, name: str) -> Path:
     rows = [{"input": f"add {i} and {i + 3}", "output": str(2 * i + 3)} for i in range(32)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     cfg = {
-        "model_config": {
-            "family": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_seq_len": 32,
-            "kernels": kernels,
-        },
+        "model_config": model_dict(kernels=kernels),
         "train_config": {
             "data_path": str(data),
             "output_dir": str(tmp / f"out-{name}"),

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from bmtrain_cli.cli import app
 from bmtrain_cli.config.schema import SECTION_MODELS
 from tests.robustness import FILE_MUTATIONS, assert_clean_exit, run_config
-from tests.tiny import model_yaml
+from tests.tiny import model_dict, model_yaml
 from tests.tree import tree_digest
 
 MISSING = object()  # "remove the key" / "remove the file"
@@ -33,14 +33,7 @@ MISSING = object()  # "remove the key" / "remove the file"
 # ----------------------------------------------------------------------------- config fields
 
 BASE: Dict[str, Dict[str, Any]] = {
-    "model_config": {
-        "family": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_seq_len": 32,
-    },
+    "model_config": model_dict(),
     "train_config": {"data_path": "train.jsonl", "max_steps": 4},
     "parallel_config": {},
 }

@@ -17,6 +17,7 @@ from bmtrain_cli.config import load_config
 from bmtrain_cli.plan.devices import get_device
 from bmtrain_cli.plan.estimator import Layout, Workload, estimate_layout
 from bmtrain_cli.plan.search import enumerate_layouts
+from tests.tiny import model_dict
 
 SEVEN_B = "configs/llama2-7b-sft-8gpu.yaml"
 
@@ -95,14 +96,7 @@ def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     rows = [{"input": f"add {i} and {i + 3}", "output": str(2 * i + 3)} for i in range(32)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     cfg = {
-        "model_config": {
-            "family": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_seq_len": 32,
-        },
+        "model_config": model_dict(),
         "train_config": {
             "data_path": str(data),
             "output_dir": str(tmp_path / "out"),

@@ -99,6 +99,9 @@ _CHAINED = (
 )
 
 
+_NOISE_BYTES = tuple(n.encode() for n in NOISE)
+
+
 class LauncherConsole:
     """What `bmtrain run` shows of the launcher's output: everything except error dumps, which the worker
     logs keep and the clear ``error: distributed run failed: ...`` line replaces.
@@ -108,7 +111,8 @@ class LauncherConsole:
     the middle of a line, repeating what was shown). When one rank dies, the others stop inside a
     collective with a gloo error. Dropped: Python tracebacks (frames, exception line and its indented
     continuation, chained tracebacks), Paddle's C++ error dumps ("C++ Traceback" / "Error Message
-    Summary" blocks, as its signal handler also prints them), C++ ``terminate called ...`` aborts, and
+    Summary" blocks, as its signal handler also prints them), C++ ``terminate called ...`` aborts, the
+    start-up warnings of ``NOISE`` (every rank's ``import paddle`` with OMP_NUM_THREADS > 1), and
     everything from "Container failed" on. Lines starting with ``error: `` (the ranks' one-line errors)
     are always shown. ``feed`` takes one line at a time, so normal output passes as it comes; only a line
     of dashes waits for the next line (it may open a C++ dump)."""
@@ -124,6 +128,8 @@ class LauncherConsole:
         if self.state == "done" or b"Container failed !!!" in text:
             self.state = "done"
             return []
+        if any(n in text for n in _NOISE_BYTES):  # Paddle's import-time warnings, echoed from rank 0
+            return [] if held is None else [held]
         if text.startswith(b"error: "):
             self.state = "normal"
             return [held, line] if held is not None else [line]

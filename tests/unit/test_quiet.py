@@ -107,3 +107,13 @@ def test_the_launcher_console_drops_the_error_dumps_and_keeps_the_rest() -> None
 def test_the_launcher_console_keeps_normal_output_whole() -> None:
     normal = "launching\n  indented detail\n[note] bracketed\n\n--------------------\n"
     assert _console(normal) == normal
+
+
+def test_the_launcher_console_drops_paddles_import_warnings() -> None:
+    """Every rank's `import paddle` with OMP_NUM_THREADS=2 (what `make test-slow` and users set) warns."""
+    text = (
+        "WARNING: OMP_NUM_THREADS set to 2, not 1. The computation speed will not be optimized.\n"
+        "PLEASE USE OMP_NUM_THREADS WISELY.\n"
+        "step 1/4 loss 5.87\n"
+    )
+    assert _console(text) == "step 1/4 loss 5.87\n"

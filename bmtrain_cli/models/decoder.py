@@ -102,9 +102,8 @@ class Attention(nn.Layer):
             self.k_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
             self.v_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
         self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
-        if (
-            arch.qk_norm
-        ):  # one weight for all heads: under tensor parallel its gradient sums every rank's heads
+        if arch.qk_norm:
+            # one weight for all heads: under tensor parallel its gradient sums every rank's heads
             grad_sum = factory.sum_grad_over_group if tp > 1 else None
             self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)
             self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)

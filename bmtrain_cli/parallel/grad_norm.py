@@ -28,6 +28,11 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_
 MEASURE_ONLY = 3.0e38
 
 
+def clip_bound(max_grad_norm: Optional[float]) -> float:
+    """The bound to give fleet's clip: the configured one, or one no gradient reaches (measure only)."""
+    return max_grad_norm if max_grad_norm else MEASURE_ONLY
+
+
 class RecordingClip(HybridParallelClipGrad):
     """fleet's hybrid-parallel clip, keeping the global norm it computed (None until it runs)."""
 

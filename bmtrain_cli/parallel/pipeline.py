@@ -119,12 +119,6 @@ def _build_items(model: Any) -> PipelineItems:
         bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)
         return cos, sin, bias
 
-    def embed(embed_tokens: Any, args: Any) -> Any:
-        input_ids, mask, pos = args
-        mask.stop_gradient = True
-        pos.stop_gradient = True
-        return embed_tokens(input_ids), mask, pos
-
     class EmbedStage(nn.Layer):
         def __init__(self, embed_tokens: Any) -> None:
             super().__init__()
@@ -135,7 +129,10 @@ def _build_items(model: Any) -> PipelineItems:
             return self.embed_tokens.weight
 
         def forward(self, args: Any) -> Any:
-            return embed(self.embed_tokens, args)
+            input_ids, mask, pos = args
+            mask.stop_gradient = True
+            pos.stop_gradient = True
+            return self.embed_tokens(input_ids), mask, pos
 
     class DecoderStage(nn.Layer):
         def __init__(self, layer: Any, recompute: bool) -> None:
@@ -171,16 +168,10 @@ def _build_items(model: Any) -> PipelineItems:
             return project_to_vocab(hidden, arch, factory, self.lm_head, None)
 
     class TiedHeadStage(EmbedStage):
-        """The tied head as a plain layer (cost measurement); fleet gets the SharedLayerDesc below."""
+        """The head over the tied embedding's weight (the last stage's copy of the shared layer)."""
 
         def forward(self, hidden: Any) -> Any:
-            return tied_head(self, hidden)
-
-    def tied_head(stage: EmbedStage, hidden: Any) -> Any:
-        return project_to_vocab(hidden, arch, factory, None, stage.weight)
-
-    def tied_embed(stage: EmbedStage, args: Any) -> Any:
-        return embed(stage.embed_tokens, args)
+            return project_to_vocab(hidden, arch, factory, None, self.weight)
 
     recompute_layers = getattr(model, "_recompute_layers", set())
     embed_tokens = model.model.embed_tokens
@@ -190,10 +181,12 @@ def _build_items(model: Any) -> PipelineItems:
     if model.lm_head is not None:
         layers = [EmbedStage(embed_tokens), *body, HeadStage(model.lm_head)]
         return PipelineItems(layers, layers, names)
+    # one key, two layer classes: each stage builds the shared layer from the desc it holds (the first
+    # and the last stage are different ranks for pp > 1), both over the same embedding weight
     descs = [
-        SharedLayerDesc(TIED_KEY, EmbedStage, tied_embed, "weight", embed_tokens),
+        SharedLayerDesc(TIED_KEY, EmbedStage, None, "weight", embed_tokens),
         *body,
-        SharedLayerDesc(TIED_KEY, EmbedStage, tied_head, "weight", embed_tokens),
+        SharedLayerDesc(TIED_KEY, TiedHeadStage, None, "weight", embed_tokens),
     ]
     return PipelineItems([EmbedStage(embed_tokens), *body, TiedHeadStage(embed_tokens)], descs, names)
 

@@ -320,12 +320,17 @@ class Trainer:
         fleet_clip = distributed and getattr(self.ctx, "uses_fleet_model", False)
         # sharding stage 2/3 (and their offload) wrap model and optimizer together (parallel/sharding.py)
         self.group_sharded = distributed and p.sharding_parallel > 1 and p.sharding_stage in (2, 3)
+        grad_clip = None
+        if fleet_clip:
+            from bmtrain_cli.parallel.grad_norm import clip_bound
+
+            grad_clip = clip_bound(t.max_grad_norm)
         self.base_optimizer = build_optimizer(
             self.model,
             t,
             self.rt.derived.learning_rate,
             multi_precision=self.precision.master_weights,
-            grad_clip=_fleet_clip_bound(t.max_grad_norm) if fleet_clip else None,
+            grad_clip=grad_clip,
             offload=p.offload_optimizer and not self.group_sharded,  # group-sharded offload is Paddle's
         )
         self.own_clip = not fleet_clip
@@ -891,13 +896,6 @@ class Trainer:
             print(f"  loss curve       {s['plot']}", file=out)
         print(f"  summary          {self.rt.output_dir / 'summary.json'}", file=out)
         out.flush()
-
-
-def _fleet_clip_bound(max_grad_norm: Optional[float]) -> float:
-    """The clip bound for fleet's optimizer: the configured one, or one no gradient reaches (measure only)."""
-    from bmtrain_cli.parallel.grad_norm import MEASURE_ONLY
-
-    return max_grad_norm if max_grad_norm else MEASURE_ONLY
 
 
 def _data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: str) -> Dict[str, Any]:

@@ -126,31 +126,27 @@ class Int8Compressor(Compressor):
         return x.reshape([-1])[:numel]
 
 
-class TopKCompressor(Compressor):
-    """Largest-magnitude entries with error feedback (the residual carries what was not sent)."""
+class _SparseCompressor(Compressor):
+    """Sends (index, value) pairs of the gradient plus the residual; what is not sent stays in the
+    residual and is added to the next step's gradient (error feedback)."""
 
-    name = "topk"
-
-    def __init__(self, ratio: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.ratio = ratio
         self.residual: Optional[Any] = None
 
-    def k_for(self, numel: int) -> int:
-        return max(1, int(math.ceil(self.ratio * numel)))
-
-    def encode(self, flat: Any) -> List[Any]:
+    def _with_residual(self, flat: Any) -> Any:
         import paddle
 
         if self.residual is None or int(self.residual.shape[0]) != int(flat.shape[0]):
             self.residual = paddle.zeros_like(flat)
-        acc = flat + self.residual
-        k = self.k_for(int(flat.shape[0]))
-        _, idx = paddle.topk(acc.abs(), k)
+        return flat + self.residual
+
+    def _send(self, acc: Any, idx: Any) -> List[Any]:
+        """The payload for entries ``idx`` of ``acc``; the rest becomes the residual."""
+        import paddle
+
         values = paddle.gather(acc, idx)
-        sent = paddle.zeros_like(acc)
-        sent = paddle.scatter(sent, idx, values)
-        self.residual = acc - sent
+        self.residual = paddle.scatter(acc, idx, paddle.zeros_like(values))
         return [idx.astype("int32"), values]
 
     def decode(self, payload: Sequence[Any], numel: int) -> Any:
@@ -158,29 +154,45 @@ class TopKCompressor(Compressor):
 
         idx, values = payload
         out = paddle.zeros([numel], dtype="float32")
-        return paddle.scatter(out, idx.astype("int64"), values)
+        if int(idx.shape[0]) == 0:
+            return out
+        return paddle.scatter(out, idx.astype("int64"), values, overwrite=False)
 
 
-class ThresholdCompressor(Compressor):
-    """Entries whose magnitude reaches ``threshold``, with error feedback (the residual carries the rest)."""
+class TopKCompressor(_SparseCompressor):
+    """Largest-magnitude entries with error feedback."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__()
+        self.ratio = ratio
+
+    def k_for(self, numel: int) -> int:
+        return max(1, int(math.ceil(self.ratio * numel)))
+
+    def encode(self, flat: Any) -> List[Any]:
+        import paddle
+
+        acc = self._with_residual(flat)
+        _, idx = paddle.topk(acc.abs(), self.k_for(int(flat.shape[0])))
+        return self._send(acc, idx)
+
+
+class ThresholdCompressor(_SparseCompressor):
+    """Entries whose magnitude reaches ``threshold``, with error feedback."""
 
     name = "threshold"
 
     def __init__(self, threshold: float) -> None:
         super().__init__()
         self.threshold = threshold
-        self.residual: Optional[Any] = None
 
     def encode(self, flat: Any) -> List[Any]:
         import paddle
 
-        if self.residual is None or int(self.residual.shape[0]) != int(flat.shape[0]):
-            self.residual = paddle.zeros_like(flat)
-        acc = flat + self.residual
-        idx = paddle.nonzero(acc.abs() >= self.threshold).reshape([-1])
-        values = paddle.gather(acc, idx)
-        self.residual = paddle.scatter(acc, idx, paddle.zeros_like(values))
-        return [idx.astype("int32"), values]
+        acc = self._with_residual(flat)
+        return self._send(acc, paddle.nonzero(acc.abs() >= self.threshold).reshape([-1]))
 
     def equalise(self, payload: List[Any], group: Any) -> List[Any]:
         """Pad to the largest count in the group with index 0 / value 0 (decode adds, so padding adds 0)."""
@@ -195,15 +207,6 @@ class ThresholdCompressor(Compressor):
             idx = paddle.concat([idx, paddle.zeros([pad], dtype="int32")])
             values = paddle.concat([values, paddle.zeros([pad], dtype=values.dtype)])
         return [idx, values]
-
-    def decode(self, payload: Sequence[Any], numel: int) -> Any:
-        import paddle
-
-        idx, values = payload
-        out = paddle.zeros([numel], dtype="float32")
-        if int(idx.shape[0]) == 0:
-            return out
-        return paddle.scatter(out, idx.astype("int64"), values, overwrite=False)
 
 
 def make_compressor(par: Optional[Any]) -> Optional[Compressor]:

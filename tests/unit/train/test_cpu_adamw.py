@@ -8,8 +8,10 @@ import pytest
 
 from bmtrain_cli.train.cpu_adamw import CpuAdamW
 
+CLIP = 0.5
 
-def _train(cls, steps=6, state=None):
+
+def _train(cls, steps=6):
     paddle.seed(0)
     net = paddle.nn.Sequential(paddle.nn.Linear(16, 32), paddle.nn.Tanh(), paddle.nn.Linear(32, 4))
     decayed = {net[0].weight.name}
@@ -19,24 +21,25 @@ def _train(cls, steps=6, state=None):
         parameters=net.parameters(),
         weight_decay=0.1,
         apply_decay_param_fun=lambda name: name in decayed,
-        grad_clip=paddle.nn.ClipGradByGlobalNorm(0.5),  # fires: the first gradients are larger
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP),
     )
     x = paddle.to_tensor(np.random.RandomState(1).randn(8, 16).astype("float32"))
-    if state is not None:
-        opt.set_state_dict(state)
+    norms = []
     for _ in range(steps):
         loss = (net(x) ** 2).mean()
         loss.backward()
+        norms.append(float(paddle.sqrt(paddle.add_n([(p.grad**2).sum() for p in net.parameters()]))))
         opt.step()
         opt.clear_grad()
         sched.step()
-    return net, opt
+    return net, opt, norms
 
 
 def test_updates_and_state_equal_paddle_adamw():
-    ref_net, ref_opt = _train(paddle.optimizer.AdamW)
-    net, opt = _train(CpuAdamW)
-    start, _ = _train(CpuAdamW, steps=0)
+    ref_net, ref_opt, _ = _train(paddle.optimizer.AdamW)
+    net, opt, norms = _train(CpuAdamW)
+    assert norms[0] > CLIP  # the clip fires: the update of a clipped gradient is compared too
+    start, _, _ = _train(CpuAdamW, steps=0)
     for a, b, s in zip(ref_net.parameters(), net.parameters(), start.parameters()):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
         assert np.abs(b.numpy() - s.numpy()).max() > 1e-3  # it trained

@@ -185,11 +185,11 @@ def init_distributed_mode() -> DistributedMode:
     world size, devices, degrees, Paddle build) and return it."""
     import paddle
 
-    from bmtrain_cli.parallel.cpu_compat import paddle_has_gpu
+    from bmtrain_cli.config.env import gpu_available
 
     ctx = _CTX if _CTX is not None else init_distributed()
     par = ctx.config.parallel
-    gpu = paddle_has_gpu()
+    gpu = gpu_available()
     cuda = paddle.version.cuda()
     build = f"CUDA {cuda}" if paddle.device.is_compiled_with_cuda() and cuda != "False" else "CPU"
     mode = DistributedMode(
@@ -269,7 +269,7 @@ def DataParallel(model: Any, group_size: Optional[int] = None, sharding_stage: O
             raise UserError(
                 "DataParallel(sharding_stage=1) needs init_distributed(sharding_parallel=N) with N > 1"
             )
-    for group in ctx._data_groups():
+    for group in ctx.data_groups():
         _broadcast_parameters(model, group)
     return model
 

@@ -26,7 +26,7 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
     from bmtrain_cli.data.tokenizers import load_tokenizer
     from bmtrain_cli.export.hf import is_quantized, load_quantized
     from bmtrain_cli.export.loading import is_paddle_inference_export, load_for_inference, resolve_checkpoint
-    from bmtrain_cli.lora.checkpoint import is_lora_checkpoint
+    from bmtrain_cli.lora.adapter_store import is_lora_checkpoint
     from bmtrain_cli.models import load_pretrained
 
     if dtype in ("bfloat16", "float16"):
@@ -47,7 +47,7 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
     if is_paddle_inference_export(model_path):  # bmtrain export --format paddle-inference
         model = load_for_inference(str(model_path))
     elif is_lora_checkpoint(model_path):  # LoRA adapters (+ the recorded base): merged for inference
-        from bmtrain_cli.lora.checkpoint import load_lora_checkpoint
+        from bmtrain_cli.lora.adapter_store import load_lora_checkpoint
 
         model = load_lora_checkpoint(model_path, merge=True, dtype=dtype)
     elif is_quantized(model_path):  # bmtrain export --format hf --quantize int8

@@ -20,12 +20,21 @@ def paddle_distribution() -> Optional[str]:
     return "paddle (unknown build)" if importlib.util.find_spec("paddle") else None
 
 
-def paddle_has_gpu(import_paddle: bool = False) -> bool:
-    """True when the installed Paddle can use a CUDA GPU. With import_paddle, asks Paddle itself."""
-    if import_paddle:
-        import paddle
+def gpu_available() -> bool:
+    """The one has-a-GPU check: Paddle is built with CUDA and sees at least one GPU (imports Paddle)."""
+    import paddle
 
+    try:
         return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def paddle_has_gpu(import_paddle: bool = False) -> bool:
+    """True when the installed Paddle can use a CUDA GPU: the GPU build is installed (without importing
+    Paddle), or with import_paddle, :func:`gpu_available`."""
+    if import_paddle:
+        return gpu_available()
     return paddle_distribution() == "paddlepaddle-gpu"
 
 

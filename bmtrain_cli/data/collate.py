@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from bmtrain_cli.labels import IGNORE_INDEX
+
 Sample = Tuple[np.ndarray, np.ndarray]  # (ids, trainable mask)
 
 TRUNC_NONE, TRUNC_PROMPT, TRUNC_ANSWER = 0, 1, 2

@@ -10,8 +10,7 @@ import numpy as np
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.data.templates import BOS_MARK, EOS_MARK, Piece
 from bmtrain_cli.data.tokenizers import Tokenizer
-
-IGNORE_INDEX = -100
+from bmtrain_cli.labels import IGNORE_INDEX
 
 
 @dataclass
@@ -199,7 +198,7 @@ def encode_scored_file(
         ids, mask = encoder.encode(conv)
         ids, mask = ids[-max_len:], mask[-max_len:]
         labels = labels_from_mask(ids, mask)
-        if (labels[1:] != -100).sum() == 0:
+        if (labels[1:] != IGNORE_INDEX).sum() == 0:
             continue
         out.append((np.asarray(ids, dtype=np.int64), labels))
         if max_records is not None and len(out) >= max_records:

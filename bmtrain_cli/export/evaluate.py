@@ -12,8 +12,8 @@ from typing import Callable, List, Tuple
 import numpy as np
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 Sample = Tuple[np.ndarray, np.ndarray]  # (input_ids [s], labels [s], unshifted, -100 = ignored)
 
 

@@ -7,74 +7,54 @@ directory, the ``checkpoints`` directory or the run's ``output_dir`` (the ``late
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
 
+from bmtrain_cli.checkpoint_layout import STATE_FILE, holds_checkpoints, is_step_dir_name, latest_under
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.export.meta import read_export_meta
 
-STATE_FILE = "trainer_state.json"  # written last-but-atomically by the trainer: marks a complete step-N
-LATEST = "latest"
 LORA_ADAPTER_CONFIG = "adapter_config.json"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
-_STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-def _latest_in(checkpoints: Path) -> Optional[Path]:
-    pointer = checkpoints / LATEST
-    if pointer.is_file():
-        name = pointer.read_text(encoding="utf-8").strip()
-        if name and (checkpoints / name).is_dir():
-            return checkpoints / name
-    elif pointer.is_dir():  # a symlink to the newest step
-        return pointer.resolve()
-    steps = []
-    for child in checkpoints.iterdir():
-        m = _STEP_RE.match(child.name)
-        if m and child.is_dir() and (child / STATE_FILE).is_file():
-            steps.append((int(m.group(1)), child))
-    return max(steps)[1] if steps else None
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """The model directory ``path`` designates: itself when it holds a config.json, else the latest
-    checkpoint of a checkpoints directory or of a run's output_dir."""
+    """The model directory ``path`` designates: itself when it holds a config.json (or is a step-N or
+    LoRA directory), else the latest checkpoint (checkpoint_layout.latest_under) of a checkpoints
+    directory or of a run's output_dir."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"checkpoint {path} does not exist")
     if not p.is_dir():
         raise UserError(f"checkpoint {path} is not a directory")
-    if (p / "config.json").is_file() or _STEP_RE.match(p.name) or (p / LORA_ADAPTER_CONFIG).is_file():
+    if (p / "config.json").is_file() or is_step_dir_name(p.name) or (p / LORA_ADAPTER_CONFIG).is_file():
         return p
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    has_steps = (root / LATEST).exists() or any(_STEP_RE.match(c.name) for c in root.iterdir())
-    if not has_steps:
+    if not holds_checkpoints(p):
         raise UserError(
             f"{path} is not a checkpoint: expected a step-N directory (with config.json and "
             "model*.safetensors), a checkpoints directory or a training output_dir"
         )
-    found = _latest_in(root)
+    found = latest_under(p)
     if found is None:
-        raise UserError(f"{root}: no complete checkpoint (no step-N directory with {STATE_FILE})")
+        raise UserError(f"{path}: no complete checkpoint (no step-N directory with {STATE_FILE})")
     return found
 
 
 def check_checkpoint(ckpt: Path, need_tokenizer: bool = True) -> None:
     """UserError naming what is missing when ``ckpt`` is not a complete checkpoint."""
-    from bmtrain_cli.export.hf import weight_files  # noqa: PLC0415
+    from bmtrain_cli.export.hf import weight_files
 
     if (ckpt / LORA_ADAPTER_CONFIG).is_file():
         return  # adapters only: checked by the LoRA merge hook
-    if _STEP_RE.match(ckpt.name) and not (ckpt / STATE_FILE).is_file():
+    if is_step_dir_name(ckpt.name) and not (ckpt / STATE_FILE).is_file():
         raise UserError(f"{ckpt}: partial checkpoint (no {STATE_FILE}: the save did not finish)")
     if not (ckpt / "config.json").is_file():
         raise UserError(f"{ckpt}: partial checkpoint (no config.json)")
     files = weight_files(ckpt)
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+    from safetensors import SafetensorError, safe_open
 
     for f in files:
         try:
@@ -93,28 +73,16 @@ def load_checkpoint_model(ckpt: Path, kernels: str = "auto") -> Any:
     ``bmtrain_cli.lora.merge_checkpoint`` finds and verifies the base and merges the adapters into it.
     """
     if (ckpt / LORA_ADAPTER_CONFIG).is_file():
-        from bmtrain_cli.lora.checkpoint import merge_checkpoint  # noqa: PLC0415
+        from bmtrain_cli.lora.adapter_store import merge_checkpoint
 
         return merge_checkpoint(str(ckpt), kernels=kernels)
-    from bmtrain_cli.export.hf import is_quantized, load_quantized  # noqa: PLC0415
+    from bmtrain_cli.export.hf import is_quantized, load_quantized
 
     if is_quantized(ckpt):
         return load_quantized(str(ckpt), kernels=kernels)
-    from bmtrain_cli.models import load_pretrained  # noqa: PLC0415
+    from bmtrain_cli.models import load_pretrained
 
     return load_pretrained(str(ckpt), kernels=kernels)
-
-
-def read_export_meta(path: Path) -> Dict[str, Any]:
-    from bmtrain_cli.export.paddle_inference import META_FILE  # noqa: PLC0415
-
-    f = Path(path) / META_FILE
-    if not f.is_file():
-        return {}
-    try:
-        return json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{f}: not valid JSON ({exc})") from None
 
 
 @dataclass
@@ -139,7 +107,7 @@ class InferenceModel:
             ids = ids[None, :]
         if self.predictor is not None:
             return self.predictor.logits(ids)
-        import paddle  # noqa: PLC0415
+        import paddle
 
         with paddle.no_grad():
             out = self.model(paddle.to_tensor(ids))
@@ -149,7 +117,7 @@ class InferenceModel:
     def arch(self) -> Any:
         if self.model is not None:
             return self.model.arch
-        from bmtrain_cli.models.arch import read_hf_config  # noqa: PLC0415
+        from bmtrain_cli.models.arch import read_hf_config
 
         return read_hf_config(str(self.path))
 
@@ -157,14 +125,14 @@ class InferenceModel:
 def _tokenizer_or_none(path: Path) -> Any:
     if not any((path / t).is_file() for t in TOKENIZER_FILES):
         return None
-    from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
+    from bmtrain_cli.data.tokenizers import load_tokenizer
 
     return load_tokenizer(str(path))
 
 
 def load_for_inference(path: str, kernels: str = "auto") -> InferenceModel:
     """Open a paddle-inference export, an hf export (fp32 or INT8), a checkpoint or a run directory."""
-    from bmtrain_cli.export.paddle_inference import Predictor  # noqa: PLC0415
+    from bmtrain_cli.export.paddle_inference import Predictor
 
     p = Path(path)
     if not p.exists():
@@ -180,7 +148,7 @@ def load_for_inference(path: str, kernels: str = "auto") -> InferenceModel:
         )
     ckpt = resolve_checkpoint(path)
     check_checkpoint(ckpt, need_tokenizer=False)
-    from bmtrain_cli.export.hf import is_quantized  # noqa: PLC0415
+    from bmtrain_cli.export.hf import is_quantized
 
     model = load_checkpoint_model(ckpt, kernels=kernels)
     model.eval()
@@ -214,7 +182,7 @@ def generate_static(
     """Generation over logits only (a paddle-inference predictor has no KV cache and no mask input):
     each prompt runs alone and the whole sequence is recomputed per new token. Same sampling as
     models.generate, so greedy output matches it."""
-    from bmtrain_cli.models.generate import sample_next  # noqa: PLC0415
+    from bmtrain_cli.models.generate import sample_next
 
     rng = np.random.default_rng(seed)
     outs = []
@@ -234,9 +202,9 @@ def generate_static(
 
 def score_static(model: InferenceModel, samples: Any) -> Dict[str, Any]:
     """`bmtrain eval`'s numbers ({"loss", "ppl", "tokens", "records"}) over logits only."""
-    import math  # noqa: PLC0415
+    import math
 
-    from bmtrain_cli.export.evaluate import next_token_loss_sum  # noqa: PLC0415
+    from bmtrain_cli.export.evaluate import next_token_loss_sum
 
     total, count = 0.0, 0
     for ids, labels in samples:

@@ -18,10 +18,11 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import paddle
 
+from bmtrain_cli.config.env import gpu_available
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.export.meta import META_FILE, read_export_meta
 
 MODEL_PREFIX = "model"
-META_FILE = "bmtrain_export.json"
 INPUT_NAME = "input_ids"
 
 
@@ -114,8 +115,6 @@ def _native_stdout_to_stderr() -> Iterator[None]:
 def check_sizes(export_dir: Path, files: Dict[str, Path]) -> None:
     """UserError naming a model file that is missing or not the size the export wrote (bmtrain_export.json
     records it; exports from before that are only checked for presence)."""
-    from bmtrain_cli.export.loading import read_export_meta  # noqa: PLC0415
-
     sizes = read_export_meta(export_dir).get("sizes")
     for f in files.values():
         if not f.is_file():
@@ -138,7 +137,7 @@ class Predictor:
         check_sizes(Path(export_dir), files)
         config = inference.Config(str(files["model"]), str(files["params"]))
         if use_gpu is None:
-            use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+            use_gpu = gpu_available()
         if use_gpu:
             config.enable_use_gpu(256, 0)
         else:

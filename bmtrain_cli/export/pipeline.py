@@ -6,60 +6,16 @@ place, so that a failed export never leaves a half-written output behind.
 from __future__ import annotations
 
 import json
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
+from bmtrain_cli.checkpoint_layout import CHECKPOINTS_DIR, LATEST, STATE_FILE, atomic_directory
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.export.meta import ExportResult, write_export_meta
 
 FORMATS = ("paddle-inference", "hf")
 QUANTIZE = ("int8",)
 _ALIASES = {"paddle_inference": "paddle-inference", "paddle": "paddle-inference", "huggingface": "hf"}
-
-
-@dataclass
-class ExportResult:
-    checkpoint: Path
-    output: Path
-    format: str
-    quantize: Optional[str]
-    fp32_bytes: int  # what the same weights take in fp32
-    export_weight_bytes: int  # weight files written (pdiparams or safetensors)
-    quantized_linear: List[str] = field(default_factory=list)
-    quantized_embedding: List[str] = field(default_factory=list)
-    eval_data: Optional[str] = None
-    eval_records: int = 0
-    eval_loss_fp32: Optional[float] = None
-    eval_loss_quantized: Optional[float] = None
-
-    @property
-    def size_ratio(self) -> float:
-        return self.export_weight_bytes / self.fp32_bytes
-
-    @property
-    def eval_loss_change(self) -> Optional[float]:
-        """Relative change of the held-out loss caused by quantisation."""
-        if self.eval_loss_fp32 is None or self.eval_loss_quantized is None:
-            return None
-        return (self.eval_loss_quantized - self.eval_loss_fp32) / self.eval_loss_fp32
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "checkpoint": str(self.checkpoint),
-            "format": self.format,
-            "quantization": self.quantize,
-            "fp32_bytes": self.fp32_bytes,
-            "export_weight_bytes": self.export_weight_bytes,
-            "size_ratio": self.size_ratio,
-            "quantized_linear": self.quantized_linear,
-            "quantized_embedding": self.quantized_embedding,
-            "eval_data": self.eval_data,
-            "eval_records": self.eval_records,
-            "eval_loss_fp32": self.eval_loss_fp32,
-            "eval_loss_quantized": self.eval_loss_quantized,
-            "eval_loss_change": self.eval_loss_change,
-        }
 
 
 def normalize_format(fmt: str) -> str:
@@ -91,7 +47,7 @@ def refuse_training_output(out: Path, ckpt: Path) -> None:
             "directory outside the run, e.g. exports/"
         )
     if o.is_dir() and (
-        (o / "trainer_state.json").is_file() or (o / "checkpoints").is_dir() or (o / "latest").is_file()
+        (o / STATE_FILE).is_file() or (o / CHECKPOINTS_DIR).is_dir() or (o / LATEST).is_file()
     ):
         raise UserError(
             f"--output {out} holds training state (a checkpoint, a checkpoints directory or a run's "
@@ -101,7 +57,7 @@ def refuse_training_output(out: Path, ckpt: Path) -> None:
 
 def _eval_data_from_run(ckpt: Path) -> Optional[str]:
     """The held-out file the run that wrote ``ckpt`` evaluated on, when its trainer state records it."""
-    state_file = ckpt / "trainer_state.json"
+    state_file = ckpt / STATE_FILE
     if not state_file.is_file():
         return None
     try:
@@ -150,14 +106,14 @@ def export_checkpoint(
     if quantize is not None and quantize.lower() not in QUANTIZE:
         raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
     quantize = quantize.lower() if quantize else None
-    from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint  # noqa: PLC0415
+    from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     refuse_training_output(Path(output), ckpt)
     out = check_output(output, overwrite)
     check_checkpoint(ckpt)
     if not merge:  # LoRA: the adapters alone, in PEFT layout (merging is load_checkpoint_model's default)
-        from bmtrain_cli.lora.export import export_adapters  # noqa: PLC0415
+        from bmtrain_cli.export.peft import export_adapters
 
         return export_adapters(ckpt, out, log=log)
     if eval_data is not None and not Path(eval_data).is_file():
@@ -165,10 +121,10 @@ def export_checkpoint(
     if eval_data is None and quantize:
         eval_data = _eval_data_from_run(ckpt)
 
-    import paddle  # noqa: PLC0415
+    import paddle
 
-    from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
-    from bmtrain_cli.export.quantize import quantize_model  # noqa: PLC0415
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.export.quantize import quantize_model
 
     tokenizer = load_tokenizer(str(ckpt))
     log(f"loading {ckpt}")
@@ -187,7 +143,7 @@ def export_checkpoint(
     if quantize:
         samples = None
         if eval_data:
-            from bmtrain_cli.export.evaluate import encode_eval_file, eval_loss  # noqa: PLC0415
+            from bmtrain_cli.export.evaluate import encode_eval_file, eval_loss
 
             samples = encode_eval_file(eval_data, tokenizer, template=template, max_records=max_eval_records)
             result.eval_records = len(samples)
@@ -198,39 +154,27 @@ def export_checkpoint(
             result.eval_loss_quantized = eval_loss(logits_fn, samples)
 
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    tmp = out.parent / f".{out.name}.tmp-export"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
         if fmt == "paddle-inference":
-            from bmtrain_cli.export.hf import write_tokenizer  # noqa: PLC0415
-            from bmtrain_cli.export.paddle_inference import export_paddle_inference  # noqa: PLC0415
+            from bmtrain_cli.export.hf import write_tokenizer
+            from bmtrain_cli.export.paddle_inference import export_paddle_inference
 
             export_paddle_inference(model, str(tmp), meta={"source": str(ckpt), "quantization": quantize})
             cfg = dict(source_config)
             if report is not None:
-                from bmtrain_cli.export.hf import quantization_config  # noqa: PLC0415
+                from bmtrain_cli.export.hf import quantization_config
 
                 cfg["quantization_config"] = quantization_config(report)
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             write_tokenizer(tokenizer, tmp)
         else:
-            from bmtrain_cli.export.hf import export_hf  # noqa: PLC0415
+            from bmtrain_cli.export.hf import export_hf
 
             export_hf(model, str(tmp), tokenizer=tokenizer, report=report, source_config=source_config)
         result.export_weight_bytes = _weight_bytes(tmp, fmt)
-        meta_file = tmp / "bmtrain_export.json"
-        meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
-        meta.update(
-            {"format": fmt, "source": str(ckpt), "quantization": quantize, "report": result.to_dict()}
+        write_export_meta(
+            tmp, {"format": fmt, "source": str(ckpt), "quantization": quantize, "report": result.to_dict()}
         )
-        meta_file.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 

@@ -20,6 +20,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import paddle
 
+from bmtrain_cli.config.env import gpu_available
+
 QMAX = 127
 SCALE_SUFFIX = "weight_scale"
 QUANT_METHOD = "bmtrain_weight_only_int8"
@@ -52,7 +54,7 @@ def dequantize_array(q: np.ndarray, scale: np.ndarray, axis: int) -> np.ndarray:
 
 def _gpu_arch() -> Optional[int]:
     """Compute capability as an int (80 for A100, 90 for H100/H200), None without a usable GPU."""
-    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+    if not gpu_available():
         return None
     major, minor = paddle.device.cuda.get_device_capability()
     arch = major * 10 + minor

@@ -1,7 +1,13 @@
 """LoRA fine-tuning: adapters on the factory's linear layers, merge/unmerge, PEFT files, adapters-only
 checkpoints that name and hash their base model. See docs/lora.md."""
 
-from bmtrain_cli.lora.checkpoint import LoRARun, find_base, hash_base, load_lora_checkpoint, merge_checkpoint
+from bmtrain_cli.lora.adapter_store import (
+    LoRARun,
+    find_base,
+    hash_base,
+    load_lora_checkpoint,
+    merge_checkpoint,
+)
 from bmtrain_cli.lora.inject import LoRASettings, apply_lora, available_targets, lora_layers, trainable_count
 from bmtrain_cli.lora.layers import LoRALinear
 from bmtrain_cli.lora.merge import merge_lora, save_adapters, strip_lora, unmerge_lora

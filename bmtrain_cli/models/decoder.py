@@ -25,12 +25,12 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, select
-from bmtrain_cli.ops.reference import IGNORE_INDEX
 
 
 class RMSNorm(nn.Layer):

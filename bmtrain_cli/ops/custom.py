@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - older Paddle: only the AST translator,
         return False
 
 
-IGNORE_INDEX = -100  # spelled -100 in the signatures: to_static(full_graph=True) cannot resolve it there
+# ``ignore_index: int = -100`` below is labels.IGNORE_INDEX spelled out: paddle.jit.to_static(full_graph=True)
+# cannot resolve a module constant in a signature.
 # Logits elements per chunk of the fused linear + cross-entropy (fp32: 32 MiB).
 CHUNK_ELEMENTS = 1 << 23
 _FLOATS = (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)

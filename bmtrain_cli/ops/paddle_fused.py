@@ -13,7 +13,7 @@ from typing import Callable, Dict, Tuple
 import paddle
 import paddle.nn.functional as F
 
-from bmtrain_cli.ops.reference import IGNORE_INDEX
+from bmtrain_cli.labels import IGNORE_INDEX
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:

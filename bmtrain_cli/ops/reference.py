@@ -7,8 +7,8 @@ from typing import Tuple
 import paddle
 import paddle.nn.functional as F
 
-# The signatures below spell -100: to_static(full_graph=True) cannot resolve a module constant there.
-IGNORE_INDEX = -100
+# ``ignore_index: int = -100`` below is labels.IGNORE_INDEX spelled out: paddle.jit.to_static(full_graph=True)
+# cannot resolve a module constant in a signature.
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:

@@ -1,7 +1,8 @@
 """The parallel context every part of training asks about ranks, groups and collectives.
 
-``init_parallel(config)`` is called once per process before the model is built. With world size 1 it
-touches no distributed state at all.
+``parallel.topology.init_parallel(config)`` builds it once per process before the model is built. With
+world size 1 it touches no distributed state at all. Other modules type against its Protocol,
+``parallel.protocol.ParallelCtx``.
 
 Gradient convention (all layouts): after ``wrap_optimizer(opt).step()`` has reduced them, gradients are
 the SUM over data ranks of each rank's gradient. The trainer's token-weighted loss (local loss sum divided
@@ -87,7 +88,7 @@ class ParallelContext:
         import paddle.distributed as dist
 
         self.mark_progress()
-        groups = self._data_groups()
+        groups = self.data_groups()
         if isinstance(value, paddle.Tensor):
             for g in groups:
                 dist.all_reduce(value, group=g)
@@ -97,7 +98,7 @@ class ParallelContext:
             dist.all_reduce(t, group=g)
         return float(t.numpy()[0])
 
-    def _data_groups(self) -> List[Any]:
+    def data_groups(self) -> List[Any]:
         """Groups whose product spans the data ranks (dp group, then the sharding group)."""
         groups = []
         if self.hcg is None:
@@ -233,23 +234,23 @@ class ParallelContext:
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, model: Any) -> Dict[str, Any]:
         """Whole (unsplit) weights under the single-process names, as numpy arrays, on every rank."""
-        from bmtrain_cli.parallel.checkpoint import full_state_dict
+        from bmtrain_cli.parallel.full_weights import full_state_dict
 
         return full_state_dict(self, model)
 
     def load_full_state_dict(self, model: Any, state: Dict[str, Any]) -> None:
         """Load whole weights (single-process names) into this rank's shards/stage."""
-        from bmtrain_cli.parallel.checkpoint import load_full_state_dict
+        from bmtrain_cli.parallel.full_weights import load_full_state_dict
 
         load_full_state_dict(self, model, state)
 
     def checkpoint_weights_writer(self, model: Any) -> Optional[Any]:
         """Collective (call on every rank before saving): gathers the whole weights under tensor/pipeline
-        parallel and returns a ``writer(model, dir)`` for train.checkpoint.save_checkpoint that writes them
+        parallel and returns a ``writer(model, dir)`` for train.training_state.save_checkpoint that writes them
         in Hugging Face layout. None when this rank already holds whole weights (use the default writer)."""
         if self.tp_degree == 1 and self.pp_degree == 1:
             return None
-        from bmtrain_cli.parallel.checkpoint import full_weights_writer
+        from bmtrain_cli.parallel.full_weights import full_weights_writer
 
         return full_weights_writer(self, model)
 
@@ -258,10 +259,10 @@ class ParallelContext:
         work that runs on one rank only (demo accuracy, generation, export) under tensor/pipeline parallel.
         Returns the model itself when this rank already holds whole weights."""
         if self.tp_degree == 1 and self.pp_degree == 1:
-            from bmtrain_cli.parallel.checkpoint import unwrap
+            from bmtrain_cli.parallel.full_weights import unwrap
 
             return unwrap(model)
-        from bmtrain_cli.parallel.checkpoint import full_model
+        from bmtrain_cli.parallel.full_weights import full_model
 
         return full_model(self, model, kernels)
 
@@ -296,10 +297,10 @@ class DataParallelOptimizer:
         params = [p for p in self._inner._parameter_list if not p.stop_gradient and p.grad is not None]
         comp = self._ctx._compressor
         if comp is not None:
-            comp.all_reduce_sum(params, self._ctx._data_groups()[0])
+            comp.all_reduce_sum(params, self._ctx.data_groups()[0])
             return
         for p in params:
-            for g in self._ctx._data_groups():
+            for g in self._ctx.data_groups():
                 dist.all_reduce(p.grad, group=g)
 
     def step(self) -> None:
@@ -322,12 +323,3 @@ class DataParallelOptimizer:
 def launched_world_size() -> int:
     """Processes started by the launcher (1 when not launched)."""
     return int(os.environ.get("PADDLE_TRAINERS_NUM", os.environ.get("WORLD_SIZE", "1")))
-
-
-def init_parallel(config: Config) -> ParallelContext:
-    """Single-process context; the distributed path lives in parallel/topology.py."""
-    if config.parallel.world_size == 1 and launched_world_size() == 1:
-        return ParallelContext(config=config)
-    from bmtrain_cli.parallel.topology import init_distributed  # noqa: PLC0415
-
-    return init_distributed(config)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional
 
+from bmtrain_cli.config.env import gpu_available
+
 _APPLIED = False
 
 # (method on calc stream, synchronous method) pairs; the sync method takes the same arguments + sync_op.
@@ -44,15 +46,9 @@ _CALC_STREAM_METHODS = (
 )
 
 
-def paddle_has_gpu() -> bool:
-    import paddle
-
-    return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
-
-
 def apply_if_cpu() -> bool:
     """Apply the compatibility layer when Paddle runs without a GPU. Returns True when it is active."""
-    if paddle_has_gpu():
+    if gpu_available():
         return False
     apply()
     return True

@@ -23,13 +23,11 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-
-if TYPE_CHECKING:
-    from bmtrain_cli.parallel.context import ParallelContext
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 RUN_ID_ENV = "BMTRAIN_RUN_ID"
 LOG_DIR_ENV = "BMTRAIN_LAUNCH_LOG_DIR"
@@ -307,7 +305,7 @@ def data_fingerprint(config: Config) -> str:
     return h.hexdigest()[:16]
 
 
-def check_agreement(ctx: ParallelContext, config: Config) -> None:
+def check_agreement(ctx: ParallelCtx, config: Config) -> None:
     """All ranks must run the same config on the same data; raise naming the ranks that differ."""
     if ctx.world_size == 1:
         return

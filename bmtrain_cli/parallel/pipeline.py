@@ -19,18 +19,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.checkpoint import NAME_MAP_ATTR
-
-if TYPE_CHECKING:
-    from bmtrain_cli.parallel.context import ParallelContext
-
-IGNORE_INDEX = -100
-
+from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.parallel.full_weights import NAME_MAP_ATTR
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 # --------------------------------------------------------------------------- partition (plain maths)
 
@@ -233,7 +229,7 @@ def measure_item_costs(items: Sequence[Any], x: Any, steps: int = 3) -> List[flo
     return costs
 
 
-def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
+def to_pipeline_layer(model: Any, ctx: ParallelCtx) -> Any:
     """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer)."""
     import paddle.distributed as dist
     from paddle.distributed.fleet.meta_parallel import PipelineLayer
@@ -304,7 +300,7 @@ class _PipelineLoss:
     """Token-weighted loss for train_batch: fleet divides each micro-batch loss by the number of
     micro-batches, so return loss_sum x micro_batches / (tokens of the whole step over all data ranks)."""
 
-    def __init__(self, ctx: ParallelContext) -> None:
+    def __init__(self, ctx: ParallelCtx) -> None:
         self.ctx = ctx
         self.scale = 1.0
         self.sums: List[Any] = []
@@ -373,7 +369,7 @@ def stack_micro_batches(
 
 
 def pipeline_train_step(
-    ctx: ParallelContext,
+    ctx: ParallelCtx,
     model: Any,
     micro_batches: Sequence[Dict[str, Any]],
     optimizer: Any,
@@ -417,7 +413,7 @@ def pipeline_train_step(
     return total, count
 
 
-def from_last_stage(ctx: ParallelContext, value: float) -> float:
+def from_last_stage(ctx: ParallelCtx, value: float) -> float:
     """The last pipeline stage's ``value`` (where the loss is computed), on every stage."""
     import paddle
     import paddle.distributed as dist

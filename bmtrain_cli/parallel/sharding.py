@@ -8,13 +8,11 @@ Paddle's CPU build refuses group_sharded_parallel ("only support gpu, xpu and cu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-
-if TYPE_CHECKING:
-    from bmtrain_cli.parallel.context import ParallelContext
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 LEVELS = {2: "os_g", 3: "p_g_os"}  # group_sharded_parallel levels: optimizer+grads, +parameters
 
@@ -56,7 +54,7 @@ class GradSumOptimizer:
     is the sum (the context's gradient convention). ``grad_norm()`` is the global norm that fleet's clip
     measured in the last step (parallel/grad_norm.py)."""
 
-    def __init__(self, inner: Any, ctx: ParallelContext, recorder: Any = None) -> None:
+    def __init__(self, inner: Any, ctx: ParallelCtx, recorder: Any = None) -> None:
         self._inner = inner
         self._ctx = ctx
         self._recorder = recorder
@@ -90,7 +88,7 @@ class GradSumOptimizer:
         return getattr(self._inner, name)
 
 
-def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelContext) -> Any:
+def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
     """fleet.distributed_optimizer (hybrid parallel, sharding stage 1) with the data-rank rescaling."""
     from paddle.distributed import fleet
 
@@ -107,7 +105,7 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelContext) -> Any:
     return GradSumOptimizer(fleet_optimizer, ctx, recorder)
 
 
-def group_sharded(model: Any, optimizer: Any, ctx: ParallelContext) -> Tuple[Any, Any]:
+def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx) -> Tuple[Any, Any]:
     """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds)."""
     if ctx.on_cpu:
         par = ctx.config.parallel

@@ -73,6 +73,14 @@ def build_strategy(config: Config) -> Any:
     return strategy
 
 
+def init_parallel(config: Config) -> ParallelContext:
+    """This process's ParallelContext: a single-process one without touching any distributed state, or
+    fleet's hybrid topology when launched with several processes (:func:`init_distributed`)."""
+    if config.parallel.world_size == 1 and launched_world_size() == 1:
+        return ParallelContext(config=config)
+    return init_distributed(config)
+
+
 def init_distributed(config: Config) -> ParallelContext:
     """Initialise fleet for this process and return its ParallelContext."""
     from bmtrain_cli.parallel import faults
@@ -104,7 +112,7 @@ def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]
     if on_cpu:
         paddle.set_device("cpu")
     watchdog = start_watchdog(config) if start_watchdog is not None else None
-    from bmtrain_cli.quiet import FLEET_INIT_NOISE, NOISE, filtered_stderr  # noqa: PLC0415
+    from bmtrain_cli.quiet import FLEET_INIT_NOISE, NOISE, filtered_stderr
 
     # each node's local rank 0 writes to that node's console: keep fleet's start-up report there out of
     # the way; the other ranks' worker logs keep it (topology, groups) for debugging

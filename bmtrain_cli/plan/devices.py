@@ -170,7 +170,9 @@ def detect_device() -> Device:
     """The device this process trains on: the current GPU (its name and total memory) or the CPU."""
     import paddle
 
-    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+    from bmtrain_cli.config.env import gpu_available
+
+    if gpu_available():
         props = paddle.device.cuda.get_device_properties()
         name = str(getattr(props, "name", "GPU"))
         total = int(getattr(props, "total_memory", 0))

@@ -11,7 +11,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import paddle
 
-IGNORE_INDEX = -100
+from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 
 def count_targets(batch: Dict[str, np.ndarray]) -> int:
@@ -42,7 +43,10 @@ def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
 
 @paddle.no_grad()
 def eval_loss(
-    model: Any, batches: Iterable[Dict[str, np.ndarray]], autocast: Any = None, ctx: Any = None
+    model: Any,
+    batches: Iterable[Dict[str, np.ndarray]],
+    autocast: Any = None,
+    ctx: Optional[ParallelCtx] = None,
 ) -> Tuple[float, int]:
     """(mean loss per predicted token, token count) over all batches (summed over data ranks)."""
     was_training = model.training

@@ -9,10 +9,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from bmtrain_cli.checkpoint_layout import (
+    CHECKPOINTS_DIR,
+    STATE_FILE,
+    find_latest,
+    latest_under,
+    remove_stale_temporaries,
+    step_dirs,
+)
 from bmtrain_cli.config.derived import Derived, derive
+from bmtrain_cli.config.env import gpu_available
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.train.checkpoint import find_latest, remove_stale_temporaries, step_dirs
 
 # Files and folders a run writes into output_dir (and --overwrite removes; nothing else is touched).
 RUN_OUTPUTS = ("checkpoints", "logs", "metrics.jsonl", "summary.json", "loss_curve.png", "rejected.jsonl")
@@ -30,7 +38,7 @@ class Runtime:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.output_dir / "checkpoints"
+        return self.output_dir / CHECKPOINTS_DIR
 
     @property
     def logs_dir(self) -> Path:
@@ -39,15 +47,6 @@ class Runtime:
     @property
     def grad_accum_steps(self) -> int:
         return self.derived.grad_accum_steps
-
-
-def detect_gpu() -> bool:
-    import paddle
-
-    try:
-        return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
-    except (RuntimeError, ValueError):
-        return False
 
 
 def resolve_resume(resume: Any, checkpoint_dir: Path) -> Optional[Path]:
@@ -60,9 +59,9 @@ def resolve_resume(resume: Any, checkpoint_dir: Path) -> Optional[Path]:
     path = Path(str(resume))
     if not path.exists():
         raise UserError(f"train_config.resume: {path} does not exist")
-    if (path / "trainer_state.json").is_file():
+    if (path / STATE_FILE).is_file():
         return path
-    latest = find_latest(path) or find_latest(path / "checkpoints")
+    latest = latest_under(path)
     if latest is None:
         raise UserError(f"train_config.resume: {path} holds no checkpoint (expected a step-N directory)")
     return latest
@@ -74,7 +73,7 @@ def prepare_output_dir(config: Config, *, is_main: bool = True) -> Optional[Path
     Returns the checkpoint to resume from."""
     t = config.train
     out = Path(t.output_dir)
-    ckpt = out / "checkpoints"
+    ckpt = out / CHECKPOINTS_DIR
     resume_from = resolve_resume(t.resume, ckpt)
     if resume_from is not None:
         return resume_from
@@ -105,7 +104,7 @@ def clear_output_dir(config: Config, *, resuming: bool) -> None:
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
-    remove_stale_temporaries(out / "checkpoints")
+    remove_stale_temporaries(out / CHECKPOINTS_DIR)
 
 
 def make_runtime(config: Config, has_gpu: Optional[bool] = None, *, is_main: bool = True) -> Runtime:
@@ -114,6 +113,6 @@ def make_runtime(config: Config, has_gpu: Optional[bool] = None, *, is_main: boo
         config=config,
         derived=derive(config),
         output_dir=Path(config.train.output_dir),
-        has_gpu=detect_gpu() if has_gpu is None else has_gpu,
+        has_gpu=gpu_available() if has_gpu is None else has_gpu,
         resume_from=resume_from,
     )

@@ -4,7 +4,7 @@ One optimizer step = ``grad_accum_steps`` micro-batches per data rank. The loss 
 micro-batch's summed token loss is divided by the number of predicted tokens of the whole step (summed
 over micro-batches and data ranks) before backward, so the gradient equals the single-process gradient of
 the mean token loss whatever the layout. Checkpoints, metrics and signals are handled here; the pieces
-live in schedule.py, optim.py, checkpoint.py, metrics.py, evaluate.py and runtime.py.
+live in schedule.py, optim.py, training_state.py, metrics.py, evaluate.py and runtime.py.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _build_model(rt: Runtime, tokenizer: Any, ctx: Any) -> Any:
     factory = getattr(ctx, "factory", None)
     if rt.resume_from is not None:
         if rt.config.train.finetuning == "lora":  # adapters-only checkpoint: load its verified base
-            from bmtrain_cli.lora.checkpoint import find_base
+            from bmtrain_cli.lora.adapter_store import find_base
 
             alternatives = [m.model_name_or_path] if m.model_name_or_path else []
             base = find_base(rt.resume_from, alternatives)
@@ -203,7 +203,7 @@ class Trainer:
     def __init__(self, loaded: LoadedConfig, ctx: Any = None, stream: Optional[TextIO] = None):
         import paddle
 
-        from bmtrain_cli.parallel.context import init_parallel
+        from bmtrain_cli.parallel.topology import init_parallel
         from bmtrain_cli.train.metrics import MemoryMeter
         from bmtrain_cli.train.optim import check_precision_supported
 
@@ -308,7 +308,7 @@ class Trainer:
         self.model = _build_model(self.rt, self.tokenizer, self.ctx)
         self.lora = None
         if t.finetuning == "lora":  # freeze the base, only the adapters train (bmtrain_cli/lora)
-            from bmtrain_cli.lora.checkpoint import LoRARun
+            from bmtrain_cli.lora.adapter_store import LoRARun
 
             self.lora = LoRARun.start(self.model, t, resume_from=self.rt.resume_from)
         if t.gradient_checkpointing and t.recompute_granularity != "none":
@@ -415,7 +415,8 @@ class Trainer:
         return max(1, math.ceil(t.num_train_epochs * int(n) / self.rt.grad_accum_steps))
 
     def _restore(self, ckpt: Path) -> None:
-        from bmtrain_cli.train.checkpoint import load_training_state, optimizer_layout
+        from bmtrain_cli.train.optimizer_state import optimizer_layout
+        from bmtrain_cli.train.training_state import load_training_state
 
         state = load_training_state(
             ckpt,
@@ -481,7 +482,8 @@ class Trainer:
             )
 
     def save(self) -> Path:
-        from bmtrain_cli.train.checkpoint import optimizer_layout, save_checkpoint, write_optimizer_shard
+        from bmtrain_cli.train.optimizer_state import optimizer_layout, write_optimizer_shard
+        from bmtrain_cli.train.training_state import save_checkpoint
 
         self._check_weights_finite()
         eval_path = self.paths.get("eval")

@@ -219,7 +219,7 @@ def test_failed_save_keeps_earlier_checkpoint(tmp_path, monkeypatch):
 
     import safetensors.numpy as stn
 
-    from bmtrain_cli.train import checkpoint as ckmod
+    from bmtrain_cli.train import training_state as ckmod
 
     real = ckmod.save_checkpoint
 

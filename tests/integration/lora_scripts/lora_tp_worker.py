@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import paddle  # noqa: E402
 
 from bmtrain_cli.config.schema import Config  # noqa: E402
-from bmtrain_cli.lora.checkpoint import whole_adapter_arrays  # noqa: E402
+from bmtrain_cli.lora.adapter_store import whole_adapter_arrays  # noqa: E402
 from bmtrain_cli.lora.inject import apply_lora  # noqa: E402
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights  # noqa: E402
 from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
@@ -78,7 +78,7 @@ def run(out: Path, par: dict) -> None:
     base, adapters = initial_weights()
     ctx = None
     if par:
-        from bmtrain_cli.parallel.context import init_parallel
+        from bmtrain_cli.parallel.topology import init_parallel
 
         cfg = Config.model_validate(
             {

@@ -72,7 +72,7 @@ def run_single(out: Path) -> None:
 
 
 def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -> None:
-    from bmtrain_cli.parallel.context import init_parallel
+    from bmtrain_cli.parallel.topology import init_parallel
 
     cfg = Config.model_validate(
         {

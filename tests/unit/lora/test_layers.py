@@ -44,8 +44,8 @@ def test_names_stay_hugging_face_and_adapters_use_peft_names():
 
 
 def test_only_adapters_get_gradients_and_optimizer_state(batch):
-    from bmtrain_cli.train.checkpoint import optimizer_state
     from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.optimizer_state import optimizer_state
 
     model = tiny_model()
     apply_lora(model, lora_cfg("all-linear"))

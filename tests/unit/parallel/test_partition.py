@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
+from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.parallel.pipeline import (
-    IGNORE_INDEX,
     imbalance,
     partition,
     shifted_targets,

@@ -10,8 +10,11 @@ import numpy as np
 import paddle
 import pytest
 
+from bmtrain_cli import checkpoint_layout as ckl
 from bmtrain_cli.config.schema import TrainConfig
-from bmtrain_cli.train import checkpoint as ck
+from bmtrain_cli.train import optimizer_state as optst
+from bmtrain_cli.train import rng_state as rngst
+from bmtrain_cli.train import training_state as ck
 from bmtrain_cli.train.optim import build_optimizer
 
 
@@ -62,12 +65,12 @@ def test_rng_round_trip():
     paddle.seed(11)
     np.random.seed(3)
     random.seed(4)
-    st = json.loads(json.dumps(ck.rng_state()))
+    st = json.loads(json.dumps(rngst.rng_state()))
     want = (paddle.rand([3]).numpy(), np.random.rand(3), random.random())
     paddle.seed(99)
     np.random.seed(99)
     random.seed(99)
-    ck.set_rng_state(st)
+    rngst.set_rng_state(st)
     got = (paddle.rand([3]).numpy(), np.random.rand(3), random.random())
     np.testing.assert_array_equal(want[0], got[0])
     np.testing.assert_array_equal(want[1], got[1])
@@ -80,20 +83,20 @@ def test_latest_pointer_and_keep_last_k(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
         _save(root, step, m, opt, keep=2)
-    assert [s for s, _ in ck.step_dirs(root)] == [3, 4]
+    assert [s for s, _ in ckl.step_dirs(root)] == [3, 4]
     assert (root / "latest").read_text().strip() == "step-4"
-    assert ck.find_latest(root) == root / "step-4"
+    assert ckl.find_latest(root) == root / "step-4"
     # a stale pointer falls back to the newest complete checkpoint
     (root / "latest").write_text("step-9\n")
-    assert ck.find_latest(root) == root / "step-4"
+    assert ckl.find_latest(root) == root / "step-4"
     # a half-written save (killed process) is never picked and is cleaned up
     (root / ".tmp-step-5-123").mkdir()
-    assert ck.find_latest(root) == root / "step-4"
-    ck.remove_stale_temporaries(root)
+    assert ckl.find_latest(root) == root / "step-4"
+    ckl.remove_stale_temporaries(root)
     assert not (root / ".tmp-step-5-123").exists()
     # saving the same step again replaces it atomically
     _save(root, 4, m, opt, keep=2)
-    assert ck.find_latest(root) == root / "step-4"
+    assert ckl.find_latest(root) == root / "step-4"
 
 
 @pytest.mark.parametrize(
@@ -113,14 +116,14 @@ def test_write_failure_keeps_earlier_checkpoints(tmp_path, monkeypatch, err, nee
         raise OSError(err, os.strerror(err), filename)
 
     monkeypatch.setattr(stn, "save_file", failing)
-    with pytest.raises(ck.CheckpointError) as info:
+    with pytest.raises(ckl.CheckpointError) as info:
         _save(root, 2, m, opt)
     msg = str(info.value)
     assert needle in msg and "step-1" in msg and "step-2" in msg
     assert sorted(os.listdir(root / "step-1")) == before
     assert not (root / "step-2").exists()
     assert [p for p in os.listdir(root) if p.startswith(".tmp")] == []
-    assert ck.find_latest(root) == root / "step-1"
+    assert ckl.find_latest(root) == root / "step-1"
 
 
 class _FakeCtx:
@@ -140,22 +143,22 @@ class _FakeCtx:
 def test_split_optimizer_state_per_rank_and_layout_check(tmp_path):
     cfg = TrainConfig(learning_rate=0.05)
     root = tmp_path / "checkpoints"
-    layout = ck.optimizer_layout(_FakeCtx(tp=2))
+    layout = optst.optimizer_layout(_FakeCtx(tp=2))
     assert layout["portable"] is False and layout["tensor_parallel"] == 2
     ranks = []
     for rank in (0, 1):  # two "ranks", each with its own part of the state
         m = _model(seed=rank)
         opt = build_optimizer(m, cfg, 0.05)
         _steps(m, opt, 2, seed=10 + rank)
-        ck.write_optimizer_shard(root, 2, rank, opt, m)
+        optst.write_optimizer_shard(root, 2, rank, opt, m)
         ranks.append((m, opt))
     path = ck.save_checkpoint(root, 2, model=ranks[0][0], optimizer=ranks[0][1], state={}, layout=layout)
-    assert not (path / ck.OPTIMIZER_FILE).exists()
+    assert not (path / ckl.OPTIMIZER_FILE).exists()
     assert sorted(p.name for p in path.glob("optimizer-rank-*")) == [
         "optimizer-rank-0.safetensors",
         "optimizer-rank-1.safetensors",
     ]
-    assert not ck.shard_staging_dir(root, 2).exists()
+    assert not ckl.shard_staging_dir(root, 2).exists()
     saved = ck.read_state(path)["optimizer_layout"]
     assert saved["tensor_parallel"] == 2 and saved["portable"] is False
 
@@ -173,7 +176,9 @@ def test_split_optimizer_state_per_rank_and_layout_check(tmp_path):
     # another layout: nothing restored, and the message says so
     m3 = _model()
     opt3 = build_optimizer(m3, cfg, 0.05)
-    state = ck.load_training_state(path, model=m3, optimizer=opt3, layout=ck.optimizer_layout(_FakeCtx(tp=1)))
+    state = ck.load_training_state(
+        path, model=m3, optimizer=opt3, layout=optst.optimizer_layout(_FakeCtx(tp=1))
+    )
     assert state["optimizer_restored"] is False
     assert ck.NOT_CARRIED in state["optimizer_message"] and "tensor_parallel 2" in state["optimizer_message"]
     assert not opt3.state_dict() or all(
@@ -187,11 +192,11 @@ def test_whole_state_is_not_reused_under_a_split_layout_and_missing_parts(tmp_pa
     _steps(m, opt, 1, seed=0)
     whole = _save(tmp_path / "a", 1, m, opt)
     assert ck.read_state(whole)["optimizer_layout"]["portable"] is True
-    split = ck.optimizer_layout(_FakeCtx(tp=2))
+    split = optst.optimizer_layout(_FakeCtx(tp=2))
     state = ck.load_training_state(whole, model=m, optimizer=opt, layout=split, rank=0)
     assert state["optimizer_restored"] is False and ck.NOT_CARRIED in state["optimizer_message"]
     # only rank 0 wrote its part (e.g. ranks on another node without a shared disk)
-    ck.write_optimizer_shard(tmp_path / "b", 1, 0, opt, m)
+    optst.write_optimizer_shard(tmp_path / "b", 1, 0, opt, m)
     path = ck.save_checkpoint(tmp_path / "b", 1, model=m, optimizer=opt, state={}, layout=split)
     assert ck.read_state(path)["optimizer_layout"]["optimizer_files"] == []
     state = ck.load_training_state(path, model=m, optimizer=opt, layout=split, rank=0)

@@ -3,13 +3,15 @@ reads (adapter_config.json + adapter_model.safetensors), plus the tokenizer and 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+from bmtrain_cli.checkpoint_layout import atomic_directory
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.lora.checkpoint import BASE_FILE, find_base, is_lora_checkpoint
+from bmtrain_cli.export.hf import write_tokenizer
+from bmtrain_cli.export.meta import ExportResult, write_export_meta
+from bmtrain_cli.lora.adapter_store import BASE_FILE, find_base, is_lora_checkpoint
 from bmtrain_cli.lora.merge import (
     ADAPTER_CONFIG,
     load_adapter_arrays,
@@ -19,11 +21,8 @@ from bmtrain_cli.lora.merge import (
 )
 
 
-def export_adapters(ckpt: Path, out: Path, log: Any = print) -> Any:
+def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
     """Write ``ckpt``'s adapters to ``out`` in PEFT layout (atomically); returns an ExportResult."""
-    from bmtrain_cli.export.hf import write_tokenizer  # noqa: PLC0415
-    from bmtrain_cli.export.pipeline import ExportResult  # noqa: PLC0415
-
     ckpt, out = Path(ckpt), Path(out)
     if not is_lora_checkpoint(ckpt):
         raise UserError(
@@ -33,27 +32,19 @@ def export_adapters(ckpt: Path, out: Path, log: Any = print) -> Any:
     arrays = load_adapter_arrays(ckpt)
     base = find_base(ckpt)  # PEFT needs the base too: name a verified one
     log(f"writing the LoRA adapters of {ckpt} (base {base}) in PEFT layout")
-    tmp = out.parent / f".{out.name}.tmp-export"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
         save_adapters(str(tmp), settings, arrays, str(base))
         shutil.copy2(ckpt / BASE_FILE, tmp / BASE_FILE)
         tokenizer = None
         if any((ckpt / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
-            from bmtrain_cli.data.tokenizers import load_tokenizer  # noqa: PLC0415
+            from bmtrain_cli.data.tokenizers import load_tokenizer
 
             tokenizer = load_tokenizer(str(ckpt))
         write_tokenizer(tokenizer, tmp)
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         fp32 = sum(int(a.size) * 4 for a in arrays.values())
         result = ExportResult(ckpt, out, "peft", None, fp32, size)
-        meta = {"format": "peft", "source": str(ckpt), "base_model": str(base), "report": result.to_dict()}
-        (tmp / "bmtrain_export.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_export_meta(
+            tmp, {"format": "peft", "source": str(ckpt), "base_model": str(base), "report": result.to_dict()}
+        )
     return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
@@ -18,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from paddle import nn
 
+from bmtrain_cli.checkpoint_layout import atomic_directory
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.inject import LoRASettings, apply_lora, is_lora_name, lora_layers, lora_settings
 from bmtrain_cli.lora.merge import (
@@ -30,6 +32,7 @@ from bmtrain_cli.lora.merge import (
     settings_from_adapter_config,
     strip_lora,
 )
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 BASE_FILE = "lora_base.json"
 FRESH_BASE_DIR = "base_model"
@@ -156,14 +159,14 @@ def merge_checkpoint(path: str, kernels: str = "auto") -> nn.Layer:
 # ----------------------------------------------------------------------------- gathering under TP / PP
 
 
-def whole_adapter_arrays(model: nn.Layer, ctx: Any = None) -> Dict[str, np.ndarray]:
+def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> Dict[str, np.ndarray]:
     """Whole adapter tensors (our names, Paddle layout). Collective under tensor/pipeline parallel:
     call it on every rank."""
     tp = int(getattr(ctx, "tp_degree", 1) or 1)
     pp = int(getattr(ctx, "pp_degree", 1) or 1)
     if pp > 1:
         return {k: v for k, v in ctx.full_state_dict(model).items() if is_lora_name(k)}
-    from bmtrain_cli.parallel.checkpoint import unwrap  # noqa: PLC0415
+    from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
 
     inner = unwrap(model)
     if tp == 1:
@@ -213,7 +216,9 @@ class LoRARun:
             run.base_path, run.base_sha256 = record["base_model_name_or_path"], record["base_model_sha256"]
         return run
 
-    def record_base(self, config: Any, output_dir: Path, model: nn.Layer, ctx: Any = None) -> None:
+    def record_base(
+        self, config: Any, output_dir: Path, model: nn.Layer, ctx: Optional[ParallelCtx] = None
+    ) -> None:
         """Remember the base model's path and hash; a fresh (random) base is written once to
         output_dir/base_model first. Collective under tensor/pipeline parallel (call on every rank)."""
         if self.base_path is not None:
@@ -232,11 +237,13 @@ class LoRARun:
         self.base_path = str(base)
         self.base_sha256 = hash_base(base) if is_main else None
 
-    def weights_writer(self, model: nn.Layer, ctx: Any = None) -> Callable[[Any, str], None]:
+    def weights_writer(
+        self, model: nn.Layer, ctx: Optional[ParallelCtx] = None
+    ) -> Callable[[Any, str], None]:
         """Gather the adapters now (collective) and return the ``weights_writer`` for
-        train.checkpoint.save_checkpoint: adapters (PEFT layout) + base record + config.json."""
+        train.training_state.save_checkpoint: adapters (PEFT layout) + base record + config.json."""
         from bmtrain_cli.models.arch import arch_to_hf_dict  # noqa: PLC0415
-        from bmtrain_cli.parallel.checkpoint import unwrap  # noqa: PLC0415
+        from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
 
         arrays = whole_adapter_arrays(model, ctx)
         arch = unwrap(model).arch
@@ -263,9 +270,9 @@ class LoRARun:
         )
 
 
-def _whole_base_arrays(model: nn.Layer, ctx: Any) -> Dict[str, np.ndarray]:
+def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str, np.ndarray]:
     """Whole base weights (no adapters) under single-process names; collective under TP/PP."""
-    from bmtrain_cli.parallel.checkpoint import unwrap  # noqa: PLC0415
+    from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
 
     if int(getattr(ctx, "tp_degree", 1) or 1) > 1 or int(getattr(ctx, "pp_degree", 1) or 1) > 1:
         full = ctx.full_state_dict(model)
@@ -275,10 +282,13 @@ def _whole_base_arrays(model: nn.Layer, ctx: Any) -> Dict[str, np.ndarray]:
 
 
 def _save_base(model: nn.Layer, tensors: Dict[str, np.ndarray], out: Path) -> None:
-    from bmtrain_cli.models import save_pretrained  # noqa: PLC0415
-    from bmtrain_cli.parallel.checkpoint import FullWeights, unwrap  # noqa: PLC0415
+    """Write the fresh base model to ``out`` atomically (a killed run leaves no half-written base)."""
+    from bmtrain_cli.models import save_pretrained
+    from bmtrain_cli.parallel.full_weights import FullWeights, unwrap
 
-    save_pretrained(FullWeights(unwrap(model).arch, tensors), str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out, f".{out.name}.tmp-{os.getpid()}", create=False) as tmp:
+        save_pretrained(FullWeights(unwrap(model).arch, tensors), str(tmp))
 
 
 def lora_layer_names(model: nn.Layer) -> List[str]:

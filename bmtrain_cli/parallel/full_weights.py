@@ -9,14 +9,12 @@ in ``models.load_pretrained``, and back under any other layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
 from bmtrain_cli.errors import UserError
-
-if TYPE_CHECKING:
-    from bmtrain_cli.parallel.context import ParallelContext
+from bmtrain_cli.parallel.protocol import ParallelCtx
 
 NAME_MAP_ATTR = "_bmtrain_full_names"
 
@@ -41,7 +39,7 @@ def _is_split(p: Any) -> bool:
     return bool(getattr(p, "is_distributed", False)) and getattr(p, "split_axis", None) is not None
 
 
-def full_state_dict(ctx: ParallelContext, model: Any) -> Dict[str, np.ndarray]:
+def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
     """Whole tensors (Paddle layout, single-process names) on every rank."""
     import paddle
     import paddle.distributed as dist
@@ -69,7 +67,7 @@ def full_state_dict(ctx: ParallelContext, model: Any) -> Dict[str, np.ndarray]:
     return full
 
 
-def load_full_state_dict(ctx: ParallelContext, model: Any, state: Dict[str, Any]) -> None:
+def load_full_state_dict(ctx: ParallelCtx, model: Any, state: Dict[str, Any]) -> None:
     """Copy whole tensors into this rank's parameters, slicing tensor-parallel shards."""
     import paddle
 
@@ -109,7 +107,7 @@ class FullWeights:
         return list(self._tensors.values())
 
 
-def full_weights_writer(ctx: ParallelContext, model: Any) -> Any:
+def full_weights_writer(ctx: ParallelCtx, model: Any) -> Any:
     """Gather now (collective); the returned writer saves the whole weights in Hugging Face layout."""
     full = full_state_dict(ctx, model)
     arch = unwrap(model).arch
@@ -122,7 +120,7 @@ def full_weights_writer(ctx: ParallelContext, model: Any) -> Any:
     return writer
 
 
-def full_model(ctx: ParallelContext, model: Any, kernels: str = "auto") -> Any:
+def full_model(ctx: ParallelCtx, model: Any, kernels: str = "auto") -> Any:
     """A plain CausalLM with the whole weights (gathered collectively), in eval mode."""
     import paddle
 

@@ -1,0 +1,197 @@
+"""The one owner of the on-disk checkpoint layout: names, the latest-checkpoint rule, the atomic directory
+write (temporary directory -> rename) and the stale temporaries a killed process leaves.
+
+Layout under ``output_dir/checkpoints``::
+
+    step-N/
+      config.json + model*.safetensors  Hugging Face layout (models.save_pretrained; load_pretrained reads it)
+      tokenizer files                    (when a tokenizer is given)
+      optimizer.safetensors              AdamW moments / beta powers / master weights, keyed by parameter name
+                                         (the whole state: single process or plain data parallel)
+      optimizer-rank-R.safetensors       instead, one per rank when the state is split (tensor/pipeline
+                                         parallel, sharding); reused only under the same layout
+      trainer_state.json                 step, schedule, loss scaler, RNG states, data position, counters
+    latest                               text file naming the newest complete step-N
+
+A LoRA step-N holds the adapters in PEFT layout instead of the weights (lora/adapter_store.py).
+
+Every directory is written under a hidden temporary name, fsynced and renamed into place
+(:func:`atomic_directory`): a kill at any moment leaves either the old or the new directory complete, never a
+half-written one under a real name. Training (train/training_state.py), export (export/pipeline.py,
+export/peft.py) and LoRA (lora/adapter_store.py) all use this module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+from bmtrain_cli.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"  # under a run's output_dir
+STATE_FILE = "trainer_state.json"  # written last into step-N: marks a complete checkpoint
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_SHARD = "optimizer-rank-{rank}.safetensors"
+NATIVE_WEIGHTS_FILE = "weights.safetensors"  # weights of a layer that is not one of our CausalLMs
+LATEST = "latest"
+STEP_RE = re.compile(r"^step-(\d+)$")
+_STALE_PREFIXES = (".tmp-", ".old-")  # half-written saves and replaced directories
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written or read."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def is_step_dir_name(name: str) -> bool:
+    return STEP_RE.match(name) is not None
+
+
+def shard_staging_dir(root: Path, step: int) -> Path:
+    """Where every rank puts its optimizer part before rank 0 assembles checkpoint step-<step>."""
+    return Path(root) / f".tmp-optim-step-{step}"
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def step_dirs(root: Path) -> List[Tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    root = Path(root)
+    out = []
+    if not root.is_dir():
+        return out
+    for child in root.iterdir():
+        m = STEP_RE.match(child.name)
+        if m and child.is_dir() and (child / STATE_FILE).is_file():
+            out.append((int(m.group(1)), child))
+    return sorted(out)
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    """The checkpoint ``latest`` names, or the newest complete one when the pointer is missing/stale.
+    A pointer naming a step directory that exists but lacks trainer_state.json is refused: a save never
+    leaves one (it renames a complete directory into place), so it was damaged, and silently continuing
+    from an older step would hide that."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError):
+            name = ""
+        candidate = root / name
+        if name and STEP_RE.match(name) and (candidate / STATE_FILE).is_file():
+            return candidate
+        if name and STEP_RE.match(name) and candidate.is_dir():
+            raise CheckpointError(
+                f"{pointer} names {name}, which has no {STATE_FILE}: the checkpoint is damaged; resume from "
+                "an earlier one with train_config.resume: PATH/step-N, or start over"
+            )
+    found = step_dirs(root)
+    return found[-1][1] if found else None
+
+
+def latest_under(path: Path) -> Optional[Path]:
+    """The latest complete checkpoint of a checkpoints directory or of a run's output_dir."""
+    path = Path(path)
+    return find_latest(path) or find_latest(path / CHECKPOINTS_DIR)
+
+
+def holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a checkpoints directory or a run's output_dir (complete or not)."""
+    path = Path(path)
+    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    if not root.is_dir():
+        return False
+    return (root / LATEST).exists() or any(is_step_dir_name(c.name) for c in root.iterdir())
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Delete half-written saves left by a process killed mid-save."""
+    root = Path(root)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(_STALE_PREFIXES):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- durable writes
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fsync_file(Path(dirpath) / f)
+        fsync_dir(Path(dirpath))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def point_latest(root: Path, final: Path) -> None:
+    """Make ``latest`` name ``final`` (atomically)."""
+    write_text_atomic(Path(root) / LATEST, Path(final).name + "\n")
+
+
+@contextmanager
+def atomic_directory(final: Path, tmp_name: str, *, create: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory ``final.parent / tmp_name`` to fill; when the block finishes, fsync it
+    and rename it to ``final`` (an existing ``final`` is moved aside first and deleted after), so ``final``
+    is always either the old or the new complete directory. When the block raises, the temporary
+    directory is removed and ``final`` is untouched. ``create=False`` leaves creating it to the writer."""
+    final = Path(final)
+    tmp = final.parent / tmp_name
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if create:
+        tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        old = None
+        if final.exists():  # e.g. re-saving a step (the final save right after a resume), --overwrite
+            old = final.parent / f".old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,82 @@
+"""What the rest of bmtrain-cli may ask of the parallel context, as a typed Protocol.
+
+``parallel/context.py`` holds the one implementation (:class:`~bmtrain_cli.parallel.context.ParallelContext`);
+the modules it calls into (full weights, pipeline, sharding, faults) and the trainer, checkpoints, LoRA and
+evaluation are typed against this Protocol instead, so none of them imports the context back (no cycle)
+and none probes an untyped ``ctx: Any``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol
+
+from bmtrain_cli.config.schema import Config
+
+
+class ParallelCtx(Protocol):
+    """This rank's place in the layout (dp x tp x pp x sharding) and the collectives over it."""
+
+    world_size: int
+    rank: int
+    data_rank: int  # index among the ranks that see different data (dp x sharding)
+    data_world: int
+    tp_rank: int
+    tp_degree: int
+    pp_rank: int
+    pp_degree: int
+    hcg: Optional[Any]  # fleet's HybridCommunicateGroup when distributed
+    config: Optional[Config]
+    on_cpu: bool
+    pipeline_info: Dict[str, Any]
+
+    @property
+    def is_distributed(self) -> bool: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def is_last_stage(self) -> bool: ...
+
+    @property
+    def sharding_degree(self) -> int: ...
+
+    @property
+    def uses_fleet_model(self) -> bool: ...
+
+    @property
+    def factory(self) -> Any: ...
+
+    @property
+    def optimizer_state_portable(self) -> bool: ...
+
+    @property
+    def compression_stats(self) -> Dict[str, float]: ...
+
+    def all_reduce_sum(self, value: Any) -> Any: ...
+
+    def data_groups(self) -> List[Any]: ...
+
+    def barrier(self) -> None: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def mark_progress(self) -> None: ...
+
+    def wrap_model(self, model: Any) -> Any: ...
+
+    def wrap_optimizer(self, optimizer: Any) -> Any: ...
+
+    def wrap_model_and_optimizer(self, model: Any, optimizer: Any) -> Any: ...
+
+    def pipeline_step(
+        self, model: Any, micro_batches: List[Dict[str, Any]], optimizer: Any, **kw: Any
+    ) -> Any: ...
+
+    def full_state_dict(self, model: Any) -> Dict[str, Any]: ...
+
+    def load_full_state_dict(self, model: Any, state: Dict[str, Any]) -> None: ...
+
+    def checkpoint_weights_writer(self, model: Any) -> Optional[Callable[[Any, str], None]]: ...
+
+    def gather_full_model(self, model: Any, kernels: str = "auto") -> Any: ...

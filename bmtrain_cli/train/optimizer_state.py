@@ -1,0 +1,124 @@
+"""Optimizer state on disk: a state_dict keyed by structured parameter names (stable across processes and
+layouts), the layout it is split by, and each rank's part under tensor/pipeline parallel or sharding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.checkpoint_layout import OPTIMIZER_SHARD, CheckpointError, fsync_file, shard_staging_dir
+from bmtrain_cli.parallel.protocol import ParallelCtx
+
+
+def _param_names(model: paddle.nn.Layer) -> Dict[str, str]:
+    """Paddle-internal parameter name -> structured name (stable across processes)."""
+    return {p.name: n for n, p in model.named_parameters()}
+
+
+def optimizer_state(optimizer: Any, model: paddle.nn.Layer) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+    """Split an optimizer state_dict into tensors keyed by structured parameter names and plain extras."""
+    internal = _param_names(model)
+    by_length = sorted(internal, key=len, reverse=True)
+    tensors: Dict[str, np.ndarray] = {}
+    extra: Dict[str, Any] = {}
+    for key, value in optimizer.state_dict().items():
+        if key == "master_weights":
+            for pname, t in value.items():
+                tensors[f"master_weights::{internal.get(pname, pname)}"] = to_numpy(t)
+        elif isinstance(value, paddle.Tensor):
+            owner = next((p for p in by_length if key.startswith(p + "_")), None)
+            if owner is None:
+                tensors[f"::{key}"] = to_numpy(value)
+            else:
+                tensors[f"{internal[owner]}::{key[len(owner) + 1 :]}"] = to_numpy(value)
+        elif key != "LR_Scheduler":  # the schedule is ours and lives in trainer_state.json
+            extra[key] = value
+    return tensors, extra
+
+
+def restore_optimizer(optimizer: Any, model: paddle.nn.Layer, tensors: Dict[str, np.ndarray]) -> None:
+    structured = {n: p.name for n, p in model.named_parameters()}
+    state: Dict[str, Any] = {}
+    masters: Dict[str, Any] = {}
+    for key, arr in tensors.items():
+        owner, _, acc = key.partition("::")
+        if owner == "master_weights":
+            masters[structured.get(acc, acc)] = paddle.to_tensor(arr)
+        elif owner == "":
+            state[acc] = paddle.to_tensor(arr)
+        else:
+            if owner not in structured:
+                raise CheckpointError(
+                    f"optimizer state names parameter {owner!r}, which this model does not have "
+                    "(was the checkpoint written for another model?)"
+                )
+            state[f"{structured[owner]}_{acc}"] = paddle.to_tensor(arr)
+    if masters:
+        state["master_weights"] = masters
+    optimizer.set_state_dict(state)
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    arr = t.numpy() if isinstance(t, paddle.Tensor) else np.asarray(t)
+    return np.ascontiguousarray(arr)
+
+
+# ----------------------------------------------------------------------------- optimizer layout
+
+
+def optimizer_layout(ctx: Optional[ParallelCtx] = None) -> Dict[str, Any]:
+    """The layout the optimizer state is split by. ``portable``: rank 0 holds the whole state (one
+    process or plain data parallel, where every rank holds the same state), so any such layout can
+    reuse it; otherwise each rank's part is saved and only the same layout can reuse it."""
+    config = getattr(ctx, "config", None)
+    par = getattr(config, "parallel", None)
+    layout = {
+        "world_size": int(getattr(ctx, "world_size", 1)),
+        "data_world": int(getattr(ctx, "data_world", 1)),
+        "tensor_parallel": int(getattr(ctx, "tp_degree", 1)),
+        "pipeline_parallel": int(getattr(ctx, "pp_degree", 1)),
+        "sharding_parallel": int(getattr(ctx, "sharding_degree", 1)),
+        "sharding_stage": int(getattr(par, "sharding_stage", 1)) if par is not None else 1,
+    }
+    portable = getattr(ctx, "optimizer_state_portable", None)
+    layout["portable"] = bool(portable) if portable is not None else True
+    return layout
+
+
+def describe_layout(layout: Optional[Dict[str, Any]]) -> str:
+    if not layout:
+        return "one process"
+    parts = [
+        f"{key} {layout.get(key, 1)}"
+        for key in ("data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+        if layout.get(key, 1) > 1
+    ]
+    if layout.get("sharding_parallel", 1) > 1:
+        parts.append(f"sharding_stage {layout.get('sharding_stage', 1)}")
+    return ", ".join(parts) if parts else "one process"
+
+
+def same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    keys = ("world_size", "data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+    keys_stage = keys + ("sharding_stage",)
+    return all(int(a.get(k, 1)) == int(b.get(k, 1)) for k in keys_stage)
+
+
+def write_optimizer_shard(root: Path, step: int, rank: int, optimizer: Any, model: paddle.nn.Layer) -> Path:
+    """This rank's optimizer state, written atomically into the staging folder (all ranks, before the
+    barrier that precedes rank 0's save_checkpoint)."""
+    from safetensors.numpy import save_file
+
+    staging = shard_staging_dir(root, step)
+    staging.mkdir(parents=True, exist_ok=True)
+    final = staging / OPTIMIZER_SHARD.format(rank=rank)
+    tmp = staging / f".{final.name}.tmp-{os.getpid()}"
+    tensors, _ = optimizer_state(optimizer, model)
+    save_file(tensors, str(tmp))
+    fsync_file(tmp)
+    os.replace(tmp, final)
+    return final

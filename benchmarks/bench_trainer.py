@@ -70,7 +70,7 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
     from bmtrain_cli.config import load_config
     from bmtrain_cli.data.demo import write_demo_data
     from bmtrain_cli.models import build
-    from bmtrain_cli.train.evaluate import to_tensors
+    from bmtrain_cli.models.scoring import to_tensors
     from bmtrain_cli.train.trainer import Trainer
 
     train_path, _ = write_demo_data(str(tmp / "data"), task="arithmetic", seed=0)

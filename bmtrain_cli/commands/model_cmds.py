@@ -154,9 +154,9 @@ def register(app: typer.Typer) -> None:
             max_len=max_seq_len or model.arch.max_position_embeddings,
         )
         if _is_static(model):
-            from bmtrain_cli.export.loading import score_static
+            from bmtrain_cli.models.scoring import score_logits
 
-            result = score_static(model, samples)
+            result = score_logits(model.logits, samples)
         else:
             result = score(model, samples, batch_size)
         result["seconds"] = round(time.perf_counter() - t0, 3)

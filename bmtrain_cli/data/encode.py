@@ -204,3 +204,23 @@ def encode_scored_file(
         if max_records is not None and len(out) >= max_records:
             break
     return out
+
+
+def encode_eval_file(
+    path: str,
+    tokenizer: Tokenizer,
+    template: str = "auto",
+    data_format: str = "auto",
+    max_records: int = 200,
+    max_len: int = 2048,
+) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """The first ``max_records`` usable records of a held-out file (:func:`encode_scored_file`); UserError
+    when none has a trainable token."""
+    from bmtrain_cli.errors import UserError
+
+    samples = encode_scored_file(
+        path, tokenizer, template, data_format, max_len=max_len, max_records=max_records
+    )
+    if not samples:
+        raise UserError(f"{path}: no record with a trainable token to evaluate")
+    return samples

@@ -154,6 +154,16 @@ def read_records(path: str) -> Iterator[RawRecord]:
             yield RawRecord(path, 1, "", None, "file is empty (no records)")
 
 
+def read_values(path: str) -> List[Any]:
+    """The parsed records of a JSONL (or JSON-array) file; UserError naming file:line at a bad one."""
+    out: List[Any] = []
+    for rec in read_records(path):
+        if rec.error is not None:
+            raise UserError(f"{rec.where()}: {rec.error}")
+        out.append(rec.value)
+    return out
+
+
 def _read_json_array(path: str, data: bytes) -> Iterator[RawRecord]:
     try:
         text = data.decode("utf-8-sig")

@@ -151,30 +151,6 @@ class Tokenizer:
             out[self.pad_token] = self.pad_id
         return out
 
-    def encode_with_specials(self, text: str) -> List[int]:
-        """Encode text in which special tokens appear as their text (e.g. a rendered chat template)."""
-        specials = sorted(self.special_tokens(), key=len, reverse=True)
-        if not specials:
-            return self.encode(text)
-        ids: List[int] = []
-        pos = 0
-        table = self.special_tokens()
-        while pos < len(text):
-            best = -1
-            best_tok = ""
-            for tok in specials:
-                i = text.find(tok, pos)
-                if i != -1 and (best == -1 or i < best):
-                    best, best_tok = i, tok
-            if best == -1:
-                ids.extend(self.encode(text[pos:]))
-                break
-            if best > pos:
-                ids.extend(self.encode(text[pos:best]))
-            ids.append(table[best_tok])
-            pos = best + len(best_tok)
-        return ids
-
     def fingerprint(self) -> str:
         """A hash of everything that decides token ids (model + specials); keys the token cache."""
         h = hashlib.sha256(self._model_bytes())

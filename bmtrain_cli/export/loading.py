@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -198,20 +198,3 @@ def generate_static(
                 break
         outs.append(new)
     return outs
-
-
-def score_static(model: InferenceModel, samples: Any) -> Dict[str, Any]:
-    """`bmtrain eval`'s numbers ({"loss", "ppl", "tokens", "records"}) over logits only."""
-    import math
-
-    from bmtrain_cli.export.evaluate import next_token_loss_sum
-
-    total, count = 0.0, 0
-    for ids, labels in samples:
-        s, n = next_token_loss_sum(model.logits(ids[None, :])[0], labels)
-        total += s
-        count += n
-    if count == 0:
-        raise UserError("no tokens to score (every record is empty after encoding)")
-    loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "records": len(samples)}

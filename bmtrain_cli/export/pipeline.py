@@ -143,15 +143,16 @@ def export_checkpoint(
     if quantize:
         samples = None
         if eval_data:
-            from bmtrain_cli.export.evaluate import encode_eval_file, eval_loss
+            from bmtrain_cli.data.encode import encode_eval_file
+            from bmtrain_cli.models.scoring import logits_loss
 
             samples = encode_eval_file(eval_data, tokenizer, template=template, max_records=max_eval_records)
             result.eval_records = len(samples)
-            result.eval_loss_fp32 = eval_loss(logits_fn, samples)
+            result.eval_loss_fp32 = logits_loss(logits_fn, samples)[0]
         report = quantize_model(model, embeddings=quantize_embeddings)
         result.quantized_linear, result.quantized_embedding = report.linear, report.embedding
         if samples is not None:
-            result.eval_loss_quantized = eval_loss(logits_fn, samples)
+            result.eval_loss_quantized = logits_loss(logits_fn, samples)[0]
 
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:

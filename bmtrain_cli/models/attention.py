@@ -9,7 +9,7 @@ What :func:`attend` receives as ``mask`` decides the kernel (``models.attention_
 
 - ``None``: plain causal attention. Training batches whose rows are right-padded single samples come
   this way with no mask at all (padding follows every real token and carries no loss, so no real query
-  ever needs to be kept from a pad key; ``train.evaluate.to_tensors`` drops their mask).
+  ever needs to be kept from a pad key; ``models.scoring.to_tensors`` drops their mask).
 - an int tensor [b, s] of segment ids: block-diagonal causal attention (packed rows; left-padded
   prompts), never expanded to an s x s tensor.
 - a float tensor [b or 1, heads or 1, q, k]: an additive bias (KV-cache decoding, a sliding window

@@ -408,3 +408,23 @@ class CausalLM(nn.Layer):
         return self.ops.linear_cross_entropy(
             hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
         )
+
+
+class LossSum(paddle.nn.Layer):
+    """A layer whose forward is ``model.loss_sum``: what paddle.jit.to_static compiles (train/static.py) and
+    what the group-sharded wrapper runs (its buffers are prepared in forward())."""
+
+    def __init__(self, model: paddle.nn.Layer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        labels: paddle.Tensor,
+        attention_mask: Optional[paddle.Tensor] = None,
+        position_ids: Optional[paddle.Tensor] = None,
+    ) -> Any:
+        return self.model.loss_sum(
+            input_ids, labels, attention_mask=attention_mask, position_ids=position_ids
+        )

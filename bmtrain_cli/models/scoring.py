@@ -1,44 +1,146 @@
-"""Scoring a JSONL file with a model: mean token loss and perplexity (``bmtrain eval``).
+"""Loss evaluation, the one place: token-weighted mean next-token loss and perplexity.
 
-Instruction records ({"input","output"}, alpaca, chat) are scored on the answer tokens only; plain
-{"text": ...} records on all their tokens. Records are encoded with the data package's templates, so
-the numbers mean the same as the trainer's eval loss.
+Two entry points share one counting rule (position t predicts labels[t + 1] unless it is IGNORE_INDEX or t,
+t + 1 lie in different segments):
+
+- :func:`eval_loss`: a model with ``loss_sum`` over collated batches (the trainer's eval loss, summed over
+  data ranks) and :func:`score` over encoded samples (``bmtrain eval``);
+- :func:`logits_loss`: any ``logits(ids) -> np.ndarray`` function, for what has no ``loss_sum`` (a
+  paddle-inference export, the INT8 check of ``bmtrain export --quantize``).
+
+Samples come from ``data.encode.encode_scored_file`` (records encoded exactly as for training).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
-import paddle
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.parallel.protocol import ParallelCtx
+
+Sample = Tuple[np.ndarray, np.ndarray]  # (input_ids [s], labels [s]), unshifted, IGNORE_INDEX = not scored
 
 
-@paddle.no_grad()
-def score(
-    model: CausalLM, samples: List[Tuple[np.ndarray, np.ndarray]], batch_size: int = 8
-) -> Dict[str, Any]:
-    """Token-weighted mean loss over all samples: {"loss", "ppl", "tokens", "records"}."""
+def count_targets(batch: Dict[str, np.ndarray]) -> int:
+    """Tokens the model predicts in a batch, exactly as CausalLM.loss_sum counts them."""
+    labels = batch["labels"]
+    valid = labels[:, 1:] != IGNORE_INDEX
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        valid &= mask[:, 1:] == mask[:, :-1]
+    return int(valid.sum())
+
+
+def right_padded(mask: np.ndarray) -> bool:
+    """Whether every row of segment ids [b, s] is one sample followed by padding (1 ... 1 0 ... 0)."""
+    return bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
+    """The model's inputs. Rows of one sample followed by padding need no attention mask: padding comes
+    after every real token and carries no target, so plain causal attention gives every real token the
+    same result and the loss the same targets; such batches go without one (the mask-free kernels)."""
+    import paddle
+
+    keys = ["input_ids", "labels", "attention_mask", "position_ids"]
+    if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):
+        keys.remove("attention_mask")
+    return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
+
+
+def eval_loss(
+    model: Any,
+    batches: Iterable[Dict[str, np.ndarray]],
+    autocast: Any = None,
+    ctx: Optional[ParallelCtx] = None,
+) -> Tuple[float, int]:
+    """(mean loss per predicted token, token count) over all batches (summed over data ranks)."""
+    import paddle
+
+    was_training = model.training
     model.eval()
-    total, count = 0.0, 0.0
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))  # less padding
+    total = 0.0
+    count = 0.0
+    try:
+        with paddle.no_grad():
+            for batch in batches:
+                t = to_tensors(batch)
+                if autocast is not None:
+                    with autocast():
+                        loss_sum, n = model.loss_sum(**t)
+                else:
+                    loss_sum, n = model.loss_sum(**t)
+                total += float(loss_sum)
+                count += float(n)
+    finally:
+        if was_training:
+            model.train()
+    if ctx is not None and ctx.data_world > 1:
+        total = float(ctx.all_reduce_sum(total))
+        count = float(ctx.all_reduce_sum(count))
+    return (total / count if count else float("nan")), int(count)
+
+
+def padded_batches(samples: List[Sample], batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
+    """Samples as right-padded batches, shortest first (less padding)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
     for start in range(0, len(order), batch_size):
         batch = [samples[i] for i in order[start : start + batch_size]]
         width = max(len(ids) for ids, _ in batch)
         ids = np.zeros((len(batch), width), dtype=np.int64)
-        labels = np.full((len(batch), width), -100, dtype=np.int64)
+        labels = np.full((len(batch), width), IGNORE_INDEX, dtype=np.int64)
         mask = np.zeros((len(batch), width), dtype=np.int64)
         for r, (i, lab) in enumerate(batch):
             ids[r, : len(i)], labels[r, : len(i)], mask[r, : len(i)] = i, lab, 1
-        s, c = model.loss_sum(
-            paddle.to_tensor(ids), paddle.to_tensor(labels), attention_mask=paddle.to_tensor(mask)
-        )
-        total += float(s)
-        count += float(c)
+        yield {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _report(loss: float, count: int, records: int) -> Dict[str, Any]:
     if count == 0:
         raise UserError("no tokens to score (every record is empty after encoding)")
-    loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": int(count), "records": len(samples)}
+    return {"loss": loss, "ppl": perplexity(loss), "tokens": int(count), "records": records}
+
+
+def score(model: Any, samples: List[Sample], batch_size: int = 8) -> Dict[str, Any]:
+    """`bmtrain eval` of a model with ``loss_sum``: {"loss", "ppl", "tokens", "records"}."""
+    loss, count = eval_loss(model, padded_batches(samples, batch_size))
+    return _report(loss, count, len(samples))
+
+
+def next_token_loss_sum(logits: np.ndarray, labels: np.ndarray) -> Tuple[float, int]:
+    """(sum of -log p(labels[t+1] | ..t), number of predicted tokens) for logits [s, vocab], labels [s]."""
+    logits = np.asarray(logits, dtype=np.float64)[:-1]
+    target = np.asarray(labels)[1:]
+    valid = target != IGNORE_INDEX
+    if not valid.any():
+        return 0.0, 0
+    z = logits[valid]
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    picked = logp[np.arange(len(z)), target[valid]]
+    return float(-picked.sum()), int(valid.sum())
+
+
+def logits_loss(logits_fn: Callable[[np.ndarray], np.ndarray], samples: List[Sample]) -> Tuple[float, int]:
+    """(token-weighted mean next-token loss, token count) of ``logits_fn`` (ids [1, s] -> logits [1, s,
+    vocab]); each sample runs alone (no padding, so every export format gives the same numbers)."""
+    total, count = 0.0, 0
+    for ids, labels in samples:
+        s, n = next_token_loss_sum(logits_fn(ids[None, :])[0], labels)
+        total += s
+        count += n
+    return total / max(count, 1), count
+
+
+def score_logits(logits_fn: Callable[[np.ndarray], np.ndarray], samples: List[Sample]) -> Dict[str, Any]:
+    """`bmtrain eval` of a logits-only model (a paddle-inference export)."""
+    loss, count = logits_loss(logits_fn, samples)
+    return _report(loss, count, len(samples))

@@ -1,86 +1,13 @@
-"""Evaluation: token-weighted loss / perplexity over a data set, and held-out answer accuracy by greedy
-decoding (the quickstart's before/after number).
+"""Held-out answer accuracy by greedy decoding (the quickstart's before/after number). The loss and
+perplexity are models/scoring.py's.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import paddle
-
-from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.parallel.protocol import ParallelCtx
-
-
-def count_targets(batch: Dict[str, np.ndarray]) -> int:
-    """Tokens the model predicts in a batch, exactly as CausalLM.loss_sum counts them: position t
-    predicts labels[t + 1] unless it is -100 or t, t + 1 lie in different segments."""
-    labels = batch["labels"]
-    valid = labels[:, 1:] != IGNORE_INDEX
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        valid &= mask[:, 1:] == mask[:, :-1]
-    return int(valid.sum())
-
-
-def right_padded(mask: np.ndarray) -> bool:
-    """Whether every row of segment ids [b, s] is one sample followed by padding (1 ... 1 0 ... 0)."""
-    return bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] <= mask[:, :-1]).all())
-
-
-def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
-    """The model's inputs. Rows of one sample followed by padding need no attention mask: padding comes
-    after every real token and carries no target, so plain causal attention gives every real token the
-    same result and the loss the same targets; such batches go without one (the mask-free kernels)."""
-    keys = ["input_ids", "labels", "attention_mask", "position_ids"]
-    if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):
-        keys.remove("attention_mask")
-    return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
-
-
-@paddle.no_grad()
-def eval_loss(
-    model: Any,
-    batches: Iterable[Dict[str, np.ndarray]],
-    autocast: Any = None,
-    ctx: Optional[ParallelCtx] = None,
-) -> Tuple[float, int]:
-    """(mean loss per predicted token, token count) over all batches (summed over data ranks)."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    count = 0.0
-    try:
-        for batch in batches:
-            t = to_tensors(batch)
-            if autocast is not None:
-                with autocast():
-                    loss_sum, n = model.loss_sum(**t)
-            else:
-                loss_sum, n = model.loss_sum(**t)
-            total += float(loss_sum)
-            count += float(n)
-    finally:
-        if was_training:
-            model.train()
-    if ctx is not None and getattr(ctx, "data_world", 1) > 1:
-        total = float(ctx.all_reduce_sum(total))
-        count = float(ctx.all_reduce_sum(count))
-    return (total / count if count else float("nan")), int(count)
-
-
-def read_records(path: str, limit: Optional[int] = None) -> List[dict]:
-    out: List[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line))
-                if limit is not None and len(out) >= limit:
-                    break
-    return out
 
 
 @paddle.no_grad()
@@ -173,7 +100,3 @@ def answer_accuracy(
         for p, a, g in list(zip(prompts, answers, preds))[:5]
     ]
     return {"accuracy": correct / len(answers), "n": len(answers), "examples": examples}
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")

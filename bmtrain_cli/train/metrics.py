@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
+from bmtrain_cli.models.scoring import perplexity
+
 EVAL_TAGS = ("eval/loss", "eval/ppl")
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory")
 TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
@@ -218,7 +220,7 @@ class MetricsWriter:
     def log_eval(self, step: int, loss: float, extra: Optional[Dict[str, Any]] = None) -> None:
         if not self.enabled:
             return
-        ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
+        ppl = perplexity(loss)
         record = {"step": step, "eval_loss": _clean(loss), "eval_ppl": _clean(ppl), **(extra or {})}
         self._write_record(record)
         if self.tb is not None:

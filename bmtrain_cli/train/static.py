@@ -8,28 +8,11 @@ by config/checks.py (validate-config, and `bmtrain run` before launching) rather
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import paddle
 
-
-class LossSum(paddle.nn.Layer):
-    """A layer whose forward is ``model.loss_sum`` (to_static compiles a Layer's forward)."""
-
-    def __init__(self, model: paddle.nn.Layer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        input_ids: paddle.Tensor,
-        labels: paddle.Tensor,
-        attention_mask: Optional[paddle.Tensor] = None,
-        position_ids: Optional[paddle.Tensor] = None,
-    ) -> Any:
-        return self.model.loss_sum(
-            input_ids, labels, attention_mask=attention_mask, position_ids=position_ids
-        )
+from bmtrain_cli.models.decoder import LossSum
 
 
 def compile_loss_sum(model: paddle.nn.Layer) -> Callable[..., Any]:

@@ -339,7 +339,7 @@ class Trainer:
         self.train_model = self.ctx.wrap_model(self.model) if distributed else self.model
         self.sharded_loss: Any = None
         if self.group_sharded:
-            from bmtrain_cli.train.static import LossSum
+            from bmtrain_cli.models.decoder import LossSum
 
             # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
             self.sharded_loss, self.optimizer = self.ctx.wrap_model_and_optimizer(
@@ -544,7 +544,7 @@ class Trainer:
         return path
 
     def evaluate(self) -> Optional[float]:
-        from bmtrain_cli.train.evaluate import eval_loss
+        from bmtrain_cli.models.scoring import eval_loss
 
         if self.eval_loader is None:
             return None
@@ -562,9 +562,10 @@ class Trainer:
         model = self._whole_model()  # collective under tensor/pipeline parallel
         if not self.is_main:
             return None
-        from bmtrain_cli.train.evaluate import answer_accuracy, read_records
+        from bmtrain_cli.data.readers import read_values
+        from bmtrain_cli.train.evaluate import answer_accuracy
 
-        records = read_records(self.paths["heldout"])
+        records = read_values(self.paths["heldout"])
         t = self.config.train
         return answer_accuracy(model, self.tokenizer, records, template=t.template, data_format=t.data_format)
 
@@ -617,7 +618,7 @@ class Trainer:
 
     # -- one step
     def train_step(self, micro: List[Dict[str, np.ndarray]]) -> Dict[str, Any]:
-        from bmtrain_cli.train.evaluate import count_targets, to_tensors
+        from bmtrain_cli.models.scoring import count_targets, to_tensors
         from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
 
         t = self.config.train

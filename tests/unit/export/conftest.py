@@ -31,7 +31,7 @@ def make_checkpoint(root: Path, steps: int = TRAIN_STEPS, tie: bool = False, int
     import paddle
 
     from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
-    from bmtrain_cli.export.evaluate import encode_eval_file
+    from bmtrain_cli.data.encode import encode_eval_file
     from bmtrain_cli.models import build, save_pretrained
     from bmtrain_cli.models.arch import ModelArch
 

@@ -8,10 +8,11 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.export.evaluate import encode_eval_file, eval_loss
+from bmtrain_cli.data.encode import encode_eval_file
 from bmtrain_cli.export.loading import load_for_inference
 from bmtrain_cli.export.pipeline import export_checkpoint
 from bmtrain_cli.models import load_pretrained
+from bmtrain_cli.models.scoring import logits_loss
 
 IDS_A = np.array([[1, 5, 6, 7, 8, 9, 10, 11]], dtype=np.int64)
 IDS_B = np.random.default_rng(0).integers(3, 250, (3, 13)).astype(np.int64)
@@ -109,7 +110,7 @@ def test_int8_exports_agree_and_load_back(trained_run, exports, heldout):
     assert tensors["model.norm.weight"].dtype == np.float32
     np.testing.assert_allclose(pi.logits(IDS_B), hf.logits(IDS_B), atol=1e-4)
     samples = encode_eval_file(heldout, hf.tokenizer, max_records=200)
-    assert eval_loss(hf.logits, samples) == pytest.approx(
+    assert logits_loss(hf.logits, samples)[0] == pytest.approx(
         exports[("hf", "int8")].eval_loss_quantized, rel=1e-5
     )
     full = load_for_inference(str(trained_run))

@@ -21,7 +21,7 @@ from bmtrain_cli.models.attention import (
     repeat_kv,
 )
 from bmtrain_cli.models.attention_choice import LINEAR_KERNELS, choose_kernel, training_mask_kind
-from bmtrain_cli.train.evaluate import right_padded, to_tensors
+from bmtrain_cli.models.scoring import right_padded, to_tensors
 from tests.unit.models.tiny import TINY
 
 # segment ids: packed with a padded tail; left-padded; one sample; pads only after a packed row

@@ -14,8 +14,8 @@ from paddle.static import InputSpec
 
 from bmtrain_cli.models import build
 from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.models.decoder import LossSum
 from bmtrain_cli.ops import custom
-from bmtrain_cli.train.static import LossSum
 
 ARCH = ModelArch(
     family="qwen3",

@@ -80,7 +80,7 @@ def _run(
 def test_to_static_losses_equal_dygraph(tmp_path, batching, recompute):
     _, eager = _run(tmp_path, "eager", static=False, batching=batching, recompute=recompute)
     trainer, static = _run(tmp_path, "static", static=True, batching=batching, recompute=recompute)
-    from bmtrain_cli.train.static import LossSum
+    from bmtrain_cli.models.decoder import LossSum
 
     assert isinstance(trainer.loss_fn, LossSum)
     assert "StaticFunction" in type(trainer.loss_fn.forward).__name__  # compiled, not the eager forward

@@ -1,6 +1,6 @@
 """bmtrain-cli: a PaddlePaddle-native, YAML-driven command line for fine-tuning LLMs.
 
-The Python API on a user's own model (bmtrain_cli/api.py; docs/api.md) is exported here and imported on
+The Python API on a user's own model (the bmtrain_cli/api/ package; docs/api.md) is exported here and imported on
 first use, so ``import bmtrain_cli`` does not import Paddle."""
 
 from __future__ import annotations

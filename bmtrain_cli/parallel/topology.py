@@ -101,7 +101,7 @@ def init_distributed(config: Config) -> ParallelContext:
 def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]] = None) -> ParallelContext:
     """fleet.init with this config's degrees (the CPU compatibility layer first when Paddle has no GPU)
     and the rank's ParallelContext. Shared by ``bmtrain train`` (above) and the Python API
-    (bmtrain_cli/api.py); ``start_watchdog(config)`` runs before fleet.init so that a hang there is seen."""
+    (bmtrain_cli/api/distributed.py); ``start_watchdog(config)`` runs before fleet.init so that a hang there is seen."""
     import paddle
     import paddle.distributed as dist
     from paddle.distributed import fleet

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from bmtrain_cli.models.arch import count_parameters
+from bmtrain_cli.plan.activations import lora_layer_params
 from bmtrain_cli.plan.devices import Device
-from bmtrain_cli.plan.estimator import Layout, MemoryEstimate, Workload, _lora_layer_params, estimate_layout
+from bmtrain_cli.plan.estimator import estimate_layout
+from bmtrain_cli.plan.workload import Layout, MemoryEstimate, Workload
 
 MATMUL_EFFICIENCY = 0.5  # sustained fraction of the dense peak in a transformer step
 TP_EFFICIENCY_LOSS = 0.04  # per doubling of tensor parallel (smaller matrices)
@@ -55,7 +57,7 @@ def model_flops_per_token(w: Workload, recompute: str) -> float:
         total = (
             3 * fwd
             - 2 * (n_matmul - a.vocab_size * a.hidden_size)
-            + 6 * a.num_hidden_layers * _lora_layer_params(w, 1)
+            + 6 * a.num_hidden_layers * lora_layer_params(w, 1)
         )
     else:
         total = 3 * fwd
@@ -105,7 +107,7 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
     dp_comm = 0.0
     if layout.data_ranks > 1:
         if w.finetuning == "lora":
-            trainable = a.num_hidden_layers * _lora_layer_params(w, 1)
+            trainable = a.num_hidden_layers * lora_layer_params(w, 1)
         else:
             trainable = count_parameters(a)
         grad_bytes = trainable * pbytes / (layout.tp * layout.pp)
@@ -123,11 +125,7 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
 
     offload = 0.0
     if layout.offload_optimizer or layout.offload_params:
-        n = (
-            (a.num_hidden_layers * _lora_layer_params(w, 1))
-            if w.finetuning == "lora"
-            else count_parameters(a)
-        )
+        n = (a.num_hidden_layers * lora_layer_params(w, 1)) if w.finetuning == "lora" else count_parameters(a)
         n /= layout.tp * layout.pp * (layout.sharding if layout.sharding > 1 else 1)
         offload = n * (pbytes * 2) / device.host_bw + n * 16 * 2 / device.host_update_bw
         if layout.offload_params:
@@ -258,7 +256,3 @@ def yaml_block(layout: Layout) -> str:
     if layout.recompute != "none":
         lines.append(f"  recompute_granularity: {layout.recompute}")
     return "\n".join(lines)
-
-
-def workload_with_batch(w: Workload, global_batch: Optional[int]) -> Workload:
-    return w if global_batch is None else replace(w, global_batch=global_batch)

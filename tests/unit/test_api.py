@@ -17,8 +17,8 @@ from bmtrain_cli.errors import UserError
 @pytest.fixture
 def fresh(monkeypatch):
     """No init_distributed yet in this test (the API keeps one context per process)."""
-    monkeypatch.setattr(api, "_CTX", None)
-    monkeypatch.setattr(api, "_LAYOUT", None)
+    monkeypatch.setattr(api.distributed, "_CTX", None)
+    monkeypatch.setattr(api.distributed, "_LAYOUT", None)
     for name in ("PADDLE_TRAINERS_NUM", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 

@@ -1,0 +1,192 @@
+"""Per-device parameter counts and activation / loss bytes of one decoder layer and the loss, for the
+memory estimator (plan/estimator.py): the tensors the code keeps, by attention kernel and recompute mode."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from bmtrain_cli.config.env import find_cxx
+from bmtrain_cli.models.arch import (
+    LORA_PROJECTIONS,
+    ModelArch,
+    lora_parameters_per_layer,
+)
+from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
+from bmtrain_cli.plan.devices import Device
+from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, CE_CHUNK_ELEMENTS, Layout, Workload
+
+# ----------------------------------------------------------------------------------------------
+# parameter accounting
+
+
+def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
+    """(matrix elements per device, replicated vector elements) of one decoder layer."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q = arch.num_attention_heads * hd
+    kv = arch.num_key_value_heads * hd
+    mats = (h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size) // tp
+    vecs = 2 * h
+    if arch.attention_bias:
+        mats += (q + 2 * kv) // tp
+    if arch.qk_norm:
+        vecs += 2 * hd
+    return mats, vecs
+
+
+def lora_layer_params(w: Workload, tp: int) -> int:
+    return lora_parameters_per_layer(w.arch, w.lora_rank, w.lora_targets, tp)
+
+
+def stage_layers(num_layers: int, pp: int) -> List[int]:
+    """Decoder layers per pipeline stage (uniform partition: earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+# ----------------------------------------------------------------------------------------------
+# activations
+
+
+def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
+    """The kernel training runs (models/attention_choice.py): a flash or blocked one keeps no score
+    matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
+    kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
+    gpu = device.kind != "cpu"
+    return choose_kernel(kind, w.attention, gpu and w.precision in ("bf16", "fp16"), gpu)[0]
+
+
+def _keeps_scores(kernel: str, device: Device) -> bool:
+    """Whether the attention keeps an s x s probability matrix per layer (Paddle's sdpa is its math
+    composition on a CPU; on a GPU it picks a flash or memory-efficient kernel)."""
+    return kernel == "eager" or (kernel.startswith("sdpa") and device.kind == "cpu")
+
+
+def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
+    """Elements per token a layer keeps beyond the fused kernels' when ops run as compositions of Paddle
+    ops (bmtrain_cli/ops/reference.py): ``kernels: reference`` everywhere; ``kernels: paddle`` on a CPU,
+    which has Paddle's fused SwiGLU but not its RMSNorm or rotary kernels."""
+    a = w.arch
+    kernels = w.kernels
+    if kernels == "auto" and device.kind == "cpu" and find_cxx() is None:
+        kernels = "paddle"  # what ops.select("auto") falls back to without a compiler
+    ref_all = kernels == "reference"
+    ref_norm_rotary = ref_all or (kernels == "paddle" and device.kind == "cpu")
+    extra = 0.0
+    if ref_norm_rotary:
+        # each RMSNorm keeps its fp32 normalised input for the weight's gradient; rotary keeps the
+        # rotated-half copies of q and k
+        extra += 2 * a.hidden_size * 4 / act_bytes(w)
+        extra += (a.num_attention_heads + a.num_key_value_heads) * a.head_dim / tp
+    if ref_all:
+        extra += a.intermediate_size / tp  # silu(gate), kept for the product with up
+    return extra
+
+
+def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: str) -> Tuple[float, float]:
+    """(elements kept per token of one layer, of which hidden-size), for mode none|attention|full."""
+    a = w.arch
+    h, hd = a.hidden_size, a.head_dim
+    q = a.num_attention_heads * hd
+    kv = a.num_key_value_heads * hd
+    n_rep = a.num_attention_heads // a.num_key_value_heads
+    tp = layout.tp
+    heads = a.num_attention_heads / tp
+    if mode == "full":
+        return float(h), float(h)
+    hidden_part = 4 * h  # layer input, input-norm output, attention residual, post-norm output
+    kernel = attention_kernel(w, device, layout)
+    scores = _keeps_scores(kernel, device)
+    # q, k, v as the attention core keeps them: the score-keeping compositions repeat K/V to the query
+    # heads (eager and sdpa's math path); the flash and blocked kernels keep K/V with their own heads
+    core_in = (3 * q if (n_rep > 1 and scores) else q + 2 * kv) / tp
+    attn_out = q / tp
+    mlp = 3 * a.intermediate_size / tp  # gate, up (SwiGLU inputs), SwiGLU output
+    core = 0.0
+    if mode == "none":
+        if scores:
+            core = heads * w.seq_len  # softmax probabilities [b, heads, s, s] (per token: heads x s)
+        else:
+            core = heads  # log-sum-exp
+    if a.qk_norm:
+        core_in += (q + kv) / tp  # q/k before their norm
+    core_in += _unfused_elems(w, device, tp)
+    if w.finetuning == "lora":
+        n_targets = len([t for t in w.lora_targets if t in LORA_PROJECTIONS])
+        core_in += n_targets * w.lora_rank + (n_targets * h if w.lora_dropout > 0 else 0)
+    return hidden_part + core_in + attn_out + mlp + core, float(hidden_part)
+
+
+def act_bytes(w: Workload) -> int:
+    return 2 if w.precision in ("bf16", "fp16") else 4
+
+
+def layer_activations(
+    w: Workload, device: Device, layout: Layout, layers: int, mode: str
+) -> List[Tuple[int, int]]:
+    """Per layer, first to last: (bytes kept after the forward of one micro-batch, working set of its
+    backward). Recompute applies to the first ``recompute_layers`` layers (all when None); a recomputed
+    layer's backward first rebuilds what it did not keep."""
+    tokens = layout.micro_batch * w.seq_len
+    e = act_bytes(w)
+    n_rec = (
+        0
+        if mode == "none"
+        else (layers if layout.recompute_layers is None else min(layers, layout.recompute_layers))
+    )
+    full_layer, _ = _layer_activation_elems(w, device, layout, "none")
+    kept_rec, _ = _layer_activation_elems(w, device, layout, mode)
+    a = w.arch
+    # the MLP's backward (the gradients of its largest tensors), then the attention core's, by which time
+    # the MLP's kept tensors (gate, up, SwiGLU output, the post-attention norm's input and output) are
+    # freed. A score-keeping kernel adds the gradients of the probabilities and of the scores
+    # [b, heads, s, s] while the probabilities are still held (measured: +2 score matrices). The blocked
+    # kernel's backward holds grouped copies of q, the output and its gradient, the query-gradient blocks,
+    # fp32 K/V gradient accumulators, and one block's fp32 score-sized temporaries [b, heads, block, s].
+    work = (a.hidden_size + 1.5 * a.intermediate_size / layout.tp) * tokens * e
+    kernel = attention_kernel(w, device, layout)
+    heads = a.num_attention_heads / layout.tp
+    mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size
+    if _keeps_scores(kernel, device):
+        work = max(work, (2 * heads * w.seq_len - mlp_freed) * tokens * e)
+    elif kernel == "blocked":
+        q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
+        per_token = (
+            4 * q_el
+            + 2 * kv_el * 4 / e
+            + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, w.seq_len) * 4 / e
+        )
+        work = max(work, (per_token - mlp_freed) * tokens * e)
+    out = []
+    for i in range(layers):
+        if i < n_rec:
+            out.append((int(kept_rec * tokens * e), int(work + (full_layer - kept_rec) * tokens * e)))
+        else:
+            out.append((int(full_layer * tokens * e), int(work)))
+    return out
+
+
+def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -> Tuple[int, int]:
+    """(bytes kept for the loss's backward, transient peak while computing it) on the last stage."""
+    if not last_stage:
+        return 0, 0
+    a = w.arch
+    n = layout.micro_batch * (w.seq_len - 1)
+    h, vocab = a.hidden_size, a.vocab_size // layout.tp
+    e = act_bytes(w)
+    head_elems = h * vocab
+    final = h * layout.micro_batch * w.seq_len * e  # final norm input
+    if layout.tp == 1 and w.kernels != "reference":
+        # fused linear + cross-entropy in chunks: keeps d(hidden) and d(weight) (fp32 accumulators);
+        # transient: a contiguous copy of the hidden states, a chunk's logits and their gradient, and
+        # the chunk's weight-gradient part
+        kept = final + n * h * 4 + head_elems * 4
+        chunk = min(n * vocab, max(vocab, (CE_CHUNK_ELEMENTS // vocab) * vocab))
+        transient = 2 * chunk * 4 + head_elems * 4 + n * h * e
+        if w.finetuning == "lora":
+            kept -= head_elems * 4
+            transient -= head_elems * 4
+        return int(kept), int(transient)
+    # materialised logits (vocab-parallel cross-entropy, or the reference ops): logits, fp32 softmax,
+    # and their gradient
+    logits = n * vocab
+    return int(final + logits * (e + 4)), int(logits * 4 * 2)

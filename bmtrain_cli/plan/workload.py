@@ -1,0 +1,215 @@
+"""What the memory estimator reasons about: the training workload (model, batch, precision, options), the
+parallel layout, and the per-device estimate it returns; the constants of the memory model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
+
+from bmtrain_cli.models.arch import (
+    ModelArch,
+    lora_targets,
+)
+from bmtrain_cli.plan.devices import Device, format_bytes
+
+# --- CPU: the process around the tensors (Python, Paddle's libraries and thread pools; ~0.4 GiB resident
+# on Paddle 3.3.1), counted by the fit check only. See docs/plan.md "What is measured".
+CPU_RUNTIME_BYTES = 512 << 20
+# --- GPU allocator headroom for the fit check (auto_growth fragmentation)
+GPU_FRAGMENTATION = 0.05
+# Chunk of the fused linear + cross-entropy (bmtrain_cli/ops/custom.py CHUNK_ELEMENTS)
+CE_CHUNK_ELEMENTS = 1 << 23
+DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
+# score-sized [b, heads, block, s] fp32 temporaries alive at once in the blocked attention's backward:
+# the probabilities, the gradient of the probabilities and the intermediate products of the score gradient
+# (counted from models/attention.py; the calibration cases with long rows and few heads agree)
+BLOCKED_TEMPORARIES = 6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and the memory-relevant training options."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sharding: int = 1
+    stage: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"  # none | full | attention
+    recompute_layers: Optional[int] = None  # first N layers (None: all)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    pipeline_micro_batches: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.sharding
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.sharding
+
+    @classmethod
+    def from_config(cls, config: Any) -> Layout:
+        p, t = config.parallel, config.train
+        granularity = t.recompute_granularity if t.gradient_checkpointing else "none"
+        return cls(
+            dp=p.data_parallel,
+            tp=p.tensor_parallel,
+            pp=p.pipeline_parallel,
+            sharding=p.sharding_parallel,
+            stage=p.sharding_stage,
+            micro_batch=t.micro_batch_size,
+            recompute=granularity,
+            recompute_layers=t.recompute_num_layers if granularity != "none" else None,
+            offload_optimizer=p.offload_optimizer,
+            offload_params=p.offload_params,
+            pipeline_micro_batches=p.pipeline_micro_batches,
+        )
+
+    def describe(self) -> str:
+        parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}"]
+        if self.sharding > 1:
+            parts.append(f"sharding {self.sharding} (stage {self.stage})")
+        parts.append(f"micro batch {self.micro_batch}")
+        parts.append("recompute " + (self.recompute if self.recompute != "none" else "off"))
+        if self.offload_optimizer:
+            parts.append("optimizer offload")
+        if self.offload_params:
+            parts.append("parameter offload")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the architecture and the per-sample shape, precision and method."""
+
+    arch: ModelArch
+    seq_len: int
+    global_batch: int
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    amp_level: str = "O2"
+    finetuning: str = "full"  # full | lora
+    lora_rank: int = 8
+    lora_targets: Tuple[str, ...] = ("q_proj", "v_proj")
+    lora_dropout: float = 0.0
+    attention: str = "auto"
+    kernels: str = "auto"
+    packed: bool = False  # batching: packed (segment ids reach the attention; else no mask at all)
+    note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        arch: Optional[ModelArch] = None,
+        seq_len: Optional[int] = None,
+        read_data: bool = True,
+    ) -> Workload:
+        """``arch``/``seq_len``: what the trainer built and the longest batch it will see; without them the
+        tokenizer and (for ``batching: longest``) the data are read as the trainer will read them, unless
+        ``read_data`` is False (then batches are assumed to reach max_seq_len)."""
+        from bmtrain_cli.config.derived import derive
+        from bmtrain_cli.models.arch import arch_from_model_config
+        from bmtrain_cli.plan.data_facts import DataFacts, data_facts
+
+        m, t = config.model, config.train
+        facts = DataFacts()
+        wants_longest = seq_len is None and t.batching == "longest" and read_data
+        if arch is None or wants_longest:
+            facts = data_facts(config, need_vocab=arch is None, need_longest=wants_longest)
+        if arch is None:
+            arch = arch_from_model_config(m, allow_known=True)
+            # a fresh model takes its tokenizer's vocabulary
+            if facts.vocab_size and not m.model_name_or_path:
+                arch = replace(arch, vocab_size=facts.vocab_size)
+        if seq_len is None:
+            seq_len = facts.longest or m.max_seq_len
+        targets = lora_targets(arch, t.lora_target_modules)
+        return cls(
+            arch=arch,
+            seq_len=int(seq_len),
+            global_batch=derive(config).global_batch_size,
+            precision=t.precision,
+            amp_level=t.amp_level,
+            finetuning=t.finetuning,
+            lora_rank=t.lora_rank,
+            lora_targets=tuple(targets),
+            lora_dropout=t.lora_dropout,
+            attention=m.attention_implementation,
+            kernels=m.kernels,
+            packed=t.batching == "packed",
+            note=facts.note,
+        )
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device of the worst pipeline stage (and host bytes when offloading)."""
+
+    device: Device
+    layout: Layout
+    stage_index: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    master_weights: int
+    activations: int
+    activations_by_recompute: Dict[str, int]
+    logits: int
+    comm_buffers: int
+    transient: int
+    runtime: int
+    peak: int  # what summary.json's peak_memory_bytes measures
+    required: int  # peak + runtime reserve + allocator headroom: compared with the device memory
+    host_bytes: int
+    total_parameters: int
+    trainable_parameters: int
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.required <= self.device.memory_bytes
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("device", "layout")}
+        out["device"] = self.device.name
+        out["device_memory_bytes"] = self.device.memory_bytes
+        out["layout"] = asdict(self.layout)
+        out["fits"] = self.fits
+        return out
+
+    def lines(self) -> List[str]:
+        f = format_bytes
+        lay = self.layout
+        rec = self.activations_by_recompute
+        where = f" (pipeline stage {self.stage_index}, the largest)" if lay.pp > 1 else ""
+        opt_where = " [host]" if lay.offload_optimizer else ""
+        out = [
+            f"per-device memory on {self.device.name}{where}: {lay.describe()}",
+            f"  parameters       {f(self.parameters):>12}   "
+            f"({self.trainable_parameters:,} trainable of {self.total_parameters:,})",
+            f"  gradients        {f(self.gradients):>12}",
+            f"  optimizer states {f(self.optimizer_states):>12}{opt_where}",
+            f"  master weights   {f(self.master_weights):>12}{opt_where}",
+            f"  activations      {f(self.activations):>12}   "
+            f"(recompute off {f(rec['none'])}, attention {f(rec['attention'])}, full {f(rec['full'])})",
+            f"  logits and loss  {f(self.logits):>12}",
+            f"  comm buffers     {f(self.comm_buffers):>12}",
+            f"  transient        {f(self.transient):>12}",
+        ]
+        out.append(f"  peak             {f(self.peak):>12}   (live tensors; summary.json peak_memory_bytes)")
+        if self.host_bytes:
+            out.append(f"  host memory      {f(self.host_bytes):>12}   (offloaded)")
+        verdict = "fits" if self.fits else "does NOT fit"
+        out.append(
+            f"  => needs {f(self.required)} of {f(self.device.memory_bytes)}: {verdict}"
+            + (
+                " (incl. the process and the checkpoint save)"
+                if self.device.kind == "cpu"
+                else " (incl. runtime reserve and allocator headroom)"
+            )
+        )
+        out += [f"  note: {n}" for n in self.notes]
+        return out

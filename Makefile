@@ -8,7 +8,7 @@ PADDLE_CPU ?= paddlepaddle==3.3.1
 PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv calibrate
+.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv calibrate duplicates
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -41,6 +41,11 @@ test-all: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Repeated code in bmtrain_cli/ against a small allowance (.ci/duplicates-check; skipped, and says so,
+# where the `duplicates` command is not installed).
+duplicates:
+	.ci/duplicates-check
 
 format: venv
 	$(VENV)/bin/ruff check --fix .

@@ -89,7 +89,7 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
         steps=STEPS,
         recompute="false",
     )
-    trainer = Trainer(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))  # noqa: SIM115
+    trainer = Trainer(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))
     # the batches the trainer will see (grad accumulation 1), then rewind its loader
     state = trainer.loader.state_dict()
     it = iter(trainer.loader)

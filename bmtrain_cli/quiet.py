@@ -100,6 +100,20 @@ _CHAINED = (
 
 
 _NOISE_BYTES = tuple(n.encode() for n in NOISE)
+# the first line of each error dump the console drops, and the state it opens
+_DUMP_OPENERS = (
+    (b"C++ Traceback (most recent call last):", "cpp"),
+    (b"Error Message Summary:", "summary"),
+    (b"Traceback (most recent call last):", "python"),
+    (b"terminate called after throwing", "exception"),
+)
+
+
+def _dump_opened_by(text: bytes) -> Optional[str]:
+    """The state an error dump starting with ``text`` opens, None when ``text`` opens none."""
+    if text in _CHAINED:  # "During handling of the above exception ..." between chained tracebacks
+        return "python"
+    return next((state for prefix, state in _DUMP_OPENERS if text.startswith(prefix)), None)
 
 
 class LauncherConsole:
@@ -133,17 +147,9 @@ class LauncherConsole:
         if text.startswith(b"error: "):
             self.state = "normal"
             return [held, line] if held is not None else [line]
-        if text.startswith(b"C++ Traceback (most recent call last):"):
-            self.state = "cpp"
-            return []
-        if text.startswith(b"Error Message Summary:"):
-            self.state = "summary"
-            return []
-        if text.startswith(b"Traceback (most recent call last):") or text in _CHAINED:
-            self.state = "python"
-            return []
-        if text.startswith(b"terminate called after throwing"):
-            self.state = "exception"
+        opened = _dump_opened_by(text)
+        if opened is not None:
+            self.state = opened
             return []
         kept = [] if held is None else [held]
         dashes = len(text) >= 10 and not text.strip(b"-")

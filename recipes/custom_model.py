@@ -27,7 +27,7 @@ from paddle import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from bmtrain_cli import (  # noqa: E402
+from bmtrain_cli import (
     DataParallel,
     PipelineParallel,
     TensorParallel,

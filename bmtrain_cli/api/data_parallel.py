@@ -9,7 +9,7 @@ from bmtrain_cli.api.distributed import context
 from bmtrain_cli.errors import UserError
 
 
-def DataParallel(model: Any, group_size: Optional[int] = None, sharding_stage: Optional[int] = None) -> Any:  # noqa: N802
+def DataParallel(model: Any, group_size: Optional[int] = None, sharding_stage: Optional[int] = None) -> Any:
     """Replicate ``model`` over the data ranks: parameters broadcast from the group's first rank;
     train_step sums the gradients over the group. ``group_size`` (checked) is the number of data ranks,
     data_parallel x sharding_parallel of init_distributed. ``sharding_stage=1`` asserts that the

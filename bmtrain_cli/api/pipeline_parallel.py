@@ -40,7 +40,7 @@ def pipeline_items(model: Any) -> List[Any]:
     )
 
 
-def PipelineParallel(  # noqa: N802
+def PipelineParallel(
     model: Any,
     stages: int = 2,
     loss_fn: Optional[Callable[[Any, Any], Any]] = None,

@@ -126,7 +126,7 @@ def _check_kind(name: str, layer: Any, kind: str, degree: int) -> None:
         )
 
 
-def TensorParallel(  # noqa: N802
+def TensorParallel(
     model: Any, split_dim: int = 1, plan: Optional[Mapping[str, str]] = None, degree: Optional[int] = None
 ) -> Any:
     """Split ``model``'s Linear/Embedding layers over the tensor-parallel ranks (see resolve_plan) by

@@ -80,7 +80,3 @@ def _record_rank_failure(message: str) -> None:
 
 def overrides(values: Optional[List[str]]) -> List[str]:
     return list(values or [])
-
-
-def echo_err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -42,7 +42,7 @@ def export(
     ),
 ) -> None:
     """Export a checkpoint for serving (Paddle Inference) or for the Hugging Face ecosystem."""
-    from bmtrain_cli.export.pipeline import describe, export_checkpoint  # noqa: PLC0415
+    from bmtrain_cli.export.pipeline import describe, export_checkpoint
 
     result = export_checkpoint(
         checkpoint,

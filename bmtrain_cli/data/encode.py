@@ -58,16 +58,6 @@ class Encoder:
             pos = best + len(best_tok)
         return out
 
-    def encode_text(self, text: str) -> List[int]:
-        """Encode text that may contain special-token strings or EOS/BOS markers (each becomes one id)."""
-        ids: List[int] = []
-        for part in self.split_specials(text):
-            if isinstance(part, int):
-                ids.append(part)
-            else:
-                ids.extend(self.tokenizer.encode(part))
-        return ids
-
     def _pieces_to_ids(self, pieces: Sequence[Piece]) -> Tuple[List[int], List[bool]]:
         return self._assemble(self._plan(pieces), None)
 

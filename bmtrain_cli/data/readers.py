@@ -118,7 +118,7 @@ def read_records(path: str) -> Iterator[RawRecord]:
     An empty file (no record at all) yields one bad record at line 1.
     """
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator keeps it open while iterated
+        f = open(path, "rb")
     except OSError as exc:
         raise UserError(f"{path}: cannot open: {exc.strerror}") from None
     with f:

@@ -192,9 +192,6 @@ class JinjaTemplate:
         return [(self._text(msgs, tokenizer, True), False)]
 
 
-Template = object  # BuiltinTemplate | JinjaTemplate (both have render, render_prompt, name, specials)
-
-
 def template_names() -> List[str]:
     return ["auto", "tokenizer", *BUILTIN_TEMPLATES]
 

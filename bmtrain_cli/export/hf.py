@@ -74,7 +74,7 @@ def quantized_hf_tensors(model: paddle.nn.Layer, report: QuantReport) -> Dict[st
 
 def write_safetensors(tensors: Dict[str, np.ndarray], out_dir: Path, max_shard_size_bytes: int) -> List[Path]:
     """One model.safetensors, or shards model-0000i-of-0000n.safetensors + index above the limit."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file
 
     shards: List[Dict[str, np.ndarray]] = [{}]
     size = 0
@@ -129,7 +129,7 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if report is None:
-        from bmtrain_cli.models import save_pretrained  # noqa: PLC0415
+        from bmtrain_cli.models import save_pretrained
 
         save_pretrained(model, str(out), max_shard_size_bytes=max_shard_size_bytes)
         files = sorted(out.glob("*.safetensors"))
@@ -170,8 +170,8 @@ def weight_files(path: Path) -> List[Path]:
 
 
 def read_tensors(path: Path) -> Dict[str, np.ndarray]:
-    from safetensors import SafetensorError  # noqa: PLC0415
-    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
 
     tensors: Dict[str, np.ndarray] = {}
     for f in weight_files(path):
@@ -195,8 +195,8 @@ def is_quantized(path: Path) -> bool:
 
 def load_quantized(path: str, kernels: str = "auto") -> paddle.nn.Layer:
     """A CausalLM with int8 buffers from a quantised hf export."""
-    from bmtrain_cli.models import build  # noqa: PLC0415
-    from bmtrain_cli.models.arch import read_hf_config  # noqa: PLC0415
+    from bmtrain_cli.models import build
+    from bmtrain_cli.models.arch import read_hf_config
 
     p = Path(path)
     arch = read_hf_config(str(p))

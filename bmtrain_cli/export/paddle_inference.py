@@ -61,7 +61,7 @@ def export_paddle_inference(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    from bmtrain_cli.export.quantize import QuantLinear  # noqa: PLC0415
+    from bmtrain_cli.export.quantize import QuantLinear
 
     previous = {}
     for name, layer in model.named_sublayers():
@@ -131,7 +131,7 @@ class Predictor:
     """A paddle.inference predictor over an export directory: ``logits(input_ids) -> np.ndarray``."""
 
     def __init__(self, export_dir: str, use_gpu: Optional[bool] = None, threads: int = 1):
-        from paddle import inference  # noqa: PLC0415
+        from paddle import inference
 
         files = model_files(Path(export_dir))
         check_sizes(Path(export_dir), files)

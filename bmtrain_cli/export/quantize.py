@@ -111,7 +111,7 @@ class QuantLinear(paddle.nn.Layer):
         product of the two scales is the real one.
         """
         if self._kernel is None:
-            from paddle.nn.quant import weight_quantize  # noqa: PLC0415
+            from paddle.nn.quant import weight_quantize
 
             arch = _gpu_arch()
             assert arch is not None
@@ -136,7 +136,7 @@ class QuantLinear(paddle.nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self._kernel_usable(x):
-            from paddle.nn.quant import weight_only_linear  # noqa: PLC0415
+            from paddle.nn.quant import weight_only_linear
 
             kq, kscale, arch = self._kernel_weights()
             bias = None if self.bias is None else self.bias.astype(x.dtype)

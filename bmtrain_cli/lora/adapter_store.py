@@ -21,7 +21,7 @@ from paddle import nn
 
 from bmtrain_cli.checkpoint_layout import atomic_directory
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.lora.inject import LoRASettings, apply_lora, is_lora_name, lora_layers, lora_settings
+from bmtrain_cli.lora.inject import LoRASettings, apply_lora, is_lora_name, lora_settings
 from bmtrain_cli.lora.merge import (
     ADAPTER_CONFIG,
     adapter_arrays,
@@ -138,7 +138,7 @@ def load_lora_checkpoint(
 ) -> nn.Layer:
     """Base model (found and verified) + the checkpoint's adapters. ``merge``: fold them in and return a
     plain model (Hugging Face names only)."""
-    from bmtrain_cli.models import load_pretrained  # noqa: PLC0415
+    from bmtrain_cli.models import load_pretrained
 
     ckpt = Path(path)
     settings = settings_from_adapter_config(read_adapter_config(ckpt), str(ckpt / ADAPTER_CONFIG))
@@ -166,12 +166,12 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
     pp = int(getattr(ctx, "pp_degree", 1) or 1)
     if pp > 1:
         return {k: v for k, v in ctx.full_state_dict(model).items() if is_lora_name(k)}
-    from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
+    from bmtrain_cli.parallel.full_weights import unwrap
 
     inner = unwrap(model)
     if tp == 1:
         return adapter_arrays(inner)
-    import paddle.distributed as dist  # noqa: PLC0415
+    import paddle.distributed as dist
 
     group = ctx.hcg.get_model_parallel_group()
     out: Dict[str, np.ndarray] = {}
@@ -242,8 +242,8 @@ class LoRARun:
     ) -> Callable[[Any, str], None]:
         """Gather the adapters now (collective) and return the ``weights_writer`` for
         train.training_state.save_checkpoint: adapters (PEFT layout) + base record + config.json."""
-        from bmtrain_cli.models.arch import arch_to_hf_dict  # noqa: PLC0415
-        from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
+        from bmtrain_cli.models.arch import arch_to_hf_dict
+        from bmtrain_cli.parallel.full_weights import unwrap
 
         arrays = whole_adapter_arrays(model, ctx)
         arch = unwrap(model).arch
@@ -259,7 +259,7 @@ class LoRARun:
         return writer
 
     def describe(self, model: nn.Layer, total_parameters: int) -> str:
-        from bmtrain_cli.lora.inject import trainable_count  # noqa: PLC0415
+        from bmtrain_cli.lora.inject import trainable_count
 
         n = trainable_count(model)
         s = self.settings
@@ -272,7 +272,7 @@ class LoRARun:
 
 def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str, np.ndarray]:
     """Whole base weights (no adapters) under single-process names; collective under TP/PP."""
-    from bmtrain_cli.parallel.full_weights import unwrap  # noqa: PLC0415
+    from bmtrain_cli.parallel.full_weights import unwrap
 
     if int(getattr(ctx, "tp_degree", 1) or 1) > 1 or int(getattr(ctx, "pp_degree", 1) or 1) > 1:
         full = ctx.full_state_dict(model)
@@ -289,7 +289,3 @@ def _save_base(model: nn.Layer, tensors: Dict[str, np.ndarray], out: Path) -> No
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out, f".{out.name}.tmp-{os.getpid()}", create=False) as tmp:
         save_pretrained(FullWeights(unwrap(model).arch, tensors), str(tmp))
-
-
-def lora_layer_names(model: nn.Layer) -> List[str]:
-    return [n for n, _ in lora_layers(model)]

@@ -46,7 +46,7 @@ def tensor_parallel_kind(layer: nn.Layer) -> Tuple[Optional[str], int, int, Any]
     if rank is None and group is not None:
         rank = group.rank
     if rank is None:
-        from paddle.distributed import fleet  # noqa: PLC0415
+        from paddle.distributed import fleet
 
         rank = fleet.get_hybrid_communicate_group().get_model_parallel_rank()
     return kind, world, int(rank), group
@@ -121,7 +121,7 @@ class LoRALinear(nn.Layer):
         h = x if self.lora_dropout is None else self.lora_dropout(x)
         h = self.lora_A(h)
         if self.tp_kind is not None:
-            from paddle.distributed.fleet.layers.mpu import mp_ops  # noqa: PLC0415
+            from paddle.distributed.fleet.layers.mpu import mp_ops
 
             if self.tp_kind == "row":
                 h = mp_ops._mp_allreduce(h, group=self._group, use_calc_stream=True, use_model_parallel=True)

@@ -118,7 +118,7 @@ def save_adapters(
     base_model_name_or_path: Optional[str] = None,
 ) -> Path:
     """Write adapter_config.json + adapter_model.safetensors from whole adapter arrays (our names)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -156,8 +156,8 @@ def settings_from_adapter_config(cfg: Dict[str, Any], source: str = "adapter_con
 
 def load_adapter_arrays(path: Any) -> Dict[str, np.ndarray]:
     """Whole adapter tensors (our names, Paddle layout) of a PEFT directory."""
-    from safetensors import SafetensorError  # noqa: PLC0415
-    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
 
     f = Path(path) / ADAPTER_WEIGHTS
     if not f.is_file():

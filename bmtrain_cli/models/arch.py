@@ -11,8 +11,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "baichuan")
-
 # Hugging Face model_type -> our family
 MODEL_TYPES = {
     "llama": "llama",

@@ -282,11 +282,11 @@ def attend(
     kernel, _ = choose_kernel(kind, implementation, half, _on_gpu(), not paddle.in_dynamic_mode())
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "flash":
-        from paddle.nn.functional.flash_attention import flash_attention  # noqa: PLC0415
+        from paddle.nn.functional.flash_attention import flash_attention
 
         return flash_attention(q, k, v, causal=True, training=training)[0]
     if kernel == "flash_varlen":
-        from paddle.nn.functional.flash_attention import flash_attn_unpadded  # noqa: PLC0415
+        from paddle.nn.functional.flash_attention import flash_attn_unpadded
 
         b, s, h, d = q.shape
         cu = cu_seqlens(mask)

@@ -135,7 +135,7 @@ class Attention(nn.Layer):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         if self.recompute_core and self.training:
-            from paddle.distributed.fleet.utils import recompute  # noqa: PLC0415
+            from paddle.distributed.fleet.utils import recompute
 
             out = recompute(self._core, q, k, v, bias)
         else:
@@ -342,7 +342,7 @@ class CausalLM(nn.Layer):
         bias = self._attention_bias(attention_mask, s, past, x.dtype)
         for i, layer in enumerate(self.model.layers):
             if i in self._recompute_layers and self.training:
-                from paddle.distributed.fleet.utils import recompute  # noqa: PLC0415
+                from paddle.distributed.fleet.utils import recompute
 
                 x = recompute(layer, x, cos, sin, bias)
             else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
@@ -235,8 +234,3 @@ def save_pretrained(
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     written.append(d / "config.json")
     return written
-
-
-def with_vocab(arch: ModelArch, vocab_size: int) -> ModelArch:
-    """The same architecture with another vocabulary size (the trainer takes it from the tokenizer)."""
-    return replace(arch, vocab_size=vocab_size)

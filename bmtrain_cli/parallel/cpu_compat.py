@@ -69,10 +69,6 @@ def apply() -> None:
     _APPLIED = True
 
 
-def is_applied() -> bool:
-    return _APPLIED
-
-
 # --------------------------------------------------------------------------- process group methods
 
 

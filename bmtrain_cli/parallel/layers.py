@@ -90,11 +90,5 @@ class TensorParallelFactory:
         valid = (flat_labels != ignore_index).astype("float32")
         return (loss.astype("float32") * valid).sum(), valid.sum()
 
-    def gather_logits(self, logits: Any) -> Any:
-        """Full-vocabulary logits from the vocabulary shards (for generation and evaluation)."""
-        from paddle.distributed.fleet.layers.mpu import mp_ops
-
-        return mp_ops._c_concat(logits, group=self.mp_group)
-
     def __repr__(self) -> str:
         return f"TensorParallelFactory(tp_degree={self.tp_degree}, tp_rank={self.tp_rank})"

@@ -183,7 +183,7 @@ class MetricsWriter:
             truncate_metrics(self.metrics_path, resume_step)
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter
 

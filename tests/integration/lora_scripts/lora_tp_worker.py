@@ -14,15 +14,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import paddle  # noqa: E402
+import paddle
 
-from bmtrain_cli.config.schema import Config  # noqa: E402
-from bmtrain_cli.lora.adapter_store import whole_adapter_arrays  # noqa: E402
-from bmtrain_cli.lora.inject import apply_lora  # noqa: E402
-from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights  # noqa: E402
-from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
-from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
-from tests.tiny import ARCH  # noqa: E402
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.lora.adapter_store import whole_adapter_arrays
+from bmtrain_cli.lora.inject import apply_lora
+from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights
+from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.layers import PlainFactory
+from tests.tiny import ARCH
 
 LORA = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
 ROWS, MICRO, SEQ, STEPS = 8, 2, 32, 3

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from bmtrain_cli.config.schema import Config  # noqa: E402
-from bmtrain_cli.parallel.topology import init_parallel  # noqa: E402
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.parallel.topology import init_parallel
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--mode", required=True)

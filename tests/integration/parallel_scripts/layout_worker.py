@@ -15,12 +15,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import paddle  # noqa: E402
+import paddle
 
-from bmtrain_cli.config.schema import Config  # noqa: E402
-from bmtrain_cli.models.decoder import CausalLM  # noqa: E402
-from bmtrain_cli.models.layers import PlainFactory  # noqa: E402
-from tests.tiny import ARCH  # noqa: E402
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.layers import PlainFactory
+from tests.tiny import ARCH
 
 GLOBAL_BATCH, MICRO, SEQ, STEPS = 8, 2, 32, 3
 

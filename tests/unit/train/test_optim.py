@@ -38,7 +38,7 @@ def test_no_decay_on_norms_and_biases():
     opt = build_optimizer(m, TrainConfig(weight_decay=0.5, learning_rate=0.1), 0.1)
     before = {n: p.numpy().copy() for n, p in m.named_parameters()}
     for p in m.parameters():
-        p.grad = paddle.zeros_like(p)  # noqa: B010
+        p.grad = paddle.zeros_like(p)
     (m(paddle.ones([1, 4])).sum() * 0).backward()
     opt.step()
     for n, p in m.named_parameters():

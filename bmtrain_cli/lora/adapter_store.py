@@ -162,15 +162,13 @@ def merge_checkpoint(path: str, kernels: str = "auto") -> nn.Layer:
 def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> Dict[str, np.ndarray]:
     """Whole adapter tensors (our names, Paddle layout). Collective under tensor/pipeline parallel:
     call it on every rank."""
-    tp = int(getattr(ctx, "tp_degree", 1) or 1)
-    pp = int(getattr(ctx, "pp_degree", 1) or 1)
-    if pp > 1:
-        return {k: v for k, v in ctx.full_state_dict(model).items() if is_lora_name(k)}
     from bmtrain_cli.parallel.full_weights import unwrap
 
     inner = unwrap(model)
-    if tp == 1:
+    if ctx is None or (ctx.tp_degree == 1 and ctx.pp_degree == 1):
         return adapter_arrays(inner)
+    if ctx.pp_degree > 1:
+        return {k: v for k, v in ctx.full_state_dict(model).items() if is_lora_name(k)}
     import paddle.distributed as dist
 
     group = ctx.hcg.get_model_parallel_group()
@@ -223,7 +221,7 @@ class LoRARun:
         output_dir/base_model first. Collective under tensor/pipeline parallel (call on every rank)."""
         if self.base_path is not None:
             return
-        is_main = getattr(ctx, "is_main", True)
+        is_main = ctx.is_main if ctx is not None else True
         source = getattr(config.model, "model_name_or_path", None)
         if source:
             base = Path(source).resolve()
@@ -232,7 +230,7 @@ class LoRARun:
             tensors = _whole_base_arrays(model, ctx)
             if is_main:
                 _save_base(model, tensors, base)
-            if getattr(ctx, "world_size", 1) > 1:
+            if ctx is not None and ctx.world_size > 1:
                 ctx.barrier()
         self.base_path = str(base)
         self.base_sha256 = hash_base(base) if is_main else None
@@ -274,7 +272,7 @@ def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str,
     """Whole base weights (no adapters) under single-process names; collective under TP/PP."""
     from bmtrain_cli.parallel.full_weights import unwrap
 
-    if int(getattr(ctx, "tp_degree", 1) or 1) > 1 or int(getattr(ctx, "pp_degree", 1) or 1) > 1:
+    if ctx is not None and (ctx.tp_degree > 1 or ctx.pp_degree > 1):
         full = ctx.full_state_dict(model)
     else:
         full = {n: p.numpy() for n, p in unwrap(model).state_dict().items()}

@@ -73,20 +73,20 @@ def to_numpy(t: Any) -> np.ndarray:
 def optimizer_layout(ctx: Optional[ParallelCtx] = None) -> Dict[str, Any]:
     """The layout the optimizer state is split by. ``portable``: rank 0 holds the whole state (one
     process or plain data parallel, where every rank holds the same state), so any such layout can
-    reuse it; otherwise each rank's part is saved and only the same layout can reuse it."""
-    config = getattr(ctx, "config", None)
-    par = getattr(config, "parallel", None)
-    layout = {
-        "world_size": int(getattr(ctx, "world_size", 1)),
-        "data_world": int(getattr(ctx, "data_world", 1)),
-        "tensor_parallel": int(getattr(ctx, "tp_degree", 1)),
-        "pipeline_parallel": int(getattr(ctx, "pp_degree", 1)),
-        "sharding_parallel": int(getattr(ctx, "sharding_degree", 1)),
-        "sharding_stage": int(getattr(par, "sharding_stage", 1)) if par is not None else 1,
+    reuse it; otherwise each rank's part is saved and only the same layout can reuse it. ``ctx`` None:
+    one process."""
+    if ctx is None:
+        one = ("world_size", "data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+        return {**dict.fromkeys(one, 1), "sharding_stage": 1, "portable": True}
+    return {
+        "world_size": int(ctx.world_size),
+        "data_world": int(ctx.data_world),
+        "tensor_parallel": int(ctx.tp_degree),
+        "pipeline_parallel": int(ctx.pp_degree),
+        "sharding_parallel": int(ctx.sharding_degree),
+        "sharding_stage": int(ctx.config.parallel.sharding_stage) if ctx.config is not None else 1,
+        "portable": bool(ctx.optimizer_state_portable),
     }
-    portable = getattr(ctx, "optimizer_state_portable", None)
-    layout["portable"] = bool(portable) if portable is not None else True
-    return layout
 
 
 def describe_layout(layout: Optional[Dict[str, Any]]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from bmtrain_cli.checkpoint_layout import CHECKPOINTS_DIR, LATEST, STATE_FILE, atomic_directory
 from bmtrain_cli.errors import UserError
@@ -81,6 +81,50 @@ def _weight_bytes(out: Path, fmt: str) -> int:
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
+def _format_and_quantize(
+    fmt: Optional[str], quantize: Optional[str], merge: bool
+) -> Tuple[str, Optional[str]]:
+    """The normalised --format and --quantize; UserError for an unknown one or a pair --no-merge cannot do."""
+    if not merge and (quantize or (fmt is not None and normalize_format(fmt) != "hf")):
+        raise UserError(
+            "--no-merge writes the LoRA adapters alone in the Hugging Face PEFT layout (fp32); "
+            "--format paddle-inference and --quantize need merged weights: drop --no-merge"
+        )
+    fmt = normalize_format(fmt or "paddle-inference")
+    if quantize is not None and quantize.lower() not in QUANTIZE:
+        raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
+    return fmt, (quantize.lower() if quantize else None)
+
+
+def _write_format(
+    tmp: Path,
+    fmt: str,
+    model: Any,
+    tokenizer: Any,
+    report: Any,
+    source_config: Dict[str, Any],
+    ckpt: Path,
+    quantize: Optional[str],
+) -> None:
+    """The model in ``fmt`` (paddle-inference or hf) with its config.json and tokenizer, into ``tmp``."""
+    if fmt == "paddle-inference":
+        from bmtrain_cli.export.hf import write_tokenizer
+        from bmtrain_cli.export.paddle_inference import export_paddle_inference
+
+        export_paddle_inference(model, str(tmp), meta={"source": str(ckpt), "quantization": quantize})
+        cfg = dict(source_config)
+        if report is not None:
+            from bmtrain_cli.export.hf import quantization_config
+
+            cfg["quantization_config"] = quantization_config(report)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        write_tokenizer(tokenizer, tmp)
+    else:
+        from bmtrain_cli.export.hf import export_hf
+
+        export_hf(model, str(tmp), tokenizer=tokenizer, report=report, source_config=source_config)
+
+
 def export_checkpoint(
     checkpoint: str,
     output: str,
@@ -97,15 +141,7 @@ def export_checkpoint(
     """Export ``checkpoint`` to ``output`` (see the module docstring). UserError for anything the user can
     fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data.
     ``fmt`` None means paddle-inference (with ``merge``) or the PEFT adapter layout (without)."""
-    if not merge and (quantize or (fmt is not None and normalize_format(fmt) != "hf")):
-        raise UserError(
-            "--no-merge writes the LoRA adapters alone in the Hugging Face PEFT layout (fp32); "
-            "--format paddle-inference and --quantize need merged weights: drop --no-merge"
-        )
-    fmt = normalize_format(fmt or "paddle-inference")
-    if quantize is not None and quantize.lower() not in QUANTIZE:
-        raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
-    quantize = quantize.lower() if quantize else None
+    fmt, quantize = _format_and_quantize(fmt, quantize, merge)
     from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -156,22 +192,7 @@ def export_checkpoint(
 
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
-        if fmt == "paddle-inference":
-            from bmtrain_cli.export.hf import write_tokenizer
-            from bmtrain_cli.export.paddle_inference import export_paddle_inference
-
-            export_paddle_inference(model, str(tmp), meta={"source": str(ckpt), "quantization": quantize})
-            cfg = dict(source_config)
-            if report is not None:
-                from bmtrain_cli.export.hf import quantization_config
-
-                cfg["quantization_config"] = quantization_config(report)
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-            write_tokenizer(tokenizer, tmp)
-        else:
-            from bmtrain_cli.export.hf import export_hf
-
-            export_hf(model, str(tmp), tokenizer=tokenizer, report=report, source_config=source_config)
+        _write_format(tmp, fmt, model, tokenizer, report, source_config, ckpt, quantize)
         result.export_weight_bytes = _weight_bytes(tmp, fmt)
         write_export_meta(
             tmp, {"format": fmt, "source": str(ckpt), "quantization": quantize, "report": result.to_dict()}

@@ -79,15 +79,18 @@ def _prepare_data(rt: Runtime, is_main: bool, ctx: Any) -> Dict[str, Any]:
     paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
     if t.data_path is None and t.demo_data:
         from bmtrain_cli.data.demo import write_demo_data
+        from bmtrain_cli.preference.demo import write_demo_pairs
 
         data_dir = rt.output_dir / "data"
+        # stage dpo: preference pairs, and heldout.jsonl stays the exact-match set
+        writer = write_demo_pairs if t.stage == "dpo" else write_demo_data
         if is_main:
-            write_demo_data(str(data_dir), task=t.demo_data, seed=0)
+            writer(str(data_dir), task=t.demo_data, seed=0)
         _barrier(ctx)
-        paths["train"] = str(data_dir / "train.jsonl")
+        paths["train"] = str(data_dir / ("pairs_train.jsonl" if t.stage == "dpo" else "train.jsonl"))
         paths["heldout"] = str(data_dir / "heldout.jsonl")
         if paths["eval"] is None:
-            paths["eval"] = paths["heldout"]
+            paths["eval"] = str(data_dir / "pairs_heldout.jsonl") if t.stage == "dpo" else paths["heldout"]
     return paths
 
 
@@ -229,27 +232,19 @@ class Trainer:
         self.tokenizer = _load_tokenizer(self.rt, self.paths, self.is_main, self.ctx)
         self.data_config = _data_config(self.config, self.paths)
 
-        from bmtrain_cli.data.loader import build_loader
+        self.objective: Any = None  # the preference objective (stage: dpo), built with the model
+        if t.stage == "dpo":
+            from bmtrain_cli.preference.setup import build_loaders
 
-        self.loader = build_loader(
-            self.data_config,
-            self.tokenizer,
-            split="train",
-            data_rank=getattr(self.ctx, "data_rank", 0),
-            data_world=getattr(self.ctx, "data_world", 1),
-            seed=t.seed,
-            write_rejected=False,  # written by _claim_output_dir, once every check has passed
-        )
-        self.eval_loader = None
-        if self.paths["eval"] is not None:
-            self.eval_loader = build_loader(
+            self.loader, self.eval_loader = build_loaders(
                 self.data_config,
                 self.tokenizer,
-                split="eval",
-                data_rank=getattr(self.ctx, "data_rank", 0),
-                data_world=getattr(self.ctx, "data_world", 1),
-                seed=t.seed,
+                getattr(self.ctx, "data_rank", 0),
+                getattr(self.ctx, "data_world", 1),
+                self.paths["eval"] is not None,
             )
+        else:
+            self.loader, self.eval_loader = self._sft_loaders()
         self.data_report = _data_report(self.loader, self.eval_loader, self.rt.output_dir, t.truncation)
 
         from bmtrain_cli.plan.estimator import (
@@ -281,6 +276,20 @@ class Trainer:
                 f"out of memory while building the model and optimizer{figure}; use a smaller model or more "
                 "devices (`bmtrain plan --config ... --search`)"
             ) from None
+        if t.stage == "dpo":
+            from bmtrain_cli.preference.setup import build_objective
+
+            self.objective = build_objective(
+                self.config,
+                self.raw_model,
+                lora=self.lora is not None,
+                factory=getattr(self.ctx, "factory", None),
+                dtype=self.precision.dtype if self.precision.master_weights else None,
+                loaders=(self.loader, self.eval_loader),
+                all_reduce=getattr(self.ctx, "all_reduce_sum", lambda v: v),
+                is_main=self.is_main,
+                say=self._say,
+            )
         self.rt.total_steps = self._total_steps()
 
         from bmtrain_cli.train.schedule import build_schedule
@@ -299,6 +308,31 @@ class Trainer:
         if self.rt.resume_from is not None:
             self._restore(self.rt.resume_from)
         self._claim_output_dir()
+
+    def _sft_loaders(self) -> Any:
+        from bmtrain_cli.data.loader import build_loader
+
+        t = self.config.train
+        loader = build_loader(
+            self.data_config,
+            self.tokenizer,
+            split="train",
+            data_rank=getattr(self.ctx, "data_rank", 0),
+            data_world=getattr(self.ctx, "data_world", 1),
+            seed=t.seed,
+            write_rejected=False,  # written by _claim_output_dir, once every check has passed
+        )
+        eval_loader = None
+        if self.paths["eval"] is not None:
+            eval_loader = build_loader(
+                self.data_config,
+                self.tokenizer,
+                split="eval",
+                data_rank=getattr(self.ctx, "data_rank", 0),
+                data_world=getattr(self.ctx, "data_world", 1),
+                seed=t.seed,
+            )
+        return loader, eval_loader
 
     # -- construction
     def _build_model_and_optimizer(self) -> None:
@@ -546,11 +580,16 @@ class Trainer:
 
         if self.eval_loader is None:
             return None
-        loss, _ = eval_loss(self._whole_model(), self.eval_loader, self.precision.autocast, self.ctx)
+        extra: Dict[str, Any] = {}
+        if self.objective is not None:  # pairs: mean pair loss and TRL's metrics, on the sharded model
+            loss, extra = self.objective.evaluate(self.train_model, self.eval_loader, self.precision.autocast)
+            self.history["eval_metrics"] = extra
+        else:
+            loss, _ = eval_loss(self._whole_model(), self.eval_loader, self.precision.autocast, self.ctx)
         if math.isfinite(loss) and (self.best_eval_loss is None or loss < self.best_eval_loss):
             self.best_eval_loss = loss
         if self.metrics is not None:
-            self.metrics.log_eval(self.step, loss)
+            self.metrics.log_eval(self.step, loss, extra)
         return loss
 
     def demo_accuracy(self) -> Optional[Dict[str, Any]]:
@@ -624,7 +663,9 @@ class Trainer:
         local_count = float(sum(count_targets(b) for b in micro))
         local_tokens = float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
         distributed = getattr(self.ctx, "data_world", 1) > 1
-        if distributed:
+        if self.objective is not None:  # preference pairs: the loss is a mean over the step's pairs
+            total_count, total_tokens = self.objective.begin_step(micro)
+        elif distributed:
             total_count = float(self.ctx.all_reduce_sum(local_count))
             total_tokens = float(self.ctx.all_reduce_sum(local_tokens))
         else:
@@ -634,9 +675,11 @@ class Trainer:
         self.optimizer.set_lr(lr)
         loss_acc = None
         for b in micro:
-            tensors = to_tensors(b)
             with self.precision.autocast():
-                loss_sum, _ = self.loss_fn(**tensors)
+                if self.objective is not None:
+                    loss_sum, _ = self.objective.loss_sum(self.train_model, b)
+                else:
+                    loss_sum, _ = self.loss_fn(**to_tensors(b))
             self.precision.backward(loss_sum / denom)
             loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
         if self.own_clip and distributed and hasattr(self.optimizer, "reduce_gradients"):
@@ -670,6 +713,7 @@ class Trainer:
             "tokens": total_tokens,
             "applied": applied,
             "finite": finite,
+            "metrics": self.objective.step_metrics() if self.objective is not None else {},
         }
 
     # -- the loop
@@ -717,6 +761,12 @@ class Trainer:
                     f"held-out accuracy before training: {100 * acc['accuracy']:.1f}% ({acc['n']} problems)"
                 )
 
+        if self.objective is not None and self.eval_loader is not None and "eval_before" not in self.history:
+            _, self.history["eval_before"] = self.objective.evaluate(
+                self.train_model, self.eval_loader, self.precision.autocast
+            )
+            acc = self.history["eval_before"]["preference_accuracy"]
+            self._say(f"held-out preference accuracy before training: {100 * acc:.1f}%")
         self._iter = iter(self.loader)
         # the final-loss window survives a resume (kept in the checkpoint's history), so a resumed run
         # reports the same final_loss as an uninterrupted one
@@ -763,6 +813,8 @@ class Trainer:
                 recent = recent[-max(10, t.logging_steps) :]
                 self.history["recent_losses"] = list(recent)
                 self.history["tokens_per_sec"] = tps
+                if out.get("metrics"):
+                    self.history["train_metrics"] = out["metrics"]
                 mem = self.memory.peak()
                 values = {
                     "loss": out["loss"],
@@ -774,6 +826,7 @@ class Trainer:
                 }
                 if self.precision.loss_scale is not None:
                     values["loss_scale"] = self.precision.loss_scale
+                values.update(out.get("metrics", {}))  # preference: rewards/*, logps/*
                 compression = getattr(self.ctx, "compression_stats", {})
                 if compression:  # gradient compression: dense / sent bytes so far, and bytes sent
                     values["compression_ratio"] = compression["ratio"]
@@ -831,6 +884,10 @@ class Trainer:
             "checkpoint": str(ckpt),
             "logs": str(self.rt.logs_dir),
         }
+        if self.objective is not None:  # TRL's metrics of the last step and of the last eval
+            summary.update(self.history.get("train_metrics", {}))
+            summary.update({f"eval_{k}": v for k, v in self.history.get("eval_metrics", {}).items()})
+            summary.update({f"before_eval_{k}": v for k, v in self.history.get("eval_before", {}).items()})
         if self.paths.get("heldout"):
             acc = self.demo_accuracy()
             if acc is not None:
@@ -876,6 +933,13 @@ class Trainer:
             before_txt = f"{100 * before:.1f}%" if before is not None else "?"
             print(
                 f"  held-out accuracy: before {before_txt} -> after {100 * s['accuracy_after']:.1f}%",
+                file=out,
+            )
+        if s.get("eval_preference_accuracy") is not None:
+            before = s.get("before_eval_preference_accuracy", math.nan)
+            print(
+                f"  held-out preference accuracy: before {100 * before:.1f}% -> after "
+                f"{100 * s['eval_preference_accuracy']:.1f}%",
                 file=out,
             )
         rss = (

@@ -203,6 +203,7 @@ class PreferenceLoader:
             "overlong": self.n_overlong,
             "samples_per_epoch": len(self._usable),
             "batches_per_epoch": len(self),
+            "tokens": int(np.minimum(self.dataset.lengths[self._usable], self.max_seq_len).sum()),
         }
 
 

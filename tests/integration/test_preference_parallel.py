@@ -135,3 +135,29 @@ def test_sharding_stage1_orpo_equals_one_process(tmp_path, base):
     one = _run(tmp_path, base, "one", 1, 1, "orpo", "")
     sharded = _run(tmp_path, base, "sharded", 1, 1, "orpo", "", sharding=2)
     _same(one, sharded)
+
+
+def test_resume_continues_exactly_against_the_starting_reference(tmp_path, base):
+    """A resumed full fine-tuning run still compares against model_name_or_path (not the checkpoint it
+    resumes from): its steps 3-4 equal the uninterrupted run's, rewards included."""
+    import shutil
+
+    text = DPO.format(
+        base=base[0], data=base[1], out=tmp_path / "full", dp=1, tp=1, sharding=1, loss="sigmoid", extra=""
+    )
+    text = text.replace("max_steps: 3", "max_steps: 4").replace("save_steps: 3", "save_steps: 2")
+    cfg = tmp_path / "full.yaml"
+    cfg.write_text(text.replace("eval_steps: 3", "eval_steps: 4"))
+    _bmtrain("train", "--config", str(cfg))
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full", out)
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    (out / "checkpoints" / "latest").write_text("step-2\n")
+    _bmtrain("train", "--config", str(cfg), "--output_dir", str(out), "--resume")
+
+    def rows(d: Path) -> list:
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        return [{k: r[k] for k in KEYS} for r in map(json.loads, lines) if "loss" in r]
+
+    assert rows(out) == rows(tmp_path / "full") and len(rows(out)) == 4
+    assert rows(out)[-1]["rewards/margins"] != 0.0

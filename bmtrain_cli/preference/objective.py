@@ -40,6 +40,7 @@ class PreferenceObjective:
         self._all_reduce = all_reduce  # sums a tensor over the data ranks (ParallelContext.all_reduce_sum)
         self._nll_scale = 0.0
         self._stats: List[paddle.Tensor] = []
+        self.last_metrics: Dict[str, float] = {}  # the last step's (summary.json)
 
     # -- one optimizer step
     def begin_step(self, micro: List[Dict[str, np.ndarray]]) -> Tuple[float, float]:
@@ -116,7 +117,8 @@ class PreferenceObjective:
         """TRL's metrics over the step's pairs (all data ranks); one host sync."""
         local = paddle.stack(self._stats).sum(axis=0) if self._stats else paddle.zeros([N_STATS], "float32")
         self._stats = []
-        return self._means(self._sum(local.numpy().astype(np.float64)))
+        self.last_metrics = self._means(self._sum(local.numpy().astype(np.float64)))
+        return self.last_metrics
 
     # -- evaluation
     def evaluate(

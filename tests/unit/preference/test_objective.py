@@ -141,3 +141,19 @@ def test_recompute_gives_the_same_gradients(tmp_path):
         (loss / denom).backward()
         grads.append(np.concatenate([p.grad.numpy().ravel() for p in model.parameters()]))
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_a_rank_without_pairs_contributes_zero_with_a_graph(tmp_path):
+    """The last step of an epoch can leave a data rank no pair: its loss is 0 and backward still runs
+    (every rank takes part in the gradient reduction)."""
+    cfg = make_config(tmp_path, dpo_loss="simpo")
+    empty = collate_pairs([], 0, width=None, packed=False, max_len=24)
+    empty["pair_ids"] = np.zeros(0, dtype=np.int64)
+    model = tiny_model(VOCAB, seed=9)
+    obj = PreferenceObjective(cfg.train, None, lambda v: v)
+    assert obj.begin_step([empty]) == (0.0, 1.0)
+    loss, n = obj.loss_sum(model, empty)
+    loss.backward()
+    assert float(loss) == 0.0 and n == 0.0
+    assert all(float(abs(p.grad).max()) == 0.0 for p in model.parameters() if p.grad is not None)
+    assert obj.step_metrics()["rewards/margins"] == 0.0

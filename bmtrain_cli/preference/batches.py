@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from bmtrain_cli.data.collate import collate, empty_batch, pack
+from bmtrain_cli.labels import IGNORE_INDEX
 
 Sample = Tuple[np.ndarray, np.ndarray]
 
@@ -55,7 +56,7 @@ def sequence_index(batch: Dict[str, np.ndarray], order: Sequence[Tuple[int, int]
     """[rows, width - 1]: which sequence each predicted response token belongs to (-1: none). ``order``
     gives the (row, segment id) of sequence 0, 1, 2 ..."""
     labels, seg = batch["labels"], batch["attention_mask"]
-    valid = (labels[:, 1:] != -100) & (seg[:, 1:] == seg[:, :-1])
+    valid = (labels[:, 1:] != IGNORE_INDEX) & (seg[:, 1:] == seg[:, :-1])
     index = np.full(valid.shape, -1, dtype=np.int64)
     for s, (row, segment) in enumerate(order):
         index[row][valid[row] & (seg[row, 1:] == segment)] = s

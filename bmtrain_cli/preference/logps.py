@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from bmtrain_cli.train.evaluate import right_padded
+from bmtrain_cli.models.scoring import right_padded
 
 
 def model_inputs(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.preference.objective import PreferenceObjective
 
 
-def build_data(data_config: Any, tokenizer: Any, ctx: Any, has_eval: bool) -> Tuple[Any, Optional[Any]]:
+def build_data(
+    data_config: Any, tokenizer: Any, ctx: ParallelCtx, has_eval: bool
+) -> Tuple[Any, Optional[Any]]:
     """(training loader, eval loader or None) of this data rank."""
     from bmtrain_cli.preference.setup import build_loaders
 
     return build_loaders(data_config, tokenizer, ctx.data_rank, ctx.data_world, has_eval)
 
 
-def build(config: Any, data: Any, model: Any, optim: Any, ctx: Any, say: Any) -> PreferenceObjective:
+def build(config: Any, data: Any, model: Any, optim: Any, ctx: ParallelCtx, say: Any) -> PreferenceObjective:
     """The objective of train_config.dpo_loss over the built model and loaders (precomputes the reference
     log-probs when asked)."""
     from bmtrain_cli.preference.setup import build_objective

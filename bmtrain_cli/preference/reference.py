@@ -93,7 +93,7 @@ def load_reference_model(config: Any, factory: Any, dtype: Optional[str]) -> Any
 
 def precompute_key(config: Any, dataset: Any) -> str:
     """Names the cached numbers: the data (token caches), the starting weights' bytes and the truncation."""
-    from bmtrain_cli.lora.checkpoint import hash_base
+    from bmtrain_cli.lora.adapter_store import hash_base
 
     parts = [
         dataset.fingerprint,

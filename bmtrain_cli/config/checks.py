@@ -336,10 +336,18 @@ def check_config(
                     )
 
     # --- data
-    if "shuffle_buffer" in t.model_fields_set:
+    if "shuffle_buffer" in t.model_fields_set and t.streaming is False:
         warn(
             "train_config.shuffle_buffer",
-            "not used: the loader shuffles with a seeded permutation over the token cache (docs/data.md)",
+            "not used with streaming: false: the cached loader shuffles each epoch with a seeded permutation "
+            "over the token cache (docs/data.md)",
+        )
+    if t.streaming is True and t.max_steps is None:
+        err(
+            "train_config.streaming",
+            "streaming cannot count the batches of an epoch without reading all the data first, so the "
+            "run length and learning-rate schedule need max_steps",
+            "set train_config.max_steps, or streaming: false to tokenise the data into the cache first",
         )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")

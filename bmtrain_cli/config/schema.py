@@ -101,8 +101,18 @@ class TrainConfig(_Section):
     )
     truncation: Literal["left", "drop"] = "left"
     shuffle: bool = True
-    shuffle_buffer: int = Field(10000, ge=1)
+    shuffle_buffer: int = Field(
+        10000, ge=1, description="Streaming: records shuffled together (and held in memory) at a time."
+    )
     num_workers: int = Field(1, ge=0)
+    streaming: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="Read and tokenise the training data while training (true), tokenise it all into "
+        "the cache first (false), or stream from 1 GiB of data files when max_steps is set (auto).",
+    )
+    data_workers: Optional[int] = Field(
+        None, ge=0, description="Tokenizer processes (streaming and the cache build); default: half the CPUs."
+    )
     on_bad_record: Literal["error", "skip"] = "error"
     data_cache_dir: Optional[str] = Field(
         None, description="Token cache directory (default: beside the data)."

@@ -24,6 +24,7 @@ import yaml
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
+from bmtrain_cli.data.stream import DataError
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
 
@@ -358,13 +359,10 @@ class Trainer:
     def _claim_output_dir(self) -> None:
         """Every check has passed (data, tokenizer, model, optimizer, the checkpoint to resume): only now
         are the previous run's outputs removed (with overwrite) and this run's first files written."""
-        from bmtrain_cli.data.loader import save_rejected
-
         if self.is_main:
             clear_output_dir(self.config, resuming=self.rt.resume_from is not None)
-            if self.loader.dataset.rejected_count:
-                save_rejected(self.loader.dataset, self.rt.output_dir)
         _barrier(self.ctx)
+        self.loader.start_rejected_log(self.rt.output_dir, self.is_main)
         if self.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
             self.lora.record_base(self.config, self.rt.output_dir, self.train_model, self.ctx)
             self._say(self.lora.describe(self.raw_model, self.n_params))
@@ -729,7 +727,10 @@ class Trainer:
                     stopped = signal.Signals(guard.received).name
                     break
                 start = time.time()
-                micro = self._micro_batches()
+                try:
+                    micro = self._micro_batches()
+                except DataError as exc:  # streaming: a bad record ahead; the loader is at this step
+                    raise self._stop_on_bad_data(exc, total) from None
                 out = self.train_step(micro)
                 elapsed = time.time() - start
                 self.train_time += elapsed
@@ -803,12 +804,25 @@ class Trainer:
             )
         return self._finish(ckpt, recent, tps_window, final_eval)
 
+    def _stop_on_bad_data(self, exc: Exception, total: int) -> TrainingStopped:
+        path = (
+            self.save() if self.last_saved_step != self.step else self.rt.checkpoint_dir / f"step-{self.step}"
+        )
+        self.metrics.close()
+        return TrainingStopped(
+            f"{exc}; stopped at step {self.step}/{total}, checkpoint saved in {path}. Fix the record, or set "
+            "on_bad_record: skip and continue with --resume (it goes to rejected.jsonl)",
+            exit_code=2,
+        )
+
     def _finish(
         self, ckpt: Path, recent: List[float], tps_window: List[float], final_eval: Optional[float]
     ) -> Dict[str, Any]:
         from bmtrain_cli.train.metrics import plot_loss_curve, write_summary
 
         t = self.config.train
+        # again: a streaming loader counts the records it has reached by now
+        self.data_report = _data_report(self.loader, self.eval_loader, self.rt.output_dir, t.truncation)
         steady = tps_window[1:] if len(tps_window) > 1 else tps_window
         summary: Dict[str, Any] = {
             "steps": self.step,
@@ -905,7 +919,9 @@ def _data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: st
     ev = eval_loader.stats() if eval_loader is not None else None
     rejected = int(train["rejected"]) + (int(ev["rejected"]) if ev else 0)
     overlong = int(train["overlong"])
-    parts = [f"data: {train['samples']:,} training samples from {train['records']:,} records"]
+    parts = [
+        train.get("line") or f"data: {train['samples']:,} training samples from {train['records']:,} records"
+    ]
     if ev is not None:
         parts.append(f"{ev['samples']:,} eval samples")
     rejected_text = ""

@@ -205,7 +205,15 @@ def test_lora_on_a_fresh_model_warns(write_yaml):
     assert not any("fresh" in w.message for w in load_config(write_yaml(hf)).warnings)
 
 
-def test_shuffle_buffer_is_said_to_be_unused(write_yaml):
-    warnings = load_config(write_yaml("train_config:\n  shuffle_buffer: 50\n")).warnings
-    assert [w.line for w in warnings if "shuffle_buffer" in w.path and "not used" in w.message] == [2]
+def test_shuffle_buffer_is_said_to_be_unused_without_streaming(write_yaml):
+    text = "train_config:\n  streaming: false\n  shuffle_buffer: 50\n"
+    warnings = load_config(write_yaml(text)).warnings
+    assert [w.line for w in warnings if "shuffle_buffer" in w.path and "not used" in w.message] == [3]
+    assert not load_config(write_yaml("train_config:\n  shuffle_buffer: 50\n  max_steps: 5\n")).warnings
     assert not load_config(write_yaml("train_config:\n  shuffle: false\n")).warnings
+
+
+def test_streaming_without_max_steps_is_refused_before_launch(write_yaml):
+    with pytest.raises(ConfigError, match="streaming.*max_steps"):
+        load_config(write_yaml("train_config:\n  streaming: true\n"))
+    load_config(write_yaml("train_config:\n  streaming: true\n  max_steps: 3\n  data_workers: 0\n"))

@@ -461,16 +461,43 @@ def build_loader(
         write_rejected=write_rejected and train,
         workers=data_workers(t),
     )
+    return loader_for(
+        config,
+        tokenizer,
+        ds,
+        train=train,
+        seed=seed,
+        micro_batch_size=micro,
+        weights=weights,
+        data_rank=data_rank,
+        data_world=data_world,
+    )
+
+
+def loader_for(
+    config: Any,
+    tokenizer: Any,
+    ds: Dataset,
+    *,
+    train: bool = True,
+    seed: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    weights: Optional[Sequence[float]] = None,
+    data_rank: int = 0,
+    data_world: int = 1,
+) -> Loader:
+    """The cached-mode Loader of a config over a dataset already built."""
+    t = config.train
     return Loader(
         ds,
         max_seq_len=config.model.max_seq_len,
-        micro_batch_size=micro,
+        micro_batch_size=micro_batch_size or t.micro_batch_size,
         pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id,
         batching=t.batching,
         truncation=t.truncation,
         shuffle=t.shuffle and train,
-        seed=seed,
+        seed=t.seed if seed is None else seed,
         weights=weights,
         data_rank=data_rank,
         data_world=data_world,

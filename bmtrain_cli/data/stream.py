@@ -335,9 +335,11 @@ class StreamLoader:
             item = self._queue.get()
             items.append(item)
             failed = item.error
-        if self.agree is not None:
-            if self.agree(1 if failed is not None else 0) and failed is None:
-                failed = DataError("another data rank stopped on a bad record (its message names the line)")
+        if self.agree is not None and self.agree(1 if failed is not None else 0):
+            # every rank stops at this step; each says what stopped it (a bad record on some rank)
+            said = self.gather(str(failed) if failed is not None else None) if self.gather else []
+            if failed is None:
+                failed = DataError(next((m for m in said if m), "another data rank stopped on a bad record"))
         if failed is not None:
             self._halt()
             raise failed

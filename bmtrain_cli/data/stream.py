@@ -1,8 +1,8 @@
 """Streaming mode: train on JSONL far larger than memory, from the first filled buffer, resuming exactly.
 
 The record stream (stream_reader.py) is cut into chunks of ``shuffle_buffer`` records of this data rank.
-A background thread reads a chunk's lines, the worker pool (workers.py) parses and tokenises them in order,
-and the chunk's samples are put in the order of a permutation seeded with (seed, chunk number), packed
+A background thread reads a chunk's lines, the worker pool (workers.py) parses and tokenises them in order
+(while the previous chunk is being trained on), and the chunk's samples are put in the order of a permutation seeded with (seed, chunk number), packed
 (the rows of a chunk are closed at its end) or laid out one per row, and cut into micro-batches; the rows
 of a micro-batch may come from two chunks. At most two chunks are held (the one being consumed and the
 next one being read), so memory is bounded by the buffer and not by the file.
@@ -68,6 +68,60 @@ class _Item:
     rejected: List[Dict[str, Any]] = field(default_factory=list)
     counts: Dict[str, int] = field(default_factory=dict)
     error: Optional[BaseException] = None
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The items of the generator ``make()``, made by a thread one item in advance: the next item is
+    started when the previous one has been taken, so at most two are alive (the one in use, the next).
+
+    Closing this generator stops the thread (and closes the generator there)."""
+    q: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    done = object()
+
+    def run() -> None:
+        gen = make()
+        try:
+            for item in gen:
+                if not _put(q, item, stop):
+                    return
+                del item
+                while not q.empty() and not stop.is_set():  # wait until it is taken
+                    stop.wait(0.02)
+            _put(q, done, stop)
+        except BaseException as exc:  # re-raised in the consumer
+            _put(q, exc, stop)
+        finally:
+            gen.close()
+
+    t = threading.Thread(target=run, name="bmtrain-stream-read", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while t.is_alive():
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        t.join()
 
 
 def file_fingerprint(path: str) -> List[Any]:
@@ -241,7 +295,7 @@ class StreamLoader:
         rejected: List[Dict[str, Any]] = []
         counts: Dict[str, int] = dict.fromkeys(COUNTS, 0)
         width = None if self.batching == "longest" else self.max_seq_len
-        for ch in self._chunks():
+        for ch in in_background(self._chunks):  # the next buffer is read while this one trains
             if ch.error is not None:
                 yield _Item(None, {}, error=DataError(ch.error))
                 return
@@ -281,16 +335,10 @@ class StreamLoader:
     def _run(self, q: queue.Queue[_Item], stop: threading.Event) -> None:
         try:
             for item in self._items():
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set() or item.error is not None:
+                if not _put(q, item, stop) or item.error is not None:
                     return
         except BaseException as exc:  # handed to the consumer
-            q.put(_Item(None, {}, error=exc))
+            _put(q, _Item(None, {}, error=exc), stop)
 
     # ---- consumer
     def _start(self) -> None:

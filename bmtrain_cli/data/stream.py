@@ -31,7 +31,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import numpy as np
 
 from bmtrain_cli.data.collate import collate, pack
-from bmtrain_cli.data.stream_reader import RecordStream
+from bmtrain_cli.data.readers import is_json_array, open_binary
+from bmtrain_cli.data.stream_reader import JSON_ARRAY, RecordStream
 from bmtrain_cli.data.workers import Encoded, EncodeSpec, Item, OrderedPool
 from bmtrain_cli.errors import UserError
 
@@ -185,6 +186,10 @@ class StreamLoader:
         self.agree, self.gather = agree, gather
         self.notice = notice
         self.files = [f for s in self.sources for f in s]
+        for f in self.files:  # refused now rather than when the stream reaches them
+            with open_binary(f) as fh:
+                if is_json_array(fh):
+                    raise UserError(JSON_ARRAY.format(path=f))
         self.fingerprint = self._fingerprint()
         self._pos: Dict[str, Any] = {"reader": None, "chunk": 0, "units": 0}
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -308,7 +313,7 @@ class StreamLoader:
             end_passes = min(c["passes"] for c in ch.end["cursors"])
             if end_passes > passes:
                 if usable == 0:
-                    yield _Item(None, {}, error=UserError(self._nothing_usable()))
+                    yield _Item(None, {}, error=DataError(self._nothing_usable()))
                     return
                 passes, usable = end_passes, 0
             for u in range(start_at, len(ch.units)):
@@ -337,6 +342,8 @@ class StreamLoader:
             for item in self._items():
                 if not _put(q, item, stop) or item.error is not None:
                     return
+        except UserError as exc:  # a data problem (unreadable file, nothing usable): stop at a step boundary
+            _put(q, _Item(None, {}, error=exc if isinstance(exc, DataError) else DataError(str(exc))), stop)
         except BaseException as exc:  # handed to the consumer
             _put(q, _Item(None, {}, error=exc), stop)
 

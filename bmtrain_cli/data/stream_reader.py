@@ -23,6 +23,10 @@ from bmtrain_cli.data.workers import Item
 from bmtrain_cli.errors import UserError
 
 DRAW_BLOCK = 4096
+JSON_ARRAY = (
+    "{path}: a JSON array file cannot be streamed (it is one record of the whole file); convert it to JSONL "
+    "(one record per line) or set streaming: false"
+)
 _SKIP_BLOCK = 1 << 20
 
 
@@ -51,10 +55,7 @@ class SourceReader:
         f = open_binary(path)
         if is_json_array(f):
             f.close()
-            raise UserError(
-                f"{path}: a JSON array file cannot be streamed (it is one record of the whole file); "
-                "convert it to JSONL (one record per line) or set streaming: false"
-            )
+            raise UserError(JSON_ARRAY.format(path=path))
         off = self.cursor.offset
         if off and path.endswith((".gz", ".zst")):
             while off > 0:  # compressed: decompress and skip to the offset

@@ -216,8 +216,8 @@ def test_nothing_usable_and_json_arrays_are_refused(tmp_path, sp_tok, write_json
         next(iter(ld))
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"input": "1+1=", "output": "2"}]))
-    with pytest.raises(UserError, match="JSON array"):
-        next(iter(build_loader(_stream_config(tmp_path, data_path=str(arr)), sp_tok)))
+    with pytest.raises(UserError, match="JSON array"):  # when the loader is built, before training
+        build_loader(_stream_config(tmp_path, data_path=str(arr)), sp_tok)
 
 
 def test_resume_refuses_changed_data_or_mode(tmp_path, sp_tok, data, write_jsonl, records):

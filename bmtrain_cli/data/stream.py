@@ -88,6 +88,7 @@ def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
     Closing this generator stops the thread (and closes the generator there)."""
     q: queue.Queue = queue.Queue(maxsize=1)
     stop = threading.Event()
+    taken = threading.Semaphore(0)
     done = object()
 
     def run() -> None:
@@ -97,8 +98,9 @@ def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
                 if not _put(q, item, stop):
                     return
                 del item
-                while not q.empty() and not stop.is_set():  # wait until it is taken
-                    stop.wait(0.02)
+                while not taken.acquire(timeout=0.1):  # wait until it is taken
+                    if stop.is_set():
+                        return
             _put(q, done, stop)
         except BaseException as exc:  # re-raised in the consumer
             _put(q, exc, stop)
@@ -114,6 +116,7 @@ def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
                 return
             if isinstance(item, BaseException):
                 raise item
+            taken.release()
             yield item
     finally:
         stop.set()

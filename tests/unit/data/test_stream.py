@@ -84,6 +84,7 @@ def test_resume_gives_identical_next_batches(tmp_path, sp_tok, data, batching):
         _same(got, expected)
 
 
+@pytest.mark.slow  # starts worker processes
 def test_order_does_not_depend_on_the_workers(tmp_path, sp_tok, data):
     inline = _take(iter(build_loader(_stream_config(tmp_path, data_path=data), sp_tok)), 30)
     ld = build_loader(_stream_config(tmp_path, data_path=data, data_workers=2), sp_tok)
@@ -262,6 +263,7 @@ def test_auto_streams_large_data_only_with_max_steps(tmp_path, sp_tok, data, mon
     )
 
 
+@pytest.mark.slow  # starts worker processes
 def test_cache_built_by_workers_equals_inline(tmp_path, sp_tok, data):
     stores = []
     for workers in (0, 2):

@@ -324,11 +324,24 @@ def main() -> Dict[str, Any]:
     t0 = time.perf_counter()
     raw_tokens = sum(len(x) for x in tok.encode_batch(texts))
     raw_tps = raw_tokens / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    one_tps = sum(len(tok.encode(t)) for t in texts) / (time.perf_counter() - t0)
     print(
-        f"raw tokenizer encode_batch : {raw_tps:,.0f} tokens/s (baseline, {raw_tokens / len(texts):.0f} per record)"
+        f"raw tokenizer encode_batch : {raw_tps:,.0f} tokens/s (baseline; sentencepiece may thread over the "
+        f"batch; {raw_tokens / len(texts):.0f} tokens per record); encode() one record at a time: {one_tps:,.0f}"
     )
-
-    out: Dict[str, Any] = {"raw_tokens_per_s": raw_tps, "sizes_mb": sizes}
+    out: Dict[str, Any] = {
+        "raw_tokens_per_s": raw_tps,
+        "raw_one_by_one_tokens_per_s": one_tps,
+        "sizes_mb": sizes,
+    }
+    for workers in (0, 1, 2):
+        tps = cache_build(small, tok, workers, work)
+        out[f"cache_build_{workers}w_tokens_per_s"] = tps
+        print(
+            f"cold cache build (prepare-data's work), data_workers {workers}: {tps:,.0f} tokens/s "
+            f"= {tps / raw_tps:.2f}x raw"
+        )
     first_file = files[sizes[0]]
     for workers in (0, 1, 2):
         r = loader_pass(first_file, tok, workers)

@@ -26,19 +26,21 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from bmtrain_cli.data.background import in_background, put_unless_stopped
+from bmtrain_cli.data.cache import template_id
 from bmtrain_cli.data.collate import collate, pack
 from bmtrain_cli.data.readers import is_json_array, open_binary
+from bmtrain_cli.data.rejected_log import RejectedLog
 from bmtrain_cli.data.stream_reader import JSON_ARRAY, RecordStream
 from bmtrain_cli.data.workers import Encoded, EncodeSpec, Item, OrderedPool
 from bmtrain_cli.errors import UserError
 
 TASK_RECORDS = 256  # records per worker task
 PACK_WINDOW = 16
-MAX_REJECTED_LOGGED = 100_000
 COUNTS = ("records", "samples", "rejected", "overlong", "truncated_answer", "dropped")
 Batch = Dict[str, np.ndarray]
 
@@ -69,63 +71,6 @@ class _Item:
     rejected: List[Dict[str, Any]] = field(default_factory=list)
     counts: Dict[str, int] = field(default_factory=dict)
     error: Optional[BaseException] = None
-
-
-def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """The items of the generator ``make()``, made by a thread one item in advance: the next item is
-    started when the previous one has been taken, so at most two are alive (the one in use, the next).
-
-    Closing this generator stops the thread (and closes the generator there)."""
-    q: queue.Queue = queue.Queue(maxsize=1)
-    stop = threading.Event()
-    taken = threading.Semaphore(0)
-    done = object()
-
-    def run() -> None:
-        gen = make()
-        try:
-            for item in gen:
-                if not _put(q, item, stop):
-                    return
-                del item
-                while not taken.acquire(timeout=0.1):  # wait until it is taken
-                    if stop.is_set():
-                        return
-            _put(q, done, stop)
-        except BaseException as exc:  # re-raised in the consumer
-            _put(q, exc, stop)
-        finally:
-            gen.close()
-
-    t = threading.Thread(target=run, name="bmtrain-stream-read", daemon=True)
-    t.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            taken.release()
-            yield item
-    finally:
-        stop.set()
-        while t.is_alive():
-            try:
-                q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        t.join()
 
 
 def file_fingerprint(path: str) -> List[Any]:
@@ -164,7 +109,6 @@ class StreamLoader:
         workers: int = 1,
         on_bad_record: str = "error",
         step_batches: int = 1,
-        rejected_path: Optional[str] = None,
         agree: Optional[Callable[[int], int]] = None,
         gather: Optional[Callable[[Any], List[Any]]] = None,
         notice: str = "",
@@ -185,7 +129,7 @@ class StreamLoader:
         self.workers = int(workers)
         self.on_bad_record = on_bad_record
         self.step_batches = max(1, int(step_batches))
-        self.rejected_path = rejected_path
+        self.rejected: Optional[RejectedLog] = None  # set by start_rejected_log
         self.agree, self.gather = agree, gather
         self.notice = notice
         self.files = [f for s in self.sources for f in s]
@@ -196,8 +140,6 @@ class StreamLoader:
         self.fingerprint = self._fingerprint()
         self._pos: Dict[str, Any] = {"reader": None, "chunk": 0, "units": 0}
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.rejected_logged = 0
-        self._logged: Optional[Set[Tuple[str, int]]] = None
         self._resumed = False
         self._pool: Optional[OrderedPool] = None
         self._thread: Optional[threading.Thread] = None
@@ -212,7 +154,7 @@ class StreamLoader:
             [file_fingerprint(f) for f in self.files],
             [len(x) for x in self.sources],
             s.fingerprint,
-            s.template,
+            s.template if isinstance(s.template, str) else template_id(s.template),
             s.train_on_prompt,
             s.data_format,
             s.max_seq_len,
@@ -343,12 +285,14 @@ class StreamLoader:
     def _run(self, q: queue.Queue[_Item], stop: threading.Event) -> None:
         try:
             for item in self._items():
-                if not _put(q, item, stop) or item.error is not None:
+                if not put_unless_stopped(q, item, stop) or item.error is not None:
                     return
         except UserError as exc:  # a data problem (unreadable file, nothing usable): stop at a step boundary
-            _put(q, _Item(None, {}, error=exc if isinstance(exc, DataError) else DataError(str(exc))), stop)
+            put_unless_stopped(
+                q, _Item(None, {}, error=exc if isinstance(exc, DataError) else DataError(str(exc))), stop
+            )
         except BaseException as exc:  # handed to the consumer
-            _put(q, _Item(None, {}, error=exc), stop)
+            put_unless_stopped(q, _Item(None, {}, error=exc), stop)
 
     # ---- consumer
     def _start(self) -> None:
@@ -409,7 +353,8 @@ class StreamLoader:
         if not self._ready:
             self._fill_step()
         item = self._ready.popleft()
-        self._log_rejected(item.rejected)
+        if self.rejected is not None:
+            self.rejected.append(item.rejected)
         for key in COUNTS:
             self.counts[key] += item.counts.get(key, 0)
         self._pos = item.position
@@ -418,29 +363,7 @@ class StreamLoader:
     # ---- rejected records
     def start_rejected_log(self, output_dir: str, is_main: bool = True) -> None:
         """Rejected records are appended to output_dir/rejected.jsonl from now on (every rank)."""
-        self.rejected_path = os.path.join(str(output_dir), "rejected.jsonl")
-
-    def _log_rejected(self, rejected: List[Dict[str, Any]]) -> None:
-        if not rejected or self.rejected_path is None:
-            return
-        if self._logged is None:  # after a resume, records logged before the stop are not repeated
-            self._logged = set()
-            if self._resumed and os.path.isfile(self.rejected_path):
-                with open(self.rejected_path, encoding="utf-8") as f:
-                    for line in f:
-                        r = json.loads(line)
-                        self._logged.add((r["file"], int(r["line"])))
-        fd = os.open(self.rejected_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            for r in rejected:
-                key = (r["file"], int(r["line"]))
-                if key in self._logged or self.rejected_logged >= MAX_REJECTED_LOGGED:
-                    continue
-                self._logged.add(key)
-                self.rejected_logged += 1
-                os.write(fd, (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
-        finally:
-            os.close(fd)
+        self.rejected = RejectedLog(os.path.join(str(output_dir), "rejected.jsonl"), resumed=self._resumed)
 
     # ---- resume
     def _own_state(self) -> Dict[str, Any]:
@@ -484,6 +407,8 @@ class StreamLoader:
         self._pos = dict(mine["position"])
         self.counts = {k: int(mine["counts"].get(k, 0)) for k in COUNTS}
         self._resumed = True
+        if self.rejected is not None:
+            self.rejected.resumed = True
 
     # ---- reporting
     def stats(self) -> Dict[str, Any]:

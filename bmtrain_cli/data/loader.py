@@ -30,6 +30,7 @@ from bmtrain_cli.data.cache import TokenStore, open_or_build
 from bmtrain_cli.data.collate import TRUNC_ANSWER, collate, empty_batch, pack, truncate
 from bmtrain_cli.data.encode import Encoder, make_encoder
 from bmtrain_cli.data.readers import as_list, resolve_source
+from bmtrain_cli.data.rejected_log import save_rejected
 from bmtrain_cli.data.stream_setup import build_stream_loader, choose_streaming, data_workers
 from bmtrain_cli.errors import UserError
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bmtrain.data")
 
-REJECTED_FILE = "rejected.jsonl"
 BATCHING_MODES = ("max_length", "longest", "packed")
 
 
@@ -126,24 +126,11 @@ def load_dataset(
         more = f" ({bad - 1} more bad record{'s' if bad > 2 else ''}; on_bad_record: skip sets them aside)"
         raise UserError(f"{first['file']}:{first['line']}: {first['reason']}{more if bad > 1 else ''}")
     if bad and write_rejected and output_dir:
-        save_rejected(ds, output_dir)
+        save_rejected(ds.rejected(), ds.rejected_count, output_dir)
     if len(ds) == 0:
         where = ", ".join(f for f, _ in files)
         raise UserError(f"no usable record in {where}" + (f" ({bad} rejected)" if bad else ""))
     return ds
-
-
-def save_rejected(ds: Dataset, output_dir: Union[str, Path]) -> Path:
-    """Write the dataset's rejected records with their reasons to output_dir/rejected.jsonl (atomically)."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{REJECTED_FILE}.tmp.{id(ds)}"
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in ds.rejected():
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(out / REJECTED_FILE)
-    log.warning("skipped %d bad record(s); see %s", ds.rejected_count, out / REJECTED_FILE)
-    return out / REJECTED_FILE
 
 
 class Loader:
@@ -363,7 +350,7 @@ class Loader:
     def start_rejected_log(self, output_dir: Union[str, Path], is_main: bool = True) -> None:
         """Write the rejected records to output_dir/rejected.jsonl (the main rank; all are known now)."""
         if is_main and self.dataset.rejected_count:
-            save_rejected(self.dataset, output_dir)
+            save_rejected(self.dataset.rejected(), self.dataset.rejected_count, output_dir)
 
     # ---- reporting
     def stats(self) -> Dict[str, Any]:
@@ -425,7 +412,7 @@ def build_loader(
     unless the training split streams (stream_setup.py): then a StreamLoader reads as it trains.
     ``streaming`` True/False overrides train_config.streaming (False: always the token cache).
     A training loader writes its rejected records to output_dir/rejected.jsonl unless ``write_rejected``
-    is False (the trainer writes it with :func:`save_rejected` once every check has passed).
+    is False (the trainer has the loader write it, ``start_rejected_log``, once every check has passed).
     """
     t = config.train
     sources, weights = _sources_for(config, split, data_path)

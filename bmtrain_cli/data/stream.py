@@ -19,11 +19,13 @@ resumes at the last good step. Under data parallel the ranks agree on stopping a
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import queue
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -34,7 +36,7 @@ from bmtrain_cli.data.background import in_background, put_unless_stopped
 from bmtrain_cli.data.cache import template_id
 from bmtrain_cli.data.collate import collate, pack
 from bmtrain_cli.data.readers import is_json_array, open_binary
-from bmtrain_cli.data.rejected_log import RejectedLog
+from bmtrain_cli.data.rejected_log import REJECTED_FILE, RejectedLog
 from bmtrain_cli.data.stream_reader import JSON_ARRAY, RecordStream
 from bmtrain_cli.data.workers import Encoded, EncodeSpec, Item, OrderedPool
 from bmtrain_cli.errors import UserError
@@ -43,6 +45,17 @@ TASK_RECORDS = 256  # records per worker task
 PACK_WINDOW = 16
 COUNTS = ("records", "samples", "rejected", "overlong", "truncated_answer", "dropped")
 Batch = Dict[str, np.ndarray]
+
+
+_LIVE: weakref.WeakSet[StreamLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loaders() -> None:
+    """Stop reading threads before the interpreter finalises: a daemon thread killed inside the
+    tokenizer's C++ code aborts the process ("terminate called without an active exception")."""
+    for loader in list(_LIVE):
+        loader.close()
 
 
 class DataError(UserError):
@@ -297,6 +310,7 @@ class StreamLoader:
     # ---- consumer
     def _start(self) -> None:
         self._halt()
+        _LIVE.add(self)
         if self._pool is None:
             self._pool = OrderedPool(self.spec, self.workers)
         self._stop = threading.Event()
@@ -363,7 +377,7 @@ class StreamLoader:
     # ---- rejected records
     def start_rejected_log(self, output_dir: str, is_main: bool = True) -> None:
         """Rejected records are appended to output_dir/rejected.jsonl from now on (every rank)."""
-        self.rejected = RejectedLog(os.path.join(str(output_dir), "rejected.jsonl"), resumed=self._resumed)
+        self.rejected = RejectedLog(os.path.join(str(output_dir), REJECTED_FILE), resumed=self._resumed)
 
     # ---- resume
     def _own_state(self) -> Dict[str, Any]:

@@ -96,7 +96,12 @@ def register(app: typer.Typer) -> None:
         splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
         for split in splits:
             t0 = time.perf_counter()
-            loader = build_loader(cfg, tok, split=split, streaming=False)
+            if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
+                from bmtrain_cli.preference.loader import build_preference_loader
+
+                loader = build_preference_loader(cfg, tok, split=split)
+            else:
+                loader = build_loader(cfg, tok, split=split, streaming=False)
             st = loader.stats()
             for s in loader.dataset.stores:
                 state = "tokenised" if s.built else "reused"
@@ -129,6 +134,10 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.data.stats import data_stats, format_stats
 
         cfg = _load(config, set_, data_path)
+        if cfg.train.stage == "dpo":
+            raise UserError(
+                "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
+            )
         tok = resolve_tokenizer(cfg, tokenizer)
         if sample is not None:
             st = _sampled_stats(cfg, tok, sample)

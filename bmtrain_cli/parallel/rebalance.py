@@ -1,8 +1,9 @@
 """Dynamic pipeline load balancing (``parallel_config.pipeline_rebalance``).
 
 While a pipeline-parallel run trains, forward hooks on every item of this rank's stage (embedding, each
-decoder layer, final norm, head) time each item's forward (with a device synchronize on a GPU, so the
-time is the item's compute). Every ``check_every`` steps the per-item medians of the window (robust to a
+decoder layer, final norm, head) time the item's first forward of every step (with a device synchronize
+on both sides on a GPU, so the time is the item's compute; once per step, so the synchronizes cost
+nothing worth counting). Every ``check_every`` steps the per-item medians of the window (robust to a
 process being descheduled during one call) are gathered from all ranks, averaged over the ranks that hold
 the item, summed per stage, and when the slowest stage takes more than ``threshold`` x the fastest
 and :func:`pipeline.partition` finds a cut whose slowest stage is faster, the move is planned. At the next
@@ -47,24 +48,31 @@ class Move:
 
     old: List[int]
     new: List[int]
-    costs: List[float]  # forward seconds per item (median over the window's calls, one per micro-batch)
+    costs: List[float]  # forward seconds per item (median over the window's steps, one call each)
     ratio_before: float  # slowest / fastest stage, measured
     ratio_after: float  # slowest / fastest stage, predicted for ``new`` from the same costs
 
 
 class StageMonitor:
-    """Forward seconds of each call of each item of this rank's stage in the current window, and the
-    move planned at the last check (None: none)."""
+    """Forward seconds of each item of this rank's stage, one call per step (``next_step`` re-arms),
+    over the current window, and the move planned at the last check (None: none)."""
 
     def __init__(self, pipe: Any, first_item: int, synchronize: bool) -> None:
         self.synchronize = synchronize
         self.seconds: Dict[int, List[float]] = {}
         self.planned: Optional[Move] = None
         self._started: Dict[int, float] = {}
+        self._armed: Set[int] = set()
         for offset, item in enumerate(pipe.run_function):
             index = first_item + offset
             item.register_forward_pre_hook(self._pre_hook(index))
             item.register_forward_post_hook(self._post_hook(index))
+            self._armed.add(index)
+        self._items = set(self._armed)
+
+    def next_step(self) -> None:
+        """Time each item's next forward again."""
+        self._armed = set(self._items)
 
     def _now(self) -> float:
         if self.synchronize:
@@ -75,7 +83,8 @@ class StageMonitor:
 
     def _pre_hook(self, index: int) -> Any:
         def hook(layer: Any, inputs: Any) -> None:
-            if layer.training:  # training forwards only (not an eval pass)
+            if layer.training and index in self._armed:  # training forwards only (not an eval pass)
+                self._armed.discard(index)
                 self._started[index] = self._now()
 
         return hook
@@ -115,7 +124,10 @@ def rebalance_if_due(parts: Parts, state: TrainState) -> Parts:
     settings = parts.config.parallel.pipeline_rebalance
     if not settings.enabled or parts.ctx.pp_degree == 1:
         return parts
+    if state.step >= parts.runtime.total_steps:
+        return parts  # the last checkpoint is written after the loop: no move left to make
     monitor = monitor_of(parts)
+    monitor.next_step()
     if state.step % settings.check_every == 0:
         monitor.planned = plan(parts, monitor.take(), settings.threshold, state.step)
     if monitor.planned is not None and state.last_saved_step == state.step:

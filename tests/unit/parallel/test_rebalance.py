@@ -55,8 +55,10 @@ def test_the_monitor_times_each_training_forward_of_its_items():
     fast, slow = _Sleepy(0.0), _Sleepy(0.02)
     monitor = StageMonitor(_Stage([fast, slow]), first_item=3, synchronize=False)
     x = paddle.ones([2])
-    for _ in range(3):
+    for _ in range(3):  # three steps of two micro-batches: the first forward of each step is timed
         slow(fast(x))
+        slow(fast(x))
+        monitor.next_step()
     slow.eval()
     slow(x)  # an eval forward is not counted
     seconds = monitor.seconds

@@ -248,9 +248,15 @@ def stage_layers(bounds: Sequence[int], decoder_layers: int) -> List[List[int]]:
     ]
 
 
-def to_pipeline_layer(model: Any, ctx: ParallelContext, costs: Optional[Sequence[float]] = None) -> Any:
+def to_pipeline_layer(
+    model: Any,
+    ctx: ParallelContext,
+    costs: Optional[Sequence[float]] = None,
+    bounds: Optional[Sequence[int]] = None,
+) -> Any:
     """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer). ``costs`` (one per
-    item, the same on every rank): cut by them instead of by pipeline_partition (a rebalance)."""
+    item, the same on every rank): cut by them instead of by pipeline_partition (a rebalance);
+    ``bounds``: cut there (a resume continuing a rebalanced cut; ignored unless it fits this model)."""
     import paddle.distributed as dist
     from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
@@ -274,7 +280,10 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext, costs: Optional[Sequence
         box = [costs]
         dist.broadcast_object_list(box, src=0)
         costs = box[0]
-    bounds = partition(costs, ctx.pp_degree)
+    if bounds is not None and len(bounds) == ctx.pp_degree + 1 and bounds[-1] == len(items.layers):
+        method, bounds = f"{method}, the checkpoint's cut", [int(b) for b in bounds]
+    else:
+        bounds = partition(costs, ctx.pp_degree)
     info = {
         "method": method,
         "boundaries": bounds,

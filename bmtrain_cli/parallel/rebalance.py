@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from bmtrain_cli.config.schema import Config
 from bmtrain_cli.parallel.checkpoint import unwrap
 from bmtrain_cli.parallel.pipeline import (
     imbalance,
@@ -212,6 +214,21 @@ def repartition(parts: Parts, move: Move, step: int) -> Parts:
         item_forward_s=move.costs,
     )
     return dataclasses.replace(parts, model=dataclasses.replace(model, wrapped=wrapped))
+
+
+def resumed_cut(config: Config, checkpoint: Optional[Path]) -> Optional[List[int]]:
+    """With pipeline_rebalance on, a resume continues from the cut its checkpoint was saved under (where
+    each rank's optimizer part belongs); None otherwise (pipeline_partition decides)."""
+    if (
+        checkpoint is None
+        or config.parallel.pipeline_parallel == 1
+        or not config.parallel.pipeline_rebalance.enabled
+    ):
+        return None
+    from bmtrain_cli.train.checkpoint import read_state
+
+    bounds = (read_state(Path(checkpoint)).get("optimizer_layout") or {}).get("pipeline_bounds")
+    return [int(b) for b in bounds] if bounds else None
 
 
 def stages_of(names: List[List[str]], bounds: Sequence[int]) -> Dict[str, Set[int]]:

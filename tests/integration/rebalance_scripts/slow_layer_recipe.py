@@ -1,6 +1,7 @@
-"""recipes/train.py, copied and edited the way a user would: decoder layer ``SLOW_LAYER`` sleeps
-``SLOW_SECONDS`` before each forward, so the pipeline stage holding it is the slow one (the sleep changes
-no number). Launched by tests/integration/test_pipeline_rebalance.py under the Paddle launcher."""
+"""recipes/train.py, copied and edited the way a user would: one decoder layer sleeps ``SLOW_SECONDS``
+before each forward, so the pipeline stage holding it is the slow one (the sleep changes no number).
+Layer 5 is the slow one for the first ``SWITCH_STEP`` steps, layer 0 after them. Launched by
+tests/integration/test_pipeline_rebalance.py under the Paddle launcher."""
 
 from __future__ import annotations
 
@@ -15,27 +16,35 @@ from bmtrain_cli.config.load import LoadedConfig  # noqa: E402
 from bmtrain_cli.train.run import load_recipe  # noqa: E402
 from bmtrain_cli.train.setup import setup  # noqa: E402
 
-SLOW_LAYER = 5
-SLOW_SECONDS = 0.2
+SLOW_SECONDS = 0.1
+SLOW_FIRST, SLOW_AFTER, SWITCH_STEP = 5, 0, 4
 
 base = load_recipe("train")  # recipes/train.py: its loop, unchanged
+slow = {"layer": SLOW_FIRST}
 
 
-def slow_down(layer: Any) -> None:
+def slow_down(layer: Any, index: int) -> None:
     forward = layer.forward
 
     def slowed(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(SLOW_SECONDS)
+        if slow["layer"] == index:
+            time.sleep(SLOW_SECONDS)
         return forward(*args, **kwargs)
 
     layer.forward = slowed
 
 
+def switch(parts: Any, state: Any, out: Any) -> None:
+    if state.step >= SWITCH_STEP:
+        slow["layer"] = SLOW_AFTER
+
+
 def recipe(loaded: LoadedConfig, stream: Optional[TextIO] = None, on_step: Any = None) -> Dict[str, Any]:
     parts, state = setup(loaded, stream=stream)
-    slow_down(parts.model.raw.model.layers[SLOW_LAYER])
+    for index in (SLOW_FIRST, SLOW_AFTER):
+        slow_down(parts.model.raw.model.layers[index], index)
     try:
-        return base.train(parts, state, on_step)
+        return base.train(parts, state, switch)
     finally:
         parts.metrics.close()
 

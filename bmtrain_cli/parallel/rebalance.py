@@ -269,8 +269,11 @@ def carry_moved_state(parts: Parts, old: Sequence[int], new: Sequence[int]) -> i
             owner, _, acc = key.partition("::")
             if (acc if owner == "master_weights" else owner) in sending:
                 outgoing[key] = value
-    # what each stage sends: key -> (shape, dtype), so the receivers can allocate
-    meta = {key: (list(t.shape), str(t.dtype).replace("paddle.", "")) for key, t in outgoing.items()}
+    # what each stage sends: key -> (shape, dtype, kept on the host), so the receivers can allocate
+    meta = {
+        key: (list(t.shape), str(t.dtype).replace("paddle.", ""), t.place.is_cpu_place())
+        for key, t in outgoing.items()
+    }
     metas: List[Any] = []
     dist.all_gather_object(metas, meta, group=group)
     receivers = {name: {dst for n, _, dst in moves if n == name} for name, _, _ in moves}
@@ -279,7 +282,7 @@ def carry_moved_state(parts: Parts, old: Sequence[int], new: Sequence[int]) -> i
     count = 0
     for stage, stage_meta in enumerate(metas):
         for key in sorted(stage_meta):
-            shape, dtype = stage_meta[key]
+            shape, dtype, on_host = stage_meta[key]
             if stage == ctx.pp_rank:
                 buf = outgoing[key].detach()
                 if not ctx.on_cpu and buf.place.is_cpu_place():
@@ -292,6 +295,8 @@ def carry_moved_state(parts: Parts, old: Sequence[int], new: Sequence[int]) -> i
             name = (acc if owner == "master_weights" else owner) if sep else key
             if ctx.pp_rank not in receivers.get(name, set()):
                 continue
+            if on_host and not buf.place.is_cpu_place():
+                buf = buf.cpu()  # where the sender kept it (the optimizer's placement is unchanged)
             if sep:
                 optimizer[key] = buf
             else:

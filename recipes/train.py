@@ -22,6 +22,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.parallel.rebalance import rebalance_if_due
+from bmtrain_cli.preference.recipe import before_training
 from bmtrain_cli.train.holdout import demo_accuracy, evaluate
 from bmtrain_cli.train.parts import Parts, StepOutput, TrainState
 from bmtrain_cli.train.report import StepMeter, hparams, opening_lines, print_report, summary
@@ -44,6 +45,7 @@ def train(parts: Parts, state: TrainState, on_step: Optional[OnStep] = None) -> 
         if acc is not None:
             state.history["accuracy_before"] = acc["accuracy"]
             say(f"held-out accuracy before training: {100 * acc['accuracy']:.1f}% ({acc['n']} problems)")
+    before_training(parts, state)  # stage dpo: held-out preference accuracy
 
     batches = MicroBatches(parts.data.loader, rt.grad_accum_steps)
     meter = StepMeter(parts)

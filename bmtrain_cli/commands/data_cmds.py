@@ -64,7 +64,12 @@ def register(app: typer.Typer) -> None:
         splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
         for split in splits:
             t0 = time.perf_counter()
-            loader = build_loader(cfg, tok, split=split)
+            if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
+                from bmtrain_cli.preference.loader import build_preference_loader
+
+                loader = build_preference_loader(cfg, tok, split=split)
+            else:
+                loader = build_loader(cfg, tok, split=split)
             st = loader.stats()
             for s in loader.dataset.stores:
                 state = "tokenised" if s.built else "reused"
@@ -93,6 +98,10 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.data.stats import data_stats, format_stats
 
         cfg = _load(config, set_, data_path)
+        if cfg.train.stage == "dpo":
+            raise UserError(
+                "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
+            )
         tok = resolve_tokenizer(cfg, tokenizer)
         st = data_stats(build_loader(cfg, tok))
         if as_json:

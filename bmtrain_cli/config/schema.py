@@ -152,6 +152,26 @@ class TrainConfig(_Section):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: Union[str, List[str]] = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
+    # preference tuning (stage: dpo; docs/preference.md). Names follow TRL's DPOConfig/CPOConfig with a
+    # dpo_ prefix where TRL's name (beta, loss_type, label_smoothing) would be ambiguous in this section.
+    stage: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: instruction tuning; dpo: preference pairs (prompt, chosen, rejected)."
+    )
+    dpo_loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = Field(
+        "sigmoid", description="Preference loss (TRL's loss_type): sigmoid (DPO), ipo, simpo, orpo."
+    )
+    dpo_beta: float = Field(
+        0.1, gt=0, description="TRL's beta: DPO/SimPO temperature, IPO's tau, ORPO's lambda."
+    )
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO / SimPO: probability that a pair's label is flipped."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin (TRL's simpo_gamma).")
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="Compute the reference log-probs once before training and cache them with the data.",
+    )
+
     # bookkeeping
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed of Python, NumPy and Paddle (0 .. 2**32-1).")
     logging_steps: int = Field(10, gt=0)

@@ -30,11 +30,18 @@ def evaluate(parts: Parts, state: TrainState) -> Optional[float]:
 
     if parts.data.eval_loader is None:
         return None
-    model = whole_model(parts)
-    loss, _ = eval_loss(model, parts.data.eval_loader, parts.optim.precision.autocast, parts.ctx)
+    extra: Dict[str, Any] = {}
+    if parts.preference is not None:  # pairs: mean pair loss and TRL's metrics
+        from bmtrain_cli.preference.recipe import evaluate as evaluate_pairs
+
+        loss, extra = evaluate_pairs(parts, state)
+    else:
+        loss, _ = eval_loss(
+            whole_model(parts), parts.data.eval_loader, parts.optim.precision.autocast, parts.ctx
+        )
     if math.isfinite(loss) and (state.best_eval_loss is None or loss < state.best_eval_loss):
         state.best_eval_loss = loss
-    parts.metrics.log_eval(state.step, loss)
+    parts.metrics.log_eval(state.step, loss, extra)
     return loss
 
 

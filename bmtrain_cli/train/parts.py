@@ -75,6 +75,7 @@ class Parts:
     memory: Any  # train.metrics.MemoryMeter
     metrics: Any  # train.metrics.MetricsWriter (disabled on other ranks)
     started: float  # time.time() when setup began
+    preference: Optional[Any] = None  # stage dpo: preference.objective.PreferenceObjective (the loss)
 
 
 @dataclass
@@ -124,3 +125,4 @@ class StepOutput:
     tokens: float  # non-padding tokens of the global batch
     applied: bool  # the optimizer update ran
     finite: bool
+    metrics: Dict[str, float] = field(default_factory=dict)  # stage dpo: rewards/*, logps/* (TRL's names)

@@ -105,6 +105,7 @@ class StepMeter:
         if compression:  # gradient compression: dense / sent bytes so far, and bytes sent
             values["compression_ratio"] = compression["ratio"]
             values["compression_bytes_sent"] = compression["bytes_sent"]
+        values.update(out.metrics)  # stage dpo: rewards/*, logps/*
         return values
 
     def steady_tokens_per_sec(self, state: TrainState) -> float:
@@ -146,6 +147,9 @@ def summary(
         out["accuracy_before"] = state.history.get("accuracy_before")
         out["accuracy_after"] = accuracy["accuracy"]
         out["heldout_examples"] = accuracy["examples"]
+    from bmtrain_cli.preference.recipe import summary_fields
+
+    out.update(summary_fields(parts, state))  # stage dpo: TRL's metrics, last step / eval / before
     return out
 
 
@@ -180,6 +184,11 @@ def print_report(parts: Parts, s: Dict[str, Any]) -> None:
         before = s.get("accuracy_before")
         before_txt = f"{100 * before:.1f}%" if before is not None else "?"
         print(f"  held-out accuracy: before {before_txt} -> after {100 * s['accuracy_after']:.1f}%", file=out)
+    from bmtrain_cli.preference.recipe import report_line
+
+    line = report_line(s)  # stage dpo: held-out preference accuracy
+    if line:
+        print(line, file=out)
     rss = (
         f", process {s['peak_rss_bytes'] / 2**20:.0f} MiB"
         if s["peak_memory_source"] == "host_allocator"

@@ -44,15 +44,17 @@ def prepare_data(rt: Runtime, ctx: ParallelContext) -> Dict[str, Any]:
     paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
     if t.data_path is None and t.demo_data:
         from bmtrain_cli.data.demo import write_demo_data
+        from bmtrain_cli.preference.demo import write_demo_pairs
 
         data_dir = rt.output_dir / "data"
+        dpo = t.stage == "dpo"  # preference pairs; heldout.jsonl stays the exact-match set
         if ctx.is_main:
-            write_demo_data(str(data_dir), task=t.demo_data, seed=0)
+            (write_demo_pairs if dpo else write_demo_data)(str(data_dir), task=t.demo_data, seed=0)
         ctx.barrier()
-        paths["train"] = str(data_dir / "train.jsonl")
+        paths["train"] = str(data_dir / ("pairs_train.jsonl" if dpo else "train.jsonl"))
         paths["heldout"] = str(data_dir / "heldout.jsonl")
         if paths["eval"] is None:
-            paths["eval"] = paths["heldout"]
+            paths["eval"] = str(data_dir / "pairs_heldout.jsonl") if dpo else paths["heldout"]
     return paths
 
 
@@ -140,8 +142,13 @@ def build_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Parallel
             write_rejected=write_rejected,
         )
 
-    train = loader("train", write_rejected=False)
-    evaluation = loader("eval", write_rejected=True) if paths["eval"] is not None else None
+    if t.stage == "dpo":  # preference pairs (bmtrain_cli/preference)
+        from bmtrain_cli.preference.recipe import build_data as pair_loaders
+
+        train, evaluation = pair_loaders(data_config, tokenizer, ctx, paths["eval"] is not None)
+    else:
+        train = loader("train", write_rejected=False)
+        evaluation = loader("eval", write_rejected=True) if paths["eval"] is not None else None
     report = data_report(train, evaluation, rt.output_dir, t.truncation)
     return TrainData(paths=paths, loader=train, eval_loader=evaluation, report=report)
 
@@ -356,6 +363,11 @@ def setup(
         model, optim = build_model_and_optimizer(rt, tokenizer, ctx, console)
     except MemoryError:
         raise _out_of_memory(plan) from None
+    preference = None
+    if t.stage == "dpo":  # the pair loss and its reference model
+        from bmtrain_cli.preference.recipe import build as build_preference
+
+        preference = build_preference(config, data, model, optim, ctx, console.say)
     rt.total_steps = total_steps(config, data.loader, rt.grad_accum_steps)
     schedule = build_schedule(t, rt.derived.learning_rate, rt.total_steps)
     state = TrainState()
@@ -385,5 +397,6 @@ def setup(
         memory=memory,
         metrics=metrics,
         started=started,
+        preference=preference,
     )
     return parts, state

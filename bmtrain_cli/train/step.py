@@ -57,15 +57,21 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         return pipeline_step(parts, step, micro)
     precision = optim.precision
     distributed = ctx.data_world > 1
-    total_count = float(ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
-    total_tokens = float(ctx.all_reduce_sum(_tokens(micro)))
+    if parts.preference is not None:  # preference pairs: the loss is a mean over the step's pairs
+        total_count, total_tokens = parts.preference.begin_step(micro)
+    else:
+        total_count = float(ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
+        total_tokens = float(ctx.all_reduce_sum(_tokens(micro)))
     denom = max(total_count, 1.0)
     lr = parts.schedule(step)
     optim.stepper.set_lr(lr)
     loss_acc = None
     for b in micro:
         with precision.autocast():
-            loss_sum, _ = optim.loss_fn(**to_tensors(b))
+            if parts.preference is not None:
+                loss_sum, _ = parts.preference.loss_sum(parts.model.wrapped, b)
+            else:
+                loss_sum, _ = optim.loss_fn(**to_tensors(b))
         precision.backward(loss_sum / denom)
         loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
     step_opt = optim.stepper
@@ -89,8 +95,15 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     if not optim.own_clip:
         grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside step()
     optim.stepper.clear_grad(set_to_zero=False)
+    metrics = parts.preference.step_metrics() if parts.preference is not None else {}
     return StepOutput(
-        loss=loss, lr=lr, grad_norm=grad_norm, tokens=total_tokens, applied=applied, finite=finite
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=total_tokens,
+        applied=applied,
+        finite=finite,
+        metrics=metrics,
     )
 
 

@@ -22,6 +22,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.data.stream import DataError
+from bmtrain_cli.parallel.rebalance import rebalance_if_due
 from bmtrain_cli.preference.recipe import before_training
 from bmtrain_cli.train.holdout import demo_accuracy, evaluate
 from bmtrain_cli.train.parts import Parts, StepOutput, TrainState
@@ -86,6 +87,8 @@ def train(parts: Parts, state: TrainState, on_step: Optional[OnStep] = None) -> 
                     evaluate(parts, state)
                 if t.save_steps and state.step % t.save_steps == 0 and state.step < total:
                     save(parts, state)
+                # pipeline_rebalance: times the stages; re-cuts them on a step just saved when unequal
+                parts = rebalance_if_due(parts, state)
             if on_step is not None:
                 on_step(parts, state, out)
         if guard.received is not None:  # SIGINT/SIGTERM: save the step reached, then stop

@@ -232,6 +232,28 @@ def check_config(
             f"sharding_parallel {p.sharding_parallel} it would not be applied",
             "use offload_optimizer: true instead (it works on one device), or set sharding_parallel > 1",
         )
+    # --- pipeline rebalancing: the boundaries move at a checkpoint of a pipeline-parallel run
+    if p.pipeline_rebalance.enabled:
+        if p.pipeline_parallel == 1:
+            warn(
+                "parallel_config.pipeline_rebalance.enabled",
+                "pipeline_rebalance has no effect with pipeline_parallel 1 (there are no stage boundaries)",
+            )
+        else:
+            if not t.save_steps:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance moves the stage boundaries at a checkpoint, and without "
+                    "train_config.save_steps the only checkpoint is the last one",
+                    f"set train_config.save_steps (a multiple of check_every, {p.pipeline_rebalance.check_every})",
+                )
+            if p.sharding_parallel > 1:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance is implemented for pipeline parallel with data and tensor parallel, "
+                    "not with sharding (whose optimizer splits its state by its own ownership)",
+                    "use data_parallel instead of sharding_parallel, or disable pipeline_rebalance",
+                )
     if p.gradient_compression != "none" and p.data_ranks == 1:
         warn(
             "parallel_config.gradient_compression",

@@ -222,6 +222,22 @@ class TrainConfig(_Section):
         return self
 
 
+class PipelineRebalanceConfig(_Section):
+    """Dynamic pipeline load balancing (parallel/rebalance.py, docs/parallel.md)."""
+
+    enabled: bool = Field(
+        False, description="Move the pipeline stage boundaries at a checkpoint when the stages are unequal."
+    )
+    threshold: float = Field(
+        1.2,
+        gt=1.0,
+        description="Rebalance when the slowest stage's forward time exceeds the fastest's x this.",
+    )
+    check_every: int = Field(
+        10, gt=0, description="Steps over which the per-layer times are averaged before each comparison."
+    )
+
+
 class ParallelConfig(_Section):
     """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding."""
 
@@ -236,6 +252,7 @@ class ParallelConfig(_Section):
         None, gt=0, description="Micro-batches per pipeline step (default: gradient accumulation steps)."
     )
     pipeline_partition: Literal["uniform", "parameters", "measured"] = "uniform"
+    pipeline_rebalance: PipelineRebalanceConfig = Field(default_factory=PipelineRebalanceConfig)
     gradient_compression: Literal["none", "int8", "topk", "threshold"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)
     compression_threshold: float = Field(

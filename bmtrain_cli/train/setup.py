@@ -189,6 +189,7 @@ def build_model_and_optimizer(
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
     from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.parallel.rebalance import resumed_cut
     from bmtrain_cli.train.optim import Precision, build_optimizer
 
     t, p = rt.config.train, rt.config.parallel
@@ -221,7 +222,10 @@ def build_model_and_optimizer(
         offload=p.offload_optimizer and not group_sharded,  # group-sharded offload is Paddle's
     )
     raw, base = precision.decorate(model, base)
-    wrapped = ctx.wrap_model(raw) if distributed else raw
+    # pipeline_rebalance: a resume keeps the cut its checkpoint was saved under
+    wrapped = (
+        ctx.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from)) if distributed else raw
+    )
     sharded = None
     if group_sharded:
         from bmtrain_cli.train.static import LossSum

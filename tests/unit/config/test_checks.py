@@ -217,3 +217,20 @@ def test_streaming_without_max_steps_is_refused_before_launch(write_yaml):
     with pytest.raises(ConfigError, match="streaming.*max_steps"):
         load_config(write_yaml("train_config:\n  streaming: true\n"))
     load_config(write_yaml("train_config:\n  streaming: true\n  max_steps: 3\n  data_workers: 0\n"))
+
+
+def test_pipeline_rebalance_checks(write_yaml):
+    """Without pipeline parallel it does nothing (a warning: one file serves several layouts); under
+    pipeline parallel it needs intermediate checkpoints, and it is refused with sharding."""
+    on = "parallel:\n  pipeline_rebalance:\n    enabled: true\n"
+    loaded = load_config(write_yaml("model_config:\n  num_hidden_layers: 4\n" + on))
+    assert any("no effect with pipeline_parallel 1" in w.message for w in loaded.warnings)
+    pp2 = "model_config:\n  num_hidden_layers: 4\n" + on + "  pipeline_parallel: 2\n"
+    assert not [w for w in load_config(write_yaml(pp2)).warnings if "pipeline_rebalance" in (w.path or "")]
+    text, probs = error_text(write_yaml, pp2 + "train_config:\n  save_steps: null\n")
+    assert "the only checkpoint is the last one" in text and "set train_config.save_steps" in text
+    assert probs[0].path.endswith("pipeline_rebalance.enabled")
+    text, _ = error_text(write_yaml, pp2 + "  sharding_parallel: 2\n")
+    assert "not with sharding" in text
+    text, _ = error_text(write_yaml, on + "    threshold: 1.0\n")
+    assert "threshold" in text

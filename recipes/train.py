@@ -21,6 +21,8 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from bmtrain_cli.config.load import LoadedConfig
+from bmtrain_cli.data.stream import DataError
+from bmtrain_cli.parallel.rebalance import rebalance_if_due
 from bmtrain_cli.preference.recipe import before_training
 from bmtrain_cli.train.holdout import demo_accuracy, evaluate
 from bmtrain_cli.train.parts import Parts, StepOutput, TrainState
@@ -28,7 +30,7 @@ from bmtrain_cli.train.report import StepMeter, hparams, opening_lines, print_re
 from bmtrain_cli.train.saving import save, save_if_new
 from bmtrain_cli.train.setup import setup
 from bmtrain_cli.train.step import MicroBatches, train_step
-from bmtrain_cli.train.stopping import SignalGuard, signal_stop, too_many_nonfinite
+from bmtrain_cli.train.stopping import SignalGuard, bad_data_stop, signal_stop, too_many_nonfinite
 
 OnStep = Callable[[Parts, TrainState, StepOutput], None]  # called after every step (tests, benchmarks)
 
@@ -53,7 +55,11 @@ def train(parts: Parts, state: TrainState, on_step: Optional[OnStep] = None) -> 
     with SignalGuard() as guard:
         while state.step < total and guard.received is None:
             meter.start()
-            out = train_step(parts, state.step, batches.next_step())
+            try:
+                micro = batches.next_step()
+            except DataError as exc:  # streaming: a bad record ahead; the loader stays at this step
+                raise bad_data_stop(str(exc), state.step, total, save_if_new(parts, state)) from None
+            out = train_step(parts, state.step, micro)
             state.train_time += meter.stop(out)
             state.step += 1
             state.tokens_seen += int(out.tokens)
@@ -81,6 +87,8 @@ def train(parts: Parts, state: TrainState, on_step: Optional[OnStep] = None) -> 
                     evaluate(parts, state)
                 if t.save_steps and state.step % t.save_steps == 0 and state.step < total:
                     save(parts, state)
+                # pipeline_rebalance: times the stages; re-cuts them on a step just saved when unequal
+                parts = rebalance_if_due(parts, state)
             if on_step is not None:
                 on_step(parts, state, out)
         if guard.received is not None:  # SIGINT/SIGTERM: save the step reached, then stop

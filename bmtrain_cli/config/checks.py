@@ -234,6 +234,28 @@ def check_config(  # noqa: C901
             f"sharding_parallel {p.sharding_parallel} it would not be applied",
             "use offload_optimizer: true instead (it works on one device), or set sharding_parallel > 1",
         )
+    # --- pipeline rebalancing: the boundaries move at a checkpoint of a pipeline-parallel run
+    if p.pipeline_rebalance.enabled:
+        if p.pipeline_parallel == 1:
+            warn(
+                "parallel_config.pipeline_rebalance.enabled",
+                "pipeline_rebalance has no effect with pipeline_parallel 1 (there are no stage boundaries)",
+            )
+        else:
+            if not t.save_steps:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance moves the stage boundaries at a checkpoint, and without "
+                    "train_config.save_steps the only checkpoint is the last one",
+                    f"set train_config.save_steps (a multiple of check_every, {p.pipeline_rebalance.check_every})",
+                )
+            if p.sharding_parallel > 1:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance is implemented for pipeline parallel with data and tensor parallel, "
+                    "not with sharding (whose optimizer splits its state by its own ownership)",
+                    "use data_parallel instead of sharding_parallel, or disable pipeline_rebalance",
+                )
     if p.gradient_compression != "none" and p.data_ranks == 1:
         warn(
             "parallel_config.gradient_compression",
@@ -340,10 +362,24 @@ def check_config(  # noqa: C901
     _check_preference(config, err, warn)
 
     # --- data
-    if "shuffle_buffer" in t.model_fields_set:
+    if "shuffle_buffer" in t.model_fields_set and t.streaming is False:
         warn(
             "train_config.shuffle_buffer",
-            "not used: the loader shuffles with a seeded permutation over the token cache (docs/data.md)",
+            "not used with streaming: false: the cached loader shuffles each epoch with a seeded permutation "
+            "over the token cache (docs/data.md)",
+        )
+    if t.streaming is True and t.stage == "dpo":
+        err(
+            "train_config.streaming",
+            "streaming reads SFT records; preference pairs (stage: dpo) are read through the token cache",
+            "set streaming: false (or leave it at auto) for stage: dpo",
+        )
+    if t.streaming is True and t.max_steps is None:
+        err(
+            "train_config.streaming",
+            "streaming cannot count the batches of an epoch without reading all the data first, so the "
+            "run length and learning-rate schedule need max_steps",
+            "set train_config.max_steps, or streaming: false to tokenise the data into the cache first",
         )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")

@@ -18,6 +18,7 @@ import numpy as np
 from bmtrain_cli.data.cache import TokenStore
 from bmtrain_cli.data.encode import make_encoder
 from bmtrain_cli.data.readers import as_list, resolve_source
+from bmtrain_cli.data.rejected_log import save_rejected
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.preference.batches import Sample, collate_pairs, truncate_pair
 from bmtrain_cli.preference.pairs import open_or_build_pairs
@@ -194,6 +195,11 @@ class PreferenceLoader:
                 "since the checkpoint was written"
             )
         self.epoch, self._offset = int(state["epoch"]), int(state["offset"])
+
+    def start_rejected_log(self, output_dir: Any, is_main: bool = True) -> None:
+        """Write the rejected pairs to output_dir/rejected.jsonl (the main rank; all are known now)."""
+        if is_main and self.dataset.rejected_count:
+            save_rejected(self.dataset.rejected(), self.dataset.rejected_count, output_dir)
 
     def stats(self) -> Dict[str, Any]:
         return {

@@ -19,7 +19,9 @@ def data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: str
     ev = eval_loader.stats() if eval_loader is not None else None
     rejected = int(train["rejected"]) + (int(ev["rejected"]) if ev else 0)
     overlong = int(train["overlong"])
-    parts = [f"data: {train['samples']:,} training samples from {train['records']:,} records"]
+    parts = [
+        train.get("line") or f"data: {train['samples']:,} training samples from {train['records']:,} records"
+    ]
     if ev is not None:
         parts.append(f"{ev['samples']:,} eval samples")
     rejected_text = ""
@@ -39,6 +41,12 @@ def data_report(loader: Any, eval_loader: Any, output_dir: Path, truncation: str
         "rejected_text": rejected_text,
         "line": "; ".join(parts),
     }
+
+
+def final_data_report(parts: Parts) -> Dict[str, Any]:
+    """The data report at the end of a run (a streaming loader counts the records it has reached)."""
+    d = parts.data
+    return data_report(d.loader, d.eval_loader, parts.runtime.output_dir, parts.config.train.truncation)
 
 
 def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
@@ -124,6 +132,7 @@ def summary(
 ) -> Dict[str, Any]:
     """summary.json's content."""
     recent = state.history.get("recent_losses", [])
+    data = final_data_report(parts)
     out: Dict[str, Any] = {
         "steps": state.step,
         "final_loss": float(np.mean(recent)) if recent else None,
@@ -138,8 +147,8 @@ def summary(
         "tokens_seen": state.tokens_seen,
         "skipped_steps": state.skipped_steps,
         "parameters": parts.model.n_params,
-        "rejected_records": parts.data.report["rejected"],
-        "overlong_samples": parts.data.report["overlong"],
+        "rejected_records": data["rejected"],
+        "overlong_samples": data["overlong"],
         "checkpoint": str(checkpoint),
         "logs": str(parts.runtime.logs_dir),
     }
@@ -199,8 +208,9 @@ def print_report(parts: Parts, s: Dict[str, Any]) -> None:
         f"peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (tensors{rss})",
         file=out,
     )
-    if parts.data.report["rejected"]:
-        print(f"  bad records      {parts.data.report['rejected_text']}", file=out)
+    data = final_data_report(parts)
+    if data["rejected"]:
+        print(f"  bad records      {data['rejected_text']}", file=out)
     print(f"  checkpoint       {s['checkpoint']}", file=out)
     print(f"  logs             {s['logs']}  (tensorboard --logdir {s['logs']})", file=out)
     if s.get("plot"):

@@ -189,6 +189,7 @@ def build_model_and_optimizer(
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
     from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.parallel.rebalance import resumed_cut
     from bmtrain_cli.train.optim import Precision, build_optimizer
 
     t, p = rt.config.train, rt.config.parallel
@@ -221,7 +222,10 @@ def build_model_and_optimizer(
         offload=p.offload_optimizer and not group_sharded,  # group-sharded offload is Paddle's
     )
     raw, base = precision.decorate(model, base)
-    wrapped = ctx.wrap_model(raw) if distributed else raw
+    # pipeline_rebalance: a resume keeps the cut its checkpoint was saved under
+    wrapped = (
+        ctx.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from)) if distributed else raw
+    )
     sharded = None
     if group_sharded:
         from bmtrain_cli.models.decoder import LossSum
@@ -303,15 +307,12 @@ def claim_output_dir(
 ) -> None:
     """Every check has passed (data, tokenizer, model, optimizer, the checkpoint to resume): only now
     are the previous run's outputs removed (with overwrite) and this run's first files written."""
-    from bmtrain_cli.data.loader import save_rejected
-
     if ctx.is_main:
         clear_output_dir(rt.config, resuming=rt.resume_from is not None)
-        if data.loader.dataset.rejected_count:
-            save_rejected(data.loader.dataset, rt.output_dir)
         text = yaml.safe_dump(rt.config.to_dict(), sort_keys=False)
         (rt.output_dir / "config.yaml").write_text(text, encoding="utf-8")
     ctx.barrier()
+    data.loader.start_rejected_log(rt.output_dir, ctx.is_main)  # streaming: every rank, as it reads
     if model.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
         model.lora.record_base(rt.config, rt.output_dir, model.wrapped, ctx)
         console.say(model.lora.describe(model.raw, model.n_params))

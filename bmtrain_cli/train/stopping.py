@@ -59,3 +59,12 @@ def too_many_nonfinite(step: int, count: int, limit: int, checkpoint_dir: Any) -
         f"(max_nonfinite_steps {limit}). Lower learning_rate, check the data, or use fp32/bf16; "
         f"the last good checkpoint is kept in {checkpoint_dir}"
     )
+
+
+def bad_data_stop(message: str, step: int, total: int, checkpoint: Any) -> TrainingStopped:
+    """Streaming met a bad record (on_bad_record: error) ahead of this step; ``message`` names the line."""
+    return TrainingStopped(
+        f"{message}; stopped at step {step}/{total}, checkpoint saved in {checkpoint}. Fix the record, or "
+        "set on_bad_record: skip and continue with --resume (it goes to rejected.jsonl)",
+        exit_code=2,
+    )

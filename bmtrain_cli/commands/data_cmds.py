@@ -125,7 +125,11 @@ def register(app: typer.Typer) -> None:
         set_: Optional[List[str]] = set_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
         sample: Optional[int] = typer.Option(
-            None, "--sample", min=1, help="Tokenise N records drawn at random instead of every record."
+            None,
+            "--sample",
+            min=1,
+            max=10_000_000,
+            help="Tokenise N records drawn at random instead of every record (at most 10,000,000).",
         ),
     ) -> None:
         """Print counts, token-length percentiles, truncation and padding waste (of every record, or of a

@@ -26,8 +26,10 @@ def matmul_ms():
     return (time.process_time() - t) / 30 * 1e3
 lin = paddle.nn.Linear(576, 1536)
 cls = {"paddle AdamW": paddle.optimizer.AdamW, "paddle Adam": paddle.optimizer.Adam,
-       "paddle SGD": paddle.optimizer.SGD, "CpuAdamW": CpuAdamW}[sys.argv[1]]
-opt = cls(learning_rate=1e-3, parameters=lin.parameters())
+       "paddle SGD": paddle.optimizer.SGD, "CpuAdamW elementwise": CpuAdamW,
+       "CpuAdamW fused": CpuAdamW}[sys.argv[1]]
+extra = {"CpuAdamW elementwise": {"fused": False}, "CpuAdamW fused": {"fused": True}}.get(sys.argv[1], {})
+opt = cls(learning_rate=1e-3, parameters=lin.parameters(), **extra)
 lin(x).mean().backward()
 before = matmul_ms()
 opt.step()
@@ -38,7 +40,7 @@ print(f"{before:.1f} {matmul_ms():.1f}")
 def main() -> dict:
     results = {}
     print("| optimizer | matmul CPU ms before its first step | after | ratio |\n|---|---|---|---|")
-    for name in ("paddle SGD", "paddle Adam", "paddle AdamW", "CpuAdamW"):
+    for name in ("paddle SGD", "paddle Adam", "paddle AdamW", "CpuAdamW elementwise", "CpuAdamW fused"):
         t0 = time.time()
         out = subprocess.run([sys.executable, "-c", CHILD, name], capture_output=True, text=True, check=True)
         before, after = map(float, out.stdout.split())

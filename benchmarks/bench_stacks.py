@@ -13,7 +13,10 @@ Stacks, each step timed in its own process with the same OMP_NUM_THREADS (defaul
                CPU), loss_sum / count, backward, the fp32 global grad norm and clip (clip 1.0), step
 - ours_static: the same with ``to_static: true`` (train/static.compile_loss_sum)
 - paddleformers: paddleformers.transformers.LlamaForCausalLM with paddle.optimizer.AdamW and Paddle's
-               global-norm clip (benchmarks/.venv-pf, created on first use by bench_model.py's helper)
+               global-norm clip (benchmarks/.venv-pf, created on first use by bench_model.py's helper), with
+               MKL's own CPU dispatch (MKL_DEBUG_CPU_TYPE unset: what a PaddleFormers user gets)
+- paddleformers_mkl: the same with MKL_DEBUG_CPU_TYPE=5 (what ``import bmtrain_cli`` sets on AMD CPUs,
+               bmtrain_cli/cpu_env.py), to separate that setting from the rest of our stack
 - torch:       transformers.LlamaForCausalLM (sdpa attention) with torch.optim.AdamW and
                clip_grad_norm_, from the reference venv (/work/main/.venv-ref or $BENCH_TORCH_PYTHON)
 
@@ -45,7 +48,7 @@ SHAPES: Dict[str, dict] = {
     "real": dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152, seq=190, batch=2, tied=True,
                  warmup=2, steps=3),
 }  # fmt: skip
-STACKS = ("ours", "ours_static", "paddleformers", "torch")
+STACKS = ("ours", "ours_static", "paddleformers", "paddleformers_mkl", "torch")
 LR, CLIP = 1e-4, 1.0
 
 
@@ -77,11 +80,12 @@ def _ids(shape: dict):
 
 
 def _worker_ours(shape: dict, static: bool) -> dict:
-    import paddle
-
     sys.path.insert(0, str(REPO))
     from types import SimpleNamespace
 
+    import paddle
+
+    import bmtrain_cli  # noqa: F401  (its MKL setting, bmtrain_cli/cpu_env.py, applies from the first matmul)
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.train.optim import build_optimizer, clip_grads_, grad_norm_tensor
@@ -191,6 +195,9 @@ def _worker_torch(shape: dict) -> dict:
 
 def _worker_peak(framework: str) -> dict:
     n = 2048
+    if framework == "paddle":
+        sys.path.insert(0, str(REPO))
+        import bmtrain_cli  # noqa: F401  (its MKL setting, as in the "ours" stacks)
     if framework == "torch":
         import torch
 
@@ -217,7 +224,7 @@ def worker(kind: str, shape_name: str) -> dict:
         return _worker_ours(shape, False)
     if kind == "ours_static":
         return _worker_ours(shape, True)
-    if kind == "paddleformers":
+    if kind in ("paddleformers", "paddleformers_mkl"):
         return _worker_paddleformers(shape)
     if kind == "torch":
         return _worker_torch(shape)
@@ -249,10 +256,21 @@ def _torch_python() -> Optional[str]:
     return None
 
 
+def _stack_env(kind: str) -> Dict[str, str]:
+    env = _env()
+    if kind == "paddleformers":
+        env["MKL_DEBUG_CPU_TYPE"] = ""  # empty: MKL's own dispatch (kept as set by bmtrain_cli/cpu_env.py)
+    elif kind == "paddleformers_mkl":
+        env["MKL_DEBUG_CPU_TYPE"] = "5"
+    return env
+
+
 def _run(python: str, kind: str, shape: str, timeout: int = 1500) -> Tuple[Optional[dict], str]:
     cmd = [python, str(Path(__file__).resolve()), "--worker", kind, shape]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=str(REPO))
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, env=_stack_env(kind), timeout=timeout, cwd=str(REPO)
+        )
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout}s"
     for line in reversed(res.stdout.splitlines()):
@@ -269,7 +287,7 @@ def _pythons() -> Tuple[Dict[str, str], Dict[str, str]]:
     errors: Dict[str, str] = {}
     pf, err = ensure_paddleformers()
     if pf:
-        pythons["paddleformers"] = pf
+        pythons["paddleformers"] = pythons["paddleformers_mkl"] = pf
     else:
         errors["paddleformers"] = err
     tp = _torch_python()

@@ -13,7 +13,8 @@ CLIP = 0.1
 
 def _train(cls, steps=6, **kwargs):
     paddle.seed(0)
-    # 256 x 160 = 40960 elements: the fused kernel's OpenMP path (from 32768); the others run on one thread
+    # 256 x 160 = 40960 elements (the OpenMP path of the fused kernel, from 4Mi elements, is in
+    # tests/unit/ops/test_fused_adamw.py)
     net = paddle.nn.Sequential(paddle.nn.Linear(16, 256), paddle.nn.Tanh(), paddle.nn.Linear(256, 160))
     decayed = {net[0].weight.name}
     sched = paddle.optimizer.lr.LinearWarmup(1e-2, 2, 0.0, 1e-2)

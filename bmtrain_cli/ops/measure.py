@@ -2,8 +2,10 @@
 
 For every op the candidates (our kernel, Paddle's fused op where the device has one, the pure-Paddle
 reference) run forward + backward on inputs shaped like the model's (``OpShapes``: a row of
-``ELEMENTWISE_TOKENS`` tokens for RMSNorm, RoPE and SwiGLU; ``HEAD_TOKENS`` tokens for the LM-head losses,
-whose cost is linear in the tokens). The candidates alternate (A, B, A, B, ...) after a warm-up and each
+``ELEMENTWISE_TOKENS`` tokens for RMSNorm, RoPE and SwiGLU; for the LM-head losses as many tokens as make
+``HEAD_LOGITS`` logits, at least ``MIN_HEAD_TOKENS``: with fewer, fixed per-call costs decide and the
+choice is wrong for real batches; measured: 32 tokens picked the reference linear + cross-entropy for the
+toy shape, whose logsumexp and take_along_axis gradient then cost ~0.8 s per 2048-token step). The candidates alternate (A, B, A, B, ...) after a warm-up and each
 keeps its best of ``REPEATS``, so load from other processes, which only ever adds time, hits all of them
 alike; the fastest wins. It takes 0.2-3 s once per process and shape (the LM head of a 49k vocabulary
 dominates); ops/__init__.select caches the result.
@@ -18,7 +20,8 @@ from typing import Callable, Dict, List, Tuple
 import paddle
 
 ELEMENTWISE_TOKENS = 512
-HEAD_TOKENS = 32
+HEAD_LOGITS = 1 << 21
+MIN_HEAD_TOKENS = 32
 REPEATS = 5
 
 
@@ -61,15 +64,15 @@ def _loss(out: object) -> paddle.Tensor:
 
 def _cases(s: OpShapes) -> Dict[str, Callable[[Callable], Callable[[], None]]]:
     """For each op: given an implementation, a closure that runs its forward + backward once."""
-    t = ELEMENTWISE_TOKENS
+    t, n = ELEMENTWISE_TOKENS, max(MIN_HEAD_TOKENS, HEAD_LOGITS // max(s.vocab, 1))
     x, w = _param([t, s.hidden]), _param([s.hidden])
     q, k = _param([1, t, s.heads, s.head_dim]), _param([1, t, s.kv_heads, s.head_dim])
     cos, sin = paddle.randn([1, t, s.head_dim]), paddle.randn([1, t, s.head_dim])
     gate, up = _param([t, s.ffn]), _param([t, s.ffn])
-    h = _param([HEAD_TOKENS, s.hidden], 0.02)
+    h = _param([n, s.hidden], 0.02)
     head = _param([s.vocab, s.hidden] if s.tied else [s.hidden, s.vocab], 0.02)
-    labels = paddle.randint(0, s.vocab, [HEAD_TOKENS], dtype="int64")
-    logits = _param([HEAD_TOKENS, s.vocab])
+    labels = paddle.randint(0, s.vocab, [n], dtype="int64")
+    logits = _param([n, s.vocab])
 
     def run(fn: Callable[[], object]) -> Callable[[], None]:
         def once() -> None:

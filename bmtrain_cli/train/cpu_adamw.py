@@ -6,7 +6,9 @@ the CPU time it took before (a 384x576 @ 576x1536 matmul: 20 ms -> 70-98 ms), al
 never touched. SGD and Momentum steps, and the same AdamW arithmetic written with Paddle's elementwise
 ops, leave it at 20 ms; with one thread there is no slowdown. Paddle's CPU adam/adamw kernels run
 xbyak-generated AVX code (phi/kernels/funcs/jit/gen/adamw.h) split over threads; its ``postCode`` returns
-without ``vzeroupper``, which leaves the upper YMM state dirty in the threads that ran it. This class keeps
+without ``vzeroupper``, which leaves the upper YMM state dirty in the threads that ran it, and that state
+penalises the SSE code MKL runs on AMD CPUs by default (with MKL's AVX2 code, bmtrain_cli/cpu_env.py, the
+slowdown is gone too; this class does not depend on that). This class keeps
 Paddle's AdamW (its accumulators, state_dict names, learning-rate schedule, decay rule, grad clip, param
 groups) and replaces only the per-parameter update: by our fused C++ kernel (ops/fused_adamw.py, one pass
 over param/grad/moments), or, when that cannot be built, by the same formula in Paddle's elementwise ops.

@@ -71,7 +71,8 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
     from bmtrain_cli.data.demo import write_demo_data
     from bmtrain_cli.models import build
     from bmtrain_cli.train.evaluate import to_tensors
-    from bmtrain_cli.train.trainer import Trainer
+    from bmtrain_cli.train.run import load_recipe
+    from bmtrain_cli.train.setup import setup
 
     train_path, _ = write_demo_data(str(tmp / "data"), task="arithmetic", seed=0)
     name = "speed-static" if to_static else "speed"
@@ -89,16 +90,17 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
         steps=STEPS,
         recompute="false",
     )
-    trainer = Trainer(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))  # noqa: SIM115
+    parts, run_state = setup(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))  # noqa: SIM115
     # the batches the trainer will see (grad accumulation 1), then rewind its loader
-    state = trainer.loader.state_dict()
-    it = iter(trainer.loader)
+    loader = parts.data.loader
+    state = loader.state_dict()
+    it = iter(loader)
     batches = [next(it) for _ in range(STEPS)]
-    trainer.loader.load_state_dict(state)
+    loader.load_state_dict(state)
 
     # the bare loop: its own model with the trainer's initial weights, plain AdamW with global-norm clip
-    bare = build(trainer.raw_model.arch, kernels="reference")
-    bare.set_state_dict({k: paddle.to_tensor(v.numpy()) for k, v in trainer.raw_model.state_dict().items()})
+    bare = build(parts.model.raw.arch, kernels="reference")
+    bare.set_state_dict({k: paddle.to_tensor(v.numpy()) for k, v in parts.model.raw.state_dict().items()})
     bare.train()
     opt = paddle.optimizer.AdamW(
         learning_rate=1e-3,
@@ -112,12 +114,12 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
     bare_s: List[float] = []
     mark = [0.0]
 
-    def bare_step(tr: Any, out: Dict[str, Any]) -> None:
+    def bare_step(parts: Any, run_state: Any, out: Any) -> None:
         t_trainer_end = time.perf_counter()
-        if tr.step > 1:
+        if run_state.step > 1:
             trainer_s.append(t_trainer_end - mark[0])  # everything of the trainer's loop for this step
-        trainer_losses.append(out["loss"])
-        t = to_tensors(batches[tr.step - 1])
+        trainer_losses.append(out.loss)
+        t = to_tensors(batches[run_state.step - 1])
         loss_sum, count = bare.loss_sum(**t)
         (loss_sum / count).backward()
         opt.step()
@@ -126,8 +128,7 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
         mark[0] = time.perf_counter()
         bare_s.append(mark[0] - t_trainer_end)
 
-    trainer.step_callbacks.append(bare_step)
-    trainer.train()
+    load_recipe("train").train(parts, run_state, bare_step)
     tokens = [float((b["attention_mask"] > 0).sum()) for b in batches]
     # trainer_s[i] is step i + 2 (the first step has no start mark); bare_s[i] is step i + 1
     trainer_tps = sum(tokens[WARMUP:]) / sum(trainer_s[WARMUP - 1 :])

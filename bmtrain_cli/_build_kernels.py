@@ -1,10 +1,12 @@
-"""Build-time hook (pyproject.toml ``[tool.setuptools.cmdclass]``): a wheel carries the kernel sources.
+"""Build-time hook (pyproject.toml ``[tool.setuptools.cmdclass]``): a wheel carries the kernel sources and
+the recipes.
 
-The top-level ``kernels/`` directory stays the one place the C++/CUDA sources are edited. When setuptools
-builds the package (``pip wheel .``, ``pip install .``), this ``build_py`` copies its sources into
-``bmtrain_cli/_kernels/`` of the build tree (never of the checkout), so an installed package finds them
-there (``bmtrain_cli.ops.build.KERNELS_DIR``) and builds the extension on first use into the user cache.
-Imported by setuptools only; it must not import Paddle.
+The top-level ``kernels/`` and ``recipes/`` directories stay the one place the C++/CUDA sources and the
+training recipes are edited. When setuptools builds the package (``pip wheel .``, ``pip install .``), this
+``build_py`` copies them into ``bmtrain_cli/_kernels/`` and ``bmtrain_cli/_recipes/`` of the build tree
+(never of the checkout), so an installed package finds them there (``bmtrain_cli.ops.build.KERNELS_DIR``
+builds the extension on first use into the user cache; ``bmtrain_cli.train.run`` loads the recipe that
+`bmtrain train` runs). Imported by setuptools only; it must not import Paddle.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import List
 from setuptools.command.build_py import build_py
 
 PACKAGED = "_kernels"  # bmtrain_cli/_kernels in a built package (ops/build.py looks there first)
+PACKAGED_RECIPES = "_recipes"  # bmtrain_cli/_recipes in a built package (train/run.py looks there first)
 SUFFIXES = (".cc", ".cu", ".h")
 
 
@@ -27,7 +30,7 @@ def kernel_files(root: Path) -> List[Path]:
 
 
 class BuildPyWithKernels(build_py):
-    """setuptools' build_py, then the kernel sources copied into the built package."""
+    """setuptools' build_py, then the kernel sources and the recipes copied into the built package."""
 
     def run(self) -> None:
         super().run()
@@ -39,3 +42,10 @@ class BuildPyWithKernels(build_py):
         for rel in files:
             (target / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, target / rel)
+        recipes = Path(__file__).resolve().parents[1] / "recipes"
+        if not (recipes / "train.py").is_file():
+            raise RuntimeError(f"no recipes under {recipes}: build from a full checkout")
+        target = Path(self.build_lib) / "bmtrain_cli" / PACKAGED_RECIPES
+        target.mkdir(parents=True, exist_ok=True)
+        for path in sorted(recipes.glob("*.py")):
+            shutil.copy2(path, target / path.name)

@@ -45,6 +45,36 @@ def _load(config_path: Path, set_: Optional[List[str]], data_path: Optional[str]
     return cfg
 
 
+def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
+    from bmtrain_cli.data.encode import make_encoder
+    from bmtrain_cli.data.loader import Dataset, loader_for
+    from bmtrain_cli.data.readers import as_list, resolve_source
+    from bmtrain_cli.data.sample import sample_records, sample_store
+    from bmtrain_cli.data.stats import data_stats
+    from bmtrain_cli.data.stream_setup import data_workers
+    from bmtrain_cli.data.workers import EncodeSpec
+
+    t = cfg.train
+    files = [f for spec in as_list(t.data_path) for f in resolve_source(spec)]
+    smp = sample_records(files, n, seed=t.seed)
+    spec = EncodeSpec.of(make_encoder(tok, t.template, t.train_on_prompt), t.data_format)
+    store = sample_store(smp, spec, data_workers(t))
+    if len(store) == 0:
+        raise UserError(f"no usable record among the {store.records} sampled")
+    st = data_stats(loader_for(cfg, tok, Dataset([store], [0], 1)))
+    mean_bytes = sum(len(raw or b"") for _, _, raw in smp.items) / max(1, len(smp.items))
+    st["files"] = files
+    st["sample"] = {
+        "records": store.records,
+        "data_bytes": smp.bytes_total,
+        "estimated_records": int(smp.bytes_total / mean_bytes)
+        if mean_bytes and not smp.read_through
+        else None,
+        "read_through": smp.read_through,
+    }
+    return st
+
+
 def register(app: typer.Typer) -> None:
     @app.command("prepare-data")
     @user_errors
@@ -61,10 +91,17 @@ def register(app: typer.Typer) -> None:
 
         cfg = _load(config, set_, data_path)
         tok = resolve_tokenizer(cfg, tokenizer)
+        if cfg.train.streaming is True:
+            typer.echo("note: this config streams (streaming: true), so training will not read this cache")
         splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
         for split in splits:
             t0 = time.perf_counter()
-            loader = build_loader(cfg, tok, split=split)
+            if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
+                from bmtrain_cli.preference.loader import build_preference_loader
+
+                loader = build_preference_loader(cfg, tok, split=split)
+            else:
+                loader = build_loader(cfg, tok, split=split, streaming=False)
             st = loader.stats()
             for s in loader.dataset.stores:
                 state = "tokenised" if s.built else "reused"
@@ -87,14 +124,25 @@ def register(app: typer.Typer) -> None:
         ),
         set_: Optional[List[str]] = set_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+        sample: Optional[int] = typer.Option(
+            None, "--sample", min=1, help="Tokenise N records drawn at random instead of every record."
+        ),
     ) -> None:
-        """Read every record and print counts, token-length percentiles, truncation and padding waste."""
+        """Print counts, token-length percentiles, truncation and padding waste (of every record, or of a
+        random sample with --sample N)."""
         from bmtrain_cli.data.loader import build_loader
         from bmtrain_cli.data.stats import data_stats, format_stats
 
         cfg = _load(config, set_, data_path)
+        if cfg.train.stage == "dpo":
+            raise UserError(
+                "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
+            )
         tok = resolve_tokenizer(cfg, tokenizer)
-        st = data_stats(build_loader(cfg, tok))
+        if sample is not None:
+            st = _sampled_stats(cfg, tok, sample)
+        else:
+            st = data_stats(build_loader(cfg, tok, streaming=False))
         if as_json:
             typer.echo(json.dumps(st, indent=2))
             return

@@ -65,7 +65,7 @@ def train_main(
             f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
             "config; choose another --output_dir or copy the config elsewhere"
         )
-    from bmtrain_cli.train.trainer import run_training
+    from bmtrain_cli.train.run import run_training
 
     return run_training(loaded)
 

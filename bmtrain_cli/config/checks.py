@@ -7,7 +7,7 @@ file positions. ``mode="train"`` turns machine-dependent warnings into errors.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
@@ -232,6 +232,28 @@ def check_config(
             f"sharding_parallel {p.sharding_parallel} it would not be applied",
             "use offload_optimizer: true instead (it works on one device), or set sharding_parallel > 1",
         )
+    # --- pipeline rebalancing: the boundaries move at a checkpoint of a pipeline-parallel run
+    if p.pipeline_rebalance.enabled:
+        if p.pipeline_parallel == 1:
+            warn(
+                "parallel_config.pipeline_rebalance.enabled",
+                "pipeline_rebalance has no effect with pipeline_parallel 1 (there are no stage boundaries)",
+            )
+        else:
+            if not t.save_steps:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance moves the stage boundaries at a checkpoint, and without "
+                    "train_config.save_steps the only checkpoint is the last one",
+                    f"set train_config.save_steps (a multiple of check_every, {p.pipeline_rebalance.check_every})",
+                )
+            if p.sharding_parallel > 1:
+                err(
+                    "parallel_config.pipeline_rebalance.enabled",
+                    "pipeline_rebalance is implemented for pipeline parallel with data and tensor parallel, "
+                    "not with sharding (whose optimizer splits its state by its own ownership)",
+                    "use data_parallel instead of sharding_parallel, or disable pipeline_rebalance",
+                )
     if p.gradient_compression != "none" and p.data_ranks == 1:
         warn(
             "parallel_config.gradient_compression",
@@ -335,11 +357,27 @@ def check_config(
                         f"available: {', '.join(present)}, all-linear",
                     )
 
+    _check_preference(config, err, warn)
+
     # --- data
-    if "shuffle_buffer" in t.model_fields_set:
+    if "shuffle_buffer" in t.model_fields_set and t.streaming is False:
         warn(
             "train_config.shuffle_buffer",
-            "not used: the loader shuffles with a seeded permutation over the token cache (docs/data.md)",
+            "not used with streaming: false: the cached loader shuffles each epoch with a seeded permutation "
+            "over the token cache (docs/data.md)",
+        )
+    if t.streaming is True and t.stage == "dpo":
+        err(
+            "train_config.streaming",
+            "streaming reads SFT records; preference pairs (stage: dpo) are read through the token cache",
+            "set streaming: false (or leave it at auto) for stage: dpo",
+        )
+    if t.streaming is True and t.max_steps is None:
+        err(
+            "train_config.streaming",
+            "streaming cannot count the batches of an epoch without reading all the data first, so the "
+            "run length and learning-rate schedule need max_steps",
+            "set train_config.max_steps, or streaming: false to tokenise the data into the cache first",
         )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
@@ -350,3 +388,94 @@ def check_config(
             "set train_config.data_path, pass --data_path, or set demo_data: arithmetic",
         )
     return problems
+
+
+PREFERENCE_FIELDS = (
+    "dpo_loss",
+    "dpo_beta",
+    "dpo_label_smoothing",
+    "simpo_gamma",
+    "precompute_ref_log_probs",
+)
+
+
+def _check_preference(config: Config, err: Callable[..., None], warn: Callable[..., None]) -> None:
+    """stage: dpo (docs/preference.md): the layouts and settings a preference run cannot use."""
+    m, t, p = config.model, config.train, config.parallel
+    if t.stage != "dpo":
+        for name in PREFERENCE_FIELDS:
+            if name in t.model_fields_set:
+                warn(
+                    f"train_config.{name}",
+                    "not used: it applies to stage: dpo",
+                    "set stage: dpo or remove it",
+                )
+        return
+    if not m.model_name_or_path:
+        err(
+            "model_config.model_name_or_path",
+            "stage: dpo starts from a trained model (its weights are also the reference); none is set",
+            "set model_config.model_name_or_path to an SFT checkpoint, e.g. the quickstart's",
+        )
+    refused = [
+        (
+            p.pipeline_parallel > 1,
+            "parallel_config.pipeline_parallel",
+            "pipeline_parallel > 1",
+            "fleet's pipeline schedule computes the token loss inside its stages; pair losses need whole "
+            "sequences' log-probs on one stage",
+            "use tensor_parallel or data_parallel for stage: dpo",
+        ),
+        (
+            p.sharding_parallel > 1 and p.sharding_stage in (2, 3),
+            "parallel_config.sharding_stage",
+            "sharding_stage 2/3",
+            "the group-sharded wrapper runs only the SFT loss forward",
+            "use sharding_stage: 1",
+        ),
+        (
+            t.to_static,
+            "train_config.to_static",
+            "to_static",
+            "the compiled step is the SFT loss",
+            "set to_static: false",
+        ),
+        (
+            t.train_on_prompt,
+            "train_config.train_on_prompt",
+            "train_on_prompt",
+            "the pair log-probs are over the responses only",
+            "set train_on_prompt: false",
+        ),
+        (
+            t.data_weights is not None,
+            "train_config.data_weights",
+            "data_weights",
+            "preference files are read as one set",
+            "merge the files or remove data_weights",
+        ),
+        (
+            t.demo_data not in (None, "reverse"),
+            "train_config.demo_data",
+            f"demo_data: {t.demo_data}",
+            "the preference demo is the reverse task",
+            "use demo_data: reverse",
+        ),
+    ]
+    for refused_here, path, what, why, fix in refused:
+        if refused_here:
+            err(path, f"stage: dpo cannot be combined with {what}: {why}", fix)
+    if t.dpo_label_smoothing and t.dpo_loss in ("ipo", "orpo"):
+        err(
+            "train_config.dpo_label_smoothing",
+            f"the {t.dpo_loss} loss has no label smoothing",
+            "use dpo_loss: sigmoid or simpo, or set dpo_label_smoothing: 0",
+        )
+    if "simpo_gamma" in t.model_fields_set and t.dpo_loss != "simpo":
+        warn("train_config.simpo_gamma", f"not used by dpo_loss: {t.dpo_loss}", "use dpo_loss: simpo")
+    if t.precompute_ref_log_probs and t.dpo_loss in ("simpo", "orpo"):
+        err(
+            "train_config.precompute_ref_log_probs",
+            f"the {t.dpo_loss} loss is reference-free: there is nothing to precompute",
+            "set precompute_ref_log_probs: false",
+        )

@@ -101,8 +101,18 @@ class TrainConfig(_Section):
     )
     truncation: Literal["left", "drop"] = "left"
     shuffle: bool = True
-    shuffle_buffer: int = Field(10000, ge=1)
+    shuffle_buffer: int = Field(
+        10000, ge=1, description="Streaming: records shuffled together (and held in memory) at a time."
+    )
     num_workers: int = Field(1, ge=0)
+    streaming: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="Read and tokenise the training data while training (true), tokenise it all into "
+        "the cache first (false), or stream from 1 GiB of data files when max_steps is set (auto).",
+    )
+    data_workers: Optional[int] = Field(
+        None, ge=0, description="Tokenizer processes (streaming and the cache build); default: half the CPUs."
+    )
     on_bad_record: Literal["error", "skip"] = "error"
     data_cache_dir: Optional[str] = Field(
         None, description="Token cache directory (default: beside the data)."
@@ -152,6 +162,26 @@ class TrainConfig(_Section):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: Union[str, List[str]] = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
+    # preference tuning (stage: dpo; docs/preference.md). Names follow TRL's DPOConfig/CPOConfig with a
+    # dpo_ prefix where TRL's name (beta, loss_type, label_smoothing) would be ambiguous in this section.
+    stage: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: instruction tuning; dpo: preference pairs (prompt, chosen, rejected)."
+    )
+    dpo_loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = Field(
+        "sigmoid", description="Preference loss (TRL's loss_type): sigmoid (DPO), ipo, simpo, orpo."
+    )
+    dpo_beta: float = Field(
+        0.1, gt=0, description="TRL's beta: DPO/SimPO temperature, IPO's tau, ORPO's lambda."
+    )
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO / SimPO: probability that a pair's label is flipped."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin (TRL's simpo_gamma).")
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="Compute the reference log-probs once before training and cache them with the data.",
+    )
+
     # bookkeeping
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed of Python, NumPy and Paddle (0 .. 2**32-1).")
     logging_steps: int = Field(10, gt=0)
@@ -192,6 +222,22 @@ class TrainConfig(_Section):
         return self
 
 
+class PipelineRebalanceConfig(_Section):
+    """Dynamic pipeline load balancing (parallel/rebalance.py, docs/parallel.md)."""
+
+    enabled: bool = Field(
+        False, description="Move the pipeline stage boundaries at a checkpoint when the stages are unequal."
+    )
+    threshold: float = Field(
+        1.2,
+        gt=1.0,
+        description="Rebalance when the slowest stage's forward time exceeds the fastest's x this.",
+    )
+    check_every: int = Field(
+        10, gt=0, description="Steps over which the per-layer times are averaged before each comparison."
+    )
+
+
 class ParallelConfig(_Section):
     """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding."""
 
@@ -206,6 +252,7 @@ class ParallelConfig(_Section):
         None, gt=0, description="Micro-batches per pipeline step (default: gradient accumulation steps)."
     )
     pipeline_partition: Literal["uniform", "parameters", "measured"] = "uniform"
+    pipeline_rebalance: PipelineRebalanceConfig = Field(default_factory=PipelineRebalanceConfig)
     gradient_compression: Literal["none", "int8", "topk", "threshold"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)
     compression_threshold: float = Field(

@@ -14,20 +14,21 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from bmtrain_cli.data.encode import Encoder
-from bmtrain_cli.data.formats import BadRecord, parse_record
-from bmtrain_cli.data.readers import read_records
+from bmtrain_cli.data.readers import RawRecord, raw_records
+from bmtrain_cli.data.workers import EncodeSpec, Item, OrderedPool
 
 CACHE_VERSION = 1
 CACHE_DIRNAME = ".bmtrain_cache"
 MAX_REJECTED_KEPT = 100_000
-ENCODE_CHUNK = 1024  # records per batched tokenizer call
+ENCODE_CHUNK = 1024  # records per worker task (one batched tokenizer call)
 
 
 def file_hash(path: str) -> str:
@@ -140,51 +141,57 @@ def tokenize_file(
     data_format: str,
     sink_dir: Path,
     progress: Optional[Callable[[int], None]] = None,
+    workers: int = 0,
 ) -> None:
-    """Tokenise every record of ``path`` into sink_dir (meta.json last)."""
+    """Tokenise every record of ``path`` into sink_dir (meta.json last), in ``workers`` processes."""
     rejected: List[dict] = []
     rejected_count = 0
     offsets = [0]
     lines: List[int] = []
     n_records = 0
-    pending: List[Tuple[int, Any, str]] = []  # (line, Conversation, raw) waiting for one batched encode
+    tasks: Deque[List[Item]] = deque()
 
-    def flush(ftok: Any, fmask: Any) -> None:
+    def reject(line: int, reason: str, raw: str) -> None:
         nonlocal rejected_count
-        if not pending:
-            return
-        encoded = encoder.encode_many([conv for _, conv, _ in pending])
-        for (line, _, raw), (ids, mask) in zip(pending, encoded):
-            if not any(mask):
-                rejected_count += 1
-                if len(rejected) < MAX_REJECTED_KEPT:
-                    rejected.append({"file": path, "line": line, "reason": "no trained token", "record": raw})
-                continue
-            ftok.write(np.asarray(ids, dtype=np.int32).tobytes())
-            fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-            offsets.append(offsets[-1] + len(ids))
-            lines.append(line)
-        pending.clear()
-        if progress is not None:
-            progress(len(lines))
+        rejected_count += 1
+        if len(rejected) < MAX_REJECTED_KEPT:
+            rejected.append({"file": path, "line": line, "reason": reason, "record": raw})
 
-    with open(sink_dir / "tokens.bin", "wb") as ftok, open(sink_dir / "mask.bin", "wb") as fmask:
-        for rec in read_records(path):
+    def task_list() -> Iterator[List[Item]]:
+        nonlocal n_records
+        buf: List[Item] = []
+        for x in raw_records(path):
             n_records += 1
-            reason = rec.error
-            if reason is None:
-                try:
-                    pending.append((rec.line, parse_record(rec.value, data_format), rec.raw))
-                except BadRecord as exc:
-                    reason = str(exc)
-            if reason is not None:
-                rejected_count += 1
-                if len(rejected) < MAX_REJECTED_KEPT:
-                    rejected.append({"file": path, "line": rec.line, "reason": reason, "record": rec.raw})
+            if isinstance(x, RawRecord):
+                reject(x.line, x.error or "", x.raw)
                 continue
-            if len(pending) >= ENCODE_CHUNK:
-                flush(ftok, fmask)
-        flush(ftok, fmask)
+            buf.append(x)
+            if len(buf) == ENCODE_CHUNK:
+                tasks.append(buf)
+                yield buf
+                buf = []
+        if buf:
+            tasks.append(buf)
+            yield buf
+
+    spec = EncodeSpec.of(encoder, data_format)
+    tok_path, mask_path = sink_dir / "tokens.bin", sink_dir / "mask.bin"
+    pool = OrderedPool(spec, workers, encoder=encoder)
+    try:
+        with open(tok_path, "wb") as ftok, open(mask_path, "wb") as fmask:
+            for enc in pool.map(task_list()):
+                items = tasks.popleft()
+                for i, reason, raw in enc.bad:
+                    reject(items[i][1], reason, raw)
+                ftok.write(enc.tokens.tobytes())
+                fmask.write(enc.mask.tobytes())
+                offsets.extend((offsets[-1] + enc.offsets[1:]).tolist())
+                lines.extend(items[int(i)][1] for i in enc.index)
+                if progress is not None:
+                    progress(len(lines))
+    finally:
+        pool.close()
+    rejected.sort(key=lambda r: r["line"])
     np.save(sink_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(sink_dir / "lines.npy", np.asarray(lines, dtype=np.int64))
     meta: Dict[str, object] = {
@@ -209,6 +216,7 @@ def open_or_build(
     cache_root: Optional[str] = None,
     output_dir: Optional[str] = None,
     progress: Optional[Callable[[int], None]] = None,
+    workers: int = 0,
 ) -> TokenStore:
     """The TokenStore of ``path``: from the cache when its key matches, else tokenised now and cached."""
     root = Path(cache_root) if cache_root else default_cache_root(path, output_dir)
@@ -221,5 +229,5 @@ def open_or_build(
         if (directory / "meta.json").is_file():  # another process built it while we waited
             return _load(directory, path, built=False)
         directory.mkdir(parents=True, exist_ok=True)
-        tokenize_file(path, encoder, data_format, directory, progress)
+        tokenize_file(path, encoder, data_format, directory, progress, workers)
     return _load(directory, path, built=True)

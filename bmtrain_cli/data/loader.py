@@ -22,7 +22,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -30,11 +30,15 @@ from bmtrain_cli.data.cache import TokenStore, open_or_build
 from bmtrain_cli.data.collate import TRUNC_ANSWER, collate, empty_batch, pack, truncate
 from bmtrain_cli.data.encode import Encoder, make_encoder
 from bmtrain_cli.data.readers import as_list, resolve_source
+from bmtrain_cli.data.rejected_log import save_rejected
+from bmtrain_cli.data.stream_setup import build_stream_loader, choose_streaming, data_workers
 from bmtrain_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from bmtrain_cli.data.stream import StreamLoader
 
 log = logging.getLogger("bmtrain.data")
 
-REJECTED_FILE = "rejected.jsonl"
 BATCHING_MODES = ("max_length", "longest", "packed")
 
 
@@ -101,6 +105,7 @@ def load_dataset(
     cache_dir: Optional[str] = None,
     output_dir: Optional[str] = None,
     write_rejected: bool = True,
+    workers: int = 0,
 ) -> Dataset:
     """Resolve, validate and tokenise (or reuse the cache of) every source file.
 
@@ -111,7 +116,8 @@ def load_dataset(
     for i, spec in enumerate(sources):
         files.extend((f, i) for f in resolve_source(spec))
     stores = [
-        open_or_build(f, encoder, data_format, cache_root=cache_dir, output_dir=output_dir) for f, _ in files
+        open_or_build(f, encoder, data_format, cache_root=cache_dir, output_dir=output_dir, workers=workers)
+        for f, _ in files
     ]
     ds = Dataset(stores, [i for _, i in files], len(sources))
     bad = ds.rejected_count
@@ -120,24 +126,11 @@ def load_dataset(
         more = f" ({bad - 1} more bad record{'s' if bad > 2 else ''}; on_bad_record: skip sets them aside)"
         raise UserError(f"{first['file']}:{first['line']}: {first['reason']}{more if bad > 1 else ''}")
     if bad and write_rejected and output_dir:
-        save_rejected(ds, output_dir)
+        save_rejected(ds.rejected(), ds.rejected_count, output_dir)
     if len(ds) == 0:
         where = ", ".join(f for f, _ in files)
         raise UserError(f"no usable record in {where}" + (f" ({bad} rejected)" if bad else ""))
     return ds
-
-
-def save_rejected(ds: Dataset, output_dir: Union[str, Path]) -> Path:
-    """Write the dataset's rejected records with their reasons to output_dir/rejected.jsonl (atomically)."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{REJECTED_FILE}.tmp.{id(ds)}"
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in ds.rejected():
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(out / REJECTED_FILE)
-    log.warning("skipped %d bad record(s); see %s", ds.rejected_count, out / REJECTED_FILE)
-    return out / REJECTED_FILE
 
 
 class Loader:
@@ -354,6 +347,11 @@ class Loader:
         self.epoch = int(state["epoch"])
         self._offset = int(state["offset"])
 
+    def start_rejected_log(self, output_dir: Union[str, Path], is_main: bool = True) -> None:
+        """Write the rejected records to output_dir/rejected.jsonl (the main rank; all are known now)."""
+        if is_main and self.dataset.rejected_count:
+            save_rejected(self.dataset.rejected(), self.dataset.rejected_count, output_dir)
+
     # ---- reporting
     def stats(self) -> Dict[str, Any]:
         if self._answer_truncated is None:
@@ -406,15 +404,38 @@ def build_loader(
     micro_batch_size: Optional[int] = None,
     output_dir: Optional[str] = None,
     write_rejected: bool = True,
-) -> Loader:
+    streaming: Optional[bool] = None,
+) -> Union[Loader, StreamLoader]:
     """The loader of one data rank for a config (``data_path`` overrides the config's paths).
 
-    Every record is validated (and tokenised into the cache, or read from it) here, before training.
+    Every record is validated (and tokenised into the cache, or read from it) here, before training,
+    unless the training split streams (stream_setup.py): then a StreamLoader reads as it trains.
+    ``streaming`` True/False overrides train_config.streaming (False: always the token cache).
     A training loader writes its rejected records to output_dir/rejected.jsonl unless ``write_rejected``
-    is False (the trainer writes it with :func:`save_rejected` once every check has passed).
+    is False (the trainer has the loader write it, ``start_rejected_log``, once every check has passed).
     """
     t = config.train
     sources, weights = _sources_for(config, split, data_path)
+    train = split == "train"
+    seed = t.seed if seed is None else seed
+    micro = micro_batch_size or t.micro_batch_size
+    if train and streaming is not False:
+        groups = [resolve_source(spec) for spec in sources]
+        stream, notice = choose_streaming(t, [f for g in groups for f in g], streaming)
+        if stream:
+            return build_stream_loader(
+                config,
+                tokenizer,
+                groups,
+                weights,
+                data_rank=data_rank,
+                data_world=data_world,
+                seed=seed,
+                micro_batch_size=micro,
+                notice=notice,
+            )
+        if notice:
+            log.warning(notice)
     encoder = make_encoder(tokenizer, t.template, t.train_on_prompt)
     out_dir = output_dir if output_dir is not None else t.output_dir
     ds = load_dataset(
@@ -424,9 +445,36 @@ def build_loader(
         on_bad_record=t.on_bad_record,
         cache_dir=t.data_cache_dir,
         output_dir=out_dir,
-        write_rejected=write_rejected and split == "train",
+        write_rejected=write_rejected and train,
+        workers=data_workers(t),
     )
-    train = split == "train"
+    return loader_for(
+        config,
+        tokenizer,
+        ds,
+        train=train,
+        seed=seed,
+        micro_batch_size=micro,
+        weights=weights,
+        data_rank=data_rank,
+        data_world=data_world,
+    )
+
+
+def loader_for(
+    config: Any,
+    tokenizer: Any,
+    ds: Dataset,
+    *,
+    train: bool = True,
+    seed: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    weights: Optional[Sequence[float]] = None,
+    data_rank: int = 0,
+    data_world: int = 1,
+) -> Loader:
+    """The cached-mode Loader of a config over a dataset already built."""
+    t = config.train
     return Loader(
         ds,
         max_seq_len=config.model.max_seq_len,

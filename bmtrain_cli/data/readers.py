@@ -2,22 +2,26 @@
 
 JSONL is read line by line in binary so that invalid UTF-8 and invalid JSON are reported on their own
 line. A ``.json`` file holding one JSON array (Alpaca's layout) is accepted too; its records are numbered
-by the line on which each element starts.
+by the line on which each element starts. Files ending in ``.gz`` or ``.zst`` are decompressed while read
+(``.zst`` needs the ``zstandard`` package).
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
+import io
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
 from bmtrain_cli.errors import UserError
 
 DATA_SUFFIXES = (".jsonl", ".json")
+COMPRESSED_SUFFIXES = (".gz", ".zst")
 
 
 @dataclass
@@ -49,7 +53,7 @@ def resolve_source(spec: str) -> List[str]:
     if p.is_dir():
         files = sorted(str(f) for f in p.rglob("*") if _is_data_file(f, p))
         if not files:
-            raise UserError(f"data_path {spec!r}: the directory holds no .jsonl or .json file")
+            raise UserError(f"data_path {spec!r}: the directory holds no .jsonl or .json file (or .gz/.zst)")
         return files
     if not p.exists():
         raise UserError(f"{spec}: data file not found")
@@ -60,12 +64,39 @@ def resolve_source(spec: str) -> List[str]:
 
 def _is_data_file(f: Path, root: Path) -> bool:
     """A .jsonl/.json file under root, outside hidden folders and token-cache folders."""
-    if not f.is_file() or f.suffix not in DATA_SUFFIXES:
+    if not f.is_file() or data_suffix(f.name) not in DATA_SUFFIXES:
         return False
     rel = f.relative_to(root).parts
     if any(part.startswith(".") for part in rel):
         return False
     return not (f.parent / "offsets.npy").exists()
+
+
+def data_suffix(name: str) -> str:
+    """The data suffix of a file name with any compression suffix removed: a.jsonl.gz -> .jsonl."""
+    p = Path(name)
+    if p.suffix in COMPRESSED_SUFFIXES:
+        p = p.with_suffix("")
+    return p.suffix
+
+
+def open_binary(path: str) -> BinaryIO:
+    """A data file opened for binary reading, decompressed when it ends in .gz or .zst."""
+    try:
+        if path.endswith(".gz"):
+            return gzip.open(path, "rb")  # type: ignore[return-value]
+        if path.endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise UserError(
+                    f"{path}: reading .zst files needs the zstandard package (pip install zstandard)"
+                ) from None
+            raw = open(path, "rb")  # noqa: SIM115 - owned by the returned reader
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    except OSError as exc:
+        raise UserError(f"{path}: cannot open: {exc.strerror}") from None
 
 
 def _decode_error(line: bytes, exc: UnicodeDecodeError) -> str:
@@ -112,46 +143,76 @@ def _loads(text: str) -> Any:
         raise json.JSONDecodeError("nested too deeply", text, 0) from None
 
 
+def parse_line(path: str, lineno: int, line: bytes) -> RawRecord:
+    """One JSONL line (not blank) parsed, or with the reason it is bad."""
+    if lineno == 1 and line.startswith(BOM):
+        line = line[3:]
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawRecord(
+            path, lineno, line.decode("utf-8", "replace").rstrip("\n"), None, _decode_error(line, exc)
+        )
+    text = text.rstrip("\r\n")  # so an error at the end of the line names its real column
+    try:
+        value = _loads(text)
+    except json.JSONDecodeError as exc:
+        return RawRecord(path, lineno, text, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+    return _parsed(path, lineno, text, value)
+
+
+EMPTY_FILE = "file is empty (no records)"
+BOM = b"\xef\xbb\xbf"
+
+
+def is_blank(lineno: int, line: bytes) -> bool:
+    """A line that holds no record (only whitespace, or a byte-order mark on line 1)."""
+    return not (line[3:] if lineno == 1 and line.startswith(BOM) else line).strip()
+
+
+def is_json_array(f: BinaryIO) -> bool:
+    """Whether an open data file holds one JSON array (peeked: the position stays at the start)."""
+    head = f.peek(4096)[:4096].lstrip()  # type: ignore[attr-defined]
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:].lstrip()
+    return head.startswith(b"[")
+
+
 def read_records(path: str) -> Iterator[RawRecord]:
     """Every non-blank record of a JSONL (or JSON-array) file, parsed or with the reason it is bad.
 
     An empty file (no record at all) yields one bad record at line 1.
     """
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator keeps it open while iterated
-    except OSError as exc:
-        raise UserError(f"{path}: cannot open: {exc.strerror}") from None
-    with f:
-        head = f.read(4096).lstrip()
-        f.seek(0)
-        if head.startswith(b"\xef\xbb\xbf"):
-            head = head[3:].lstrip()
-        if head.startswith(b"["):
+    with open_binary(path) as f:
+        if is_json_array(f):
             yield from _read_json_array(path, f.read())
             return
         n = 0
         for lineno, line in enumerate(f, start=1):
-            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
-            if not line.strip():
+            if is_blank(lineno, line):
                 continue
             n += 1
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield RawRecord(
-                    path, lineno, line.decode("utf-8", "replace").rstrip("\n"), None, _decode_error(line, exc)
-                )
-                continue
-            text = text.rstrip("\r\n")  # so an error at the end of the line names its real column
-            try:
-                value = _loads(text)
-            except json.JSONDecodeError as exc:
-                yield RawRecord(path, lineno, text, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
-                continue
-            yield _parsed(path, lineno, text, value)
+            yield parse_line(path, lineno, line)
         if n == 0:
-            yield RawRecord(path, 1, "", None, "file is empty (no records)")
+            yield RawRecord(path, 1, "", None, EMPTY_FILE)
+
+
+def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional[bytes]]]]:
+    """The records of a file unparsed, as (file, line, bytes) for a worker to parse (bytes None: the file
+    holds no record); a JSON array is parsed here, and its bad records come as RawRecord."""
+    with open_binary(path) as f:
+        if is_json_array(f):
+            for rec in _read_json_array(path, f.read()):
+                yield rec if rec.error is not None else (path, rec.line, rec.raw.encode("utf-8"))
+            return
+        n = 0
+        for lineno, line in enumerate(f, start=1):
+            if is_blank(lineno, line):
+                continue
+            n += 1
+            yield (path, lineno, line)
+        if n == 0:
+            yield (path, 1, None)
 
 
 def _read_json_array(path: str, data: bytes) -> Iterator[RawRecord]:

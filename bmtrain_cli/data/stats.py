@@ -57,7 +57,15 @@ def data_stats(loader: Any) -> Dict[str, Any]:
 def format_stats(st: Dict[str, Any]) -> List[str]:
     ln = st["length"]
     w = st["padding_waste"]
-    lines = [
+    lines = []
+    smp = st.get("sample")
+    if smp is not None:
+        est = f", about {smp['estimated_records']:,} records in all" if smp["estimated_records"] else ""
+        lines.append(
+            f"sample: {smp['records']} records drawn at random from {smp['data_bytes'] / 2**20:.0f} MiB of "
+            f"data{est}; the figures below are of the sample"
+        )
+    lines += [
         f"files: {len(st['files'])}  records: {st['records']}  usable: {st['samples']}  rejected: {st['rejected']}",
         f"tokens: {st['tokens']} after truncation to max_seq_len (trained: {st['trained_tokens']})",
         "token length: "

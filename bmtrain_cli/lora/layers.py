@@ -78,6 +78,9 @@ class LoRALinear(nn.Layer):
         self.lora_alpha = float(alpha)
         self.scaling = float(alpha) / float(rank)
         self.merged = False
+        self.adapter_enabled = (
+            True  # False: the base layer alone (the DPO reference, preference/reference.py)
+        )
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else None
         a_in = in_local if kind == "row" else self.in_features
         b_out = out_local if kind == "column" else self.out_features
@@ -131,7 +134,7 @@ class LoRALinear(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         out = self.base_layer(x)
-        if self.merged:
+        if self.merged or not self.adapter_enabled:
             return out
         return out + self.lora_delta(x)
 

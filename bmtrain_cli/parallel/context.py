@@ -125,10 +125,17 @@ class ParallelContext:
         return box[0]
 
     # ------------------------------------------------------------------ model and optimizer
-    def wrap_model(self, model: Any) -> Any:
+    def wrap_model(
+        self,
+        model: Any,
+        pipeline_costs: Optional[List[float]] = None,
+        pipeline_bounds: Optional[List[int]] = None,
+    ) -> Any:
         """Prepare a built model for this layout (identity in one process).
 
-        pipeline parallel: the decoder is cut into a fleet PipelineLayer (only this stage's layers kept);
+        pipeline parallel: the decoder is cut into a fleet PipelineLayer (only this stage's layers kept),
+        by pipeline_partition, by ``pipeline_costs`` (one per item) or at ``pipeline_bounds``
+        (parallel/rebalance.py);
         tensor parallel / sharding: fleet.distributed_model; plain data parallel: parameters broadcast from
         rank 0 and gradients summed by the optimizer wrapper (optionally compressed)."""
         if self.world_size == 1:
@@ -141,7 +148,7 @@ class ParallelContext:
 
             if self.tp_degree > 1:
                 self._reinit_duplicated_shards(model)
-            model = to_pipeline_layer(model, self)
+            model = to_pipeline_layer(model, self, pipeline_costs, pipeline_bounds)
             return fleet.distributed_model(model)
         if self.config is not None and uses_group_sharded(self.config):
             return model  # wrapped together with the optimizer in wrap_model_and_optimizer

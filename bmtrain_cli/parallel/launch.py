@@ -22,8 +22,6 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel import faults
 from bmtrain_cli.quiet import LauncherConsole
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 @dataclass
 class LaunchPlan:
@@ -38,10 +36,12 @@ class LaunchPlan:
 
 
 def train_script() -> Path:
-    """recipes/train.py of this checkout (the launchable training entry point)."""
-    path = REPO_ROOT / "recipes" / "train.py"
+    """The training recipe (recipes/train.py, or the installed package's copy): the launchable entry point."""
+    from bmtrain_cli.train.run import recipe_path
+
+    path = recipe_path("train")
     if not path.is_file():
-        raise UserError(f"cannot find the training script {path}; run from a bmtrain-cli checkout")
+        raise UserError(f"cannot find the training recipe {path}: reinstall bmtrain-cli")
     return path
 
 

@@ -233,8 +233,30 @@ def measure_item_costs(items: Sequence[Any], x: Any, steps: int = 3) -> List[flo
     return costs
 
 
-def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
-    """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer)."""
+def item_parameter_names(model: Any) -> List[List[str]]:
+    """The single-process names of each pipeline item's parameters (the tied embedding is in the first
+    and the last item)."""
+    items = _build_items(model)
+    return [[items.names[id(p)] for p in layer.parameters()] for layer in items.layers]
+
+
+def stage_layers(bounds: Sequence[int], decoder_layers: int) -> List[List[int]]:
+    """The decoder layer indices of each stage cut at ``bounds`` (item i > 0 is decoder layer i - 1)."""
+    return [
+        [i - 1 for i in range(bounds[s], bounds[s + 1]) if 0 < i <= decoder_layers]
+        for s in range(len(bounds) - 1)
+    ]
+
+
+def to_pipeline_layer(
+    model: Any,
+    ctx: ParallelContext,
+    costs: Optional[Sequence[float]] = None,
+    bounds: Optional[Sequence[int]] = None,
+) -> Any:
+    """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer). ``costs`` (one per
+    item, the same on every rank): cut by them instead of by pipeline_partition (a rebalance);
+    ``bounds``: cut there (a resume continuing a rebalanced cut; ignored unless it fits this model)."""
     import paddle.distributed as dist
     from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
@@ -242,7 +264,10 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
     method = config.parallel.pipeline_partition if config is not None else "uniform"
     items = _build_items(model)
     layers = items.decoder_layers
-    if method == "uniform":
+    if costs is not None:
+        method = "rebalanced"
+        costs = list(costs)
+    elif method == "uniform":
         costs = uniform_costs(layers)
     elif method == "parameters":
         costs = item_parameter_counts(items.layers)
@@ -255,15 +280,16 @@ def to_pipeline_layer(model: Any, ctx: ParallelContext) -> Any:
         box = [costs]
         dist.broadcast_object_list(box, src=0)
         costs = box[0]
-    bounds = partition(costs, ctx.pp_degree)
+    if bounds is not None and len(bounds) == ctx.pp_degree + 1 and bounds[-1] == len(items.layers):
+        method, bounds = f"{method}, the checkpoint's cut", [int(b) for b in bounds]
+    else:
+        bounds = partition(costs, ctx.pp_degree)
     info = {
         "method": method,
         "boundaries": bounds,
         "stage_costs": stage_costs(costs, bounds),
         "imbalance": imbalance(costs, bounds),
-        "stage_layers": [
-            [i - 1 for i in range(bounds[s], bounds[s + 1]) if 0 < i <= layers] for s in range(ctx.pp_degree)
-        ],
+        "stage_layers": stage_layers(bounds, layers),
     }
     ctx.pipeline_info = info
     if ctx.rank == 0:

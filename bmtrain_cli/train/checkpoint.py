@@ -202,47 +202,61 @@ def _param_names(model: paddle.nn.Layer) -> Dict[str, str]:
     return {p.name: n for n, p in model.named_parameters()}
 
 
-def optimizer_state(optimizer: Any, model: paddle.nn.Layer) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
-    """Split an optimizer state_dict into tensors keyed by structured parameter names and plain extras."""
+def optimizer_tensors(optimizer: Any, model: paddle.nn.Layer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Split an optimizer state_dict into its tensors, keyed ``structured parameter name::accumulator``
+    (``master_weights::name``; ``::key`` for a tensor of no parameter), and plain extras."""
     internal = _param_names(model)
     by_length = sorted(internal, key=len, reverse=True)
-    tensors: Dict[str, np.ndarray] = {}
+    tensors: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
     for key, value in optimizer.state_dict().items():
         if key == "master_weights":
             for pname, t in value.items():
-                tensors[f"master_weights::{internal.get(pname, pname)}"] = _to_numpy(t)
+                tensors[f"master_weights::{internal.get(pname, pname)}"] = t
         elif isinstance(value, paddle.Tensor):
             owner = next((p for p in by_length if key.startswith(p + "_")), None)
             if owner is None:
-                tensors[f"::{key}"] = _to_numpy(value)
+                tensors[f"::{key}"] = value
             else:
-                tensors[f"{internal[owner]}::{key[len(owner) + 1 :]}"] = _to_numpy(value)
+                tensors[f"{internal[owner]}::{key[len(owner) + 1 :]}"] = value
         elif key != "LR_Scheduler":  # the schedule is ours and lives in trainer_state.json
             extra[key] = value
     return tensors, extra
 
 
-def restore_optimizer(optimizer: Any, model: paddle.nn.Layer, tensors: Dict[str, np.ndarray]) -> None:
+def optimizer_state(optimizer: Any, model: paddle.nn.Layer) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+    """:func:`optimizer_tensors` as numpy arrays (what a checkpoint writes)."""
+    tensors, extra = optimizer_tensors(optimizer, model)
+    return {k: _to_numpy(v) for k, v in tensors.items()}, extra
+
+
+def internal_optimizer_state(model: paddle.nn.Layer, tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """The inverse of :func:`optimizer_tensors`: a state_dict under this process's parameter names
+    (numpy arrays become tensors), for ``optimizer.set_state_dict``."""
     structured = {n: p.name for n, p in model.named_parameters()}
     state: Dict[str, Any] = {}
     masters: Dict[str, Any] = {}
-    for key, arr in tensors.items():
+    for key, value in tensors.items():
+        t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
         owner, _, acc = key.partition("::")
         if owner == "master_weights":
-            masters[structured.get(acc, acc)] = paddle.to_tensor(arr)
+            masters[structured.get(acc, acc)] = t
         elif owner == "":
-            state[acc] = paddle.to_tensor(arr)
+            state[acc] = t
         else:
             if owner not in structured:
                 raise CheckpointError(
                     f"optimizer state names parameter {owner!r}, which this model does not have "
                     "(was the checkpoint written for another model?)"
                 )
-            state[f"{structured[owner]}_{acc}"] = paddle.to_tensor(arr)
+            state[f"{structured[owner]}_{acc}"] = t
     if masters:
         state["master_weights"] = masters
-    optimizer.set_state_dict(state)
+    return state
+
+
+def restore_optimizer(optimizer: Any, model: paddle.nn.Layer, tensors: Dict[str, np.ndarray]) -> None:
+    optimizer.set_state_dict(internal_optimizer_state(model, tensors))
 
 
 def _to_numpy(t: Any) -> np.ndarray:
@@ -269,6 +283,10 @@ def optimizer_layout(ctx: Any = None) -> Dict[str, Any]:
     }
     portable = getattr(ctx, "optimizer_state_portable", None)
     layout["portable"] = bool(portable) if portable is not None else True
+    bounds = (getattr(ctx, "pipeline_info", None) or {}).get("boundaries")
+    if layout["pipeline_parallel"] > 1 and bounds:
+        # a stage's optimizer part fits only the same cut (a rebalance moves it: parallel/rebalance.py)
+        layout["pipeline_bounds"] = [int(b) for b in bounds]
     return layout
 
 
@@ -282,13 +300,18 @@ def describe_layout(layout: Optional[Dict[str, Any]]) -> str:
     ]
     if layout.get("sharding_parallel", 1) > 1:
         parts.append(f"sharding_stage {layout.get('sharding_stage', 1)}")
+    if layout.get("pipeline_bounds"):
+        parts.append(f"stage boundaries {layout['pipeline_bounds']}")
     return ", ".join(parts) if parts else "one process"
 
 
 def _same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     keys = ("world_size", "data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
     keys_stage = keys + ("sharding_stage",)
-    return all(int(a.get(k, 1)) == int(b.get(k, 1)) for k in keys_stage)
+    same_cut = not (a.get("pipeline_bounds") and b.get("pipeline_bounds")) or list(
+        a["pipeline_bounds"]
+    ) == list(b["pipeline_bounds"])
+    return same_cut and all(int(a.get(k, 1)) == int(b.get(k, 1)) for k in keys_stage)
 
 
 def shard_staging_dir(root: Path, step: int) -> Path:

@@ -21,6 +21,16 @@ TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory")
 TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
 # also logged as train/<key> when present: data parallel with gradient_compression
 COMPRESSION_KEYS = ("compression_ratio", "compression_bytes_sent")
+# preference tuning (stage: dpo), named as TRL logs them (bmtrain_cli/preference/objective.py)
+PREFERENCE_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "preference_accuracy",
+)
 
 
 # ----------------------------------------------------------------------------- memory / flops
@@ -218,7 +228,7 @@ class MetricsWriter:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
         if self.tb is not None and self._is_logging_step(step):
-            for key in TRAIN_KEYS + COMPRESSION_KEYS:
+            for key in TRAIN_KEYS + COMPRESSION_KEYS + PREFERENCE_KEYS:
                 v = values.get(key)
                 if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{key}", v, step)

@@ -196,17 +196,18 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 
 
 def test_sigterm_saves_a_checkpoint(tmp_path, monkeypatch):
-    from bmtrain_cli.train.trainer import Trainer
+    from bmtrain_cli.train.run import load_recipe
 
-    real = Trainer.train_step
+    recipe = load_recipe("train")
+    real = recipe.train_step
 
-    def step_then_signal(self, micro):
-        out = real(self, micro)
-        if self.step == 1:  # the step being run is step 2
+    def step_then_signal(parts, step, micro):
+        out = real(parts, step, micro)
+        if step == 1:  # the step being run is step 2
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(recipe, "train_step", step_then_signal)
     res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=8)])
     assert res.exit_code == 143, res.output
     assert "SIGTERM received: stopped at step 2/8" in res.output
@@ -337,15 +338,15 @@ def test_failing_overwrite_run_deletes_nothing(trained, tmp_path):
 
 
 def test_out_of_memory_at_model_build_is_one_line(trained, tmp_path, monkeypatch):
-    from bmtrain_cli.train.trainer import Trainer
+    from bmtrain_cli.train import setup
 
     out = _previous_run(trained, tmp_path)
     before = tree_digest(out)
 
-    def no_memory(self):
+    def no_memory(*args):
         raise MemoryError("std::bad_alloc")
 
-    monkeypatch.setattr(Trainer, "_build_model_and_optimizer", no_memory)
+    monkeypatch.setattr(setup, "build_model_and_optimizer", no_memory)
     res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=3), "--overwrite"])
     assert res.exit_code == 2, res.output
     assert "out of memory while building the model and optimizer (the memory plan estimates" in res.output
@@ -374,18 +375,19 @@ def test_configured_vocab_size_is_honoured(tmp_path):
 def test_non_finite_weights_are_never_saved_nor_reported_as_success(tmp_path):
     """learning_rate .inf trained, wrote a checkpoint of all-NaN weights and exited 0."""
     from bmtrain_cli.config import load_config
-    from bmtrain_cli.train.trainer import Trainer, TrainingStopped
+    from bmtrain_cli.train.run import load_recipe
+    from bmtrain_cli.train.setup import setup
+    from bmtrain_cli.train.stopping import TrainingStopped
 
-    trainer = Trainer(load_config(_config(tmp_path, steps=4), mode="train"))
+    parts, state = setup(load_config(_config(tmp_path, steps=4), mode="train"))
 
-    def poison(tr, out):
-        if tr.step == 3:  # after step 3's checkpoint, as an update with an infinite step size would
-            w = tr.raw_model.parameters()[0]
+    def poison(parts, state, out):
+        if state.step == 3:  # after step 3's checkpoint, as an update with an infinite step size would
+            w = parts.model.raw.parameters()[0]
             w.set_value(w * float("inf"))
 
-    trainer.step_callbacks.append(poison)
     with pytest.raises(TrainingStopped) as info:
-        trainer.train()
+        load_recipe("train").train(parts, state, poison)
     assert info.value.exit_code == 2 and "the weights hold inf or NaN" in str(info.value)
     ckpts = tmp_path / "out" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-3"]

@@ -205,7 +205,32 @@ def test_lora_on_a_fresh_model_warns(write_yaml):
     assert not any("fresh" in w.message for w in load_config(write_yaml(hf)).warnings)
 
 
-def test_shuffle_buffer_is_said_to_be_unused(write_yaml):
-    warnings = load_config(write_yaml("train_config:\n  shuffle_buffer: 50\n")).warnings
-    assert [w.line for w in warnings if "shuffle_buffer" in w.path and "not used" in w.message] == [2]
+def test_shuffle_buffer_is_said_to_be_unused_without_streaming(write_yaml):
+    text = "train_config:\n  streaming: false\n  shuffle_buffer: 50\n"
+    warnings = load_config(write_yaml(text)).warnings
+    assert [w.line for w in warnings if "shuffle_buffer" in w.path and "not used" in w.message] == [3]
+    assert not load_config(write_yaml("train_config:\n  shuffle_buffer: 50\n  max_steps: 5\n")).warnings
     assert not load_config(write_yaml("train_config:\n  shuffle: false\n")).warnings
+
+
+def test_streaming_without_max_steps_is_refused_before_launch(write_yaml):
+    with pytest.raises(ConfigError, match="streaming.*max_steps"):
+        load_config(write_yaml("train_config:\n  streaming: true\n"))
+    load_config(write_yaml("train_config:\n  streaming: true\n  max_steps: 3\n  data_workers: 0\n"))
+
+
+def test_pipeline_rebalance_checks(write_yaml):
+    """Without pipeline parallel it does nothing (a warning: one file serves several layouts); under
+    pipeline parallel it needs intermediate checkpoints, and it is refused with sharding."""
+    on = "parallel:\n  pipeline_rebalance:\n    enabled: true\n"
+    loaded = load_config(write_yaml("model_config:\n  num_hidden_layers: 4\n" + on))
+    assert any("no effect with pipeline_parallel 1" in w.message for w in loaded.warnings)
+    pp2 = "model_config:\n  num_hidden_layers: 4\n" + on + "  pipeline_parallel: 2\n"
+    assert not [w for w in load_config(write_yaml(pp2)).warnings if "pipeline_rebalance" in (w.path or "")]
+    text, probs = error_text(write_yaml, pp2 + "train_config:\n  save_steps: null\n")
+    assert "the only checkpoint is the last one" in text and "set train_config.save_steps" in text
+    assert probs[0].path.endswith("pipeline_rebalance.enabled")
+    text, _ = error_text(write_yaml, pp2 + "  sharding_parallel: 2\n")
+    assert "not with sharding" in text
+    text, _ = error_text(write_yaml, on + "    threshold: 1.0\n")
+    assert "threshold" in text

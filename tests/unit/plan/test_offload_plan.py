@@ -90,7 +90,8 @@ def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     """The offload plan counts on one device: training applies it (the optimizer is the host-state
     OffloadOptimizer) and the run trains."""
     from bmtrain_cli.train.offload import OffloadOptimizer
-    from bmtrain_cli.train.trainer import Trainer
+    from bmtrain_cli.train.run import load_recipe
+    from bmtrain_cli.train.setup import setup
 
     data = tmp_path / "train.jsonl"
     rows = [{"input": f"add {i} and {i + 3}", "output": str(2 * i + 3)} for i in range(32)]
@@ -112,7 +113,7 @@ def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     }
     path = tmp_path / "offload.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    trainer = Trainer(load_config(str(path), mode="train"), stream=io.StringIO())
-    assert isinstance(trainer.base_optimizer, OffloadOptimizer)
-    summary = trainer.train()
+    parts, state = setup(load_config(str(path), mode="train"), stream=io.StringIO())
+    assert isinstance(parts.optim.base, OffloadOptimizer)
+    summary = load_recipe("train").train(parts, state)
     assert summary["steps"] == 3 and summary["final_loss"] == summary["final_loss"]  # ran, finite

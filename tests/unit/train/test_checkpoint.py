@@ -196,3 +196,27 @@ def test_whole_state_is_not_reused_under_a_split_layout_and_missing_parts(tmp_pa
     assert ck.read_state(path)["optimizer_layout"]["optimizer_files"] == []
     state = ck.load_training_state(path, model=m, optimizer=opt, layout=split, rank=0)
     assert state["optimizer_restored"] is False and "missing" in state["optimizer_message"]
+
+
+def test_a_stage_part_is_not_reused_under_another_cut(tmp_path):
+    """Under pipeline parallel a rank's optimizer part belongs to the layers of its stage: after a
+    rebalance (parallel/rebalance.py) a resume cut elsewhere must not take it for its own layers."""
+
+    def pp2(bounds):
+        ctx = _FakeCtx(tp=1)
+        ctx.world_size, ctx.pp_degree, ctx.optimizer_state_portable = 2, 2, False
+        ctx.pipeline_info = {"boundaries": bounds}
+        return ck.optimizer_layout(ctx)
+
+    m = _model()
+    opt = build_optimizer(m, TrainConfig(), 0.01)
+    _steps(m, opt, 1, seed=0)
+    for rank in (0, 1):
+        ck.write_optimizer_shard(tmp_path, 1, rank, opt, m)
+    path = ck.save_checkpoint(tmp_path, 1, model=m, optimizer=opt, state={}, layout=pp2([0, 6, 9]))
+    assert ck.read_state(path)["optimizer_layout"]["pipeline_bounds"] == [0, 6, 9]
+    state = ck.load_training_state(path, model=m, optimizer=opt, layout=pp2([0, 4, 9]), rank=1)
+    assert state["optimizer_restored"] is False
+    assert "stage boundaries [0, 6, 9]" in state["optimizer_message"]
+    state = ck.load_training_state(path, model=m, optimizer=opt, layout=pp2([0, 6, 9]), rank=1)
+    assert state["optimizer_restored"] is True

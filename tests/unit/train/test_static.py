@@ -53,7 +53,8 @@ def _run(
     recompute: bool = False,
     kernels: str = "reference",
 ):
-    from bmtrain_cli.train.trainer import Trainer
+    from bmtrain_cli.train.run import load_recipe
+    from bmtrain_cli.train.setup import setup
 
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(
@@ -67,11 +68,10 @@ def _run(
         ),
         encoding="utf-8",
     )
-    trainer = Trainer(load_config(str(cfg), mode="train"), stream=io.StringIO())
+    parts, state = setup(load_config(str(cfg), mode="train"), stream=io.StringIO())
     losses = []
-    trainer.step_callbacks.append(lambda tr, out: losses.append((out["loss"], out["grad_norm"])))
-    trainer.train()
-    return trainer, losses
+    load_recipe("train").train(parts, state, lambda p, s, out: losses.append((out.loss, out.grad_norm)))
+    return parts, losses
 
 
 @pytest.mark.parametrize(
@@ -79,11 +79,11 @@ def _run(
 )
 def test_to_static_losses_equal_dygraph(tmp_path, batching, recompute):
     _, eager = _run(tmp_path, "eager", static=False, batching=batching, recompute=recompute)
-    trainer, static = _run(tmp_path, "static", static=True, batching=batching, recompute=recompute)
+    parts, static = _run(tmp_path, "static", static=True, batching=batching, recompute=recompute)
     from bmtrain_cli.train.static import LossSum
 
-    assert isinstance(trainer.loss_fn, LossSum)
-    assert "StaticFunction" in type(trainer.loss_fn.forward).__name__  # compiled, not the eager forward
+    assert isinstance(parts.optim.loss_fn, LossSum)
+    assert "StaticFunction" in type(parts.optim.loss_fn.forward).__name__  # compiled, not the eager forward
     assert len(eager) == len(static) == 4
     for (le, ge), (ls, gs) in zip(eager, static):
         assert abs(le - ls) < 1e-5 * max(1.0, abs(le))
@@ -101,9 +101,9 @@ def test_to_static_custom_kernels_equal_dygraph_reference(tmp_path, kernels):
     except KernelBuildError as exc:
         pytest.skip(f"custom kernels cannot be built here: {exc}")
     _, eager = _run(tmp_path, "eager", static=False, batching="max_length")
-    trainer, static = _run(tmp_path, "static", static=True, batching="max_length", kernels=kernels)
-    assert "StaticFunction" in type(trainer.loss_fn.forward).__name__
-    assert set(trainer.model.ops.sources.values()) == {"custom"}
+    parts, static = _run(tmp_path, "static", static=True, batching="max_length", kernels=kernels)
+    assert "StaticFunction" in type(parts.optim.loss_fn.forward).__name__
+    assert set(parts.model.raw.ops.sources.values()) == {"custom"}
     assert len(eager) == len(static) == 4
     for (le, ge), (ls, gs) in zip(eager, static):
         assert abs(le - ls) < 1e-5 * max(1.0, abs(le))

@@ -1,0 +1,61 @@
+"""Summed log-probs of each sequence's response tokens, from one forward over a pair batch.
+
+Only the positions that predict a response token go through the LM head (the hidden states are gathered
+first), so the logits held are [response tokens, vocab] rather than [rows x width, vocab]. Under tensor
+parallelism the vocabulary-split cross entropy of fleet gives the per-token values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from bmtrain_cli.train.evaluate import right_padded
+
+
+def model_inputs(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
+    """input_ids, position_ids and (unless every row is one right-padded sequence) the segment ids."""
+    out = {
+        "input_ids": paddle.to_tensor(batch["input_ids"]),
+        "position_ids": paddle.to_tensor(batch["position_ids"]),
+    }
+    if not right_padded(batch["attention_mask"]):
+        out["attention_mask"] = paddle.to_tensor(batch["attention_mask"])
+    return out
+
+
+def _token_logps(model: Any, hidden: paddle.Tensor, targets: paddle.Tensor) -> paddle.Tensor:
+    logits = model.logits_from_hidden(hidden).astype("float32")
+    factory = getattr(model, "factory", None)
+    if factory is not None and getattr(factory, "tp_degree", 1) > 1:
+        from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
+
+        return -ParallelCrossEntropy(mp_group=factory.mp_group)(logits, targets.reshape([-1, 1])).reshape(
+            [-1]
+        )
+    return -F.cross_entropy(logits, targets.reshape([-1, 1]), reduction="none").reshape([-1])
+
+
+def sequence_logps(
+    model: Any, batch: Dict[str, np.ndarray], n_sequences: int
+) -> Tuple[paddle.Tensor, np.ndarray]:
+    """(summed response log-probs [n_sequences] fp32, response token counts [n_sequences]) of a pair batch.
+
+    The sum runs as a product with a 0/1 [sequences, tokens] matrix: differentiable, and the same
+    arithmetic whatever rows the sequences were packed into."""
+    index = batch["sequence_index"]
+    inputs = model_inputs(batch)
+    hidden = model.hidden_states(**inputs)
+    rows, width = batch["input_ids"].shape
+    r, c = np.nonzero(index >= 0)
+    counts = np.bincount(index[r, c], minlength=n_sequences).astype(np.float32)
+    flat = paddle.to_tensor((r * width + c).astype(np.int64))
+    picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
+    targets = paddle.to_tensor(batch["input_ids"][r, c + 1].astype(np.int64))
+    token = _token_logps(model, picked, targets)
+    member = np.zeros((n_sequences, len(r)), dtype=np.float32)
+    member[index[r, c], np.arange(len(r))] = 1.0
+    return paddle.matmul(paddle.to_tensor(member), token), counts

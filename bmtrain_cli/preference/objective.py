@@ -1,0 +1,154 @@
+"""The preference objective the trainer calls in place of the SFT token loss.
+
+Per optimizer step: ``begin_step(micro)`` sums the pairs (and, for ORPO, the chosen response tokens) over
+the micro-batches and data ranks; ``loss_sum(model, batch)`` returns a micro-batch's summed pair losses,
+which the trainer divides by the step's pair count before backward, so the gradient is that of the mean
+pair loss of the whole step whatever the layout (as the SFT loss is token-weighted). ORPO's NLL term is
+scaled so that, after that division, it is the NLL averaged over every chosen response token of the step.
+``step_metrics()`` gives TRL's rewards/* and logps/* means over the step's pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.preference.logps import model_inputs, sequence_logps
+from bmtrain_cli.preference.losses import REFERENCE_FREE, pair_terms
+from bmtrain_cli.preference.reference import Reference
+from bmtrain_cli.train.metrics import PREFERENCE_KEYS
+
+METRIC_KEYS = PREFERENCE_KEYS  # order of the metric sums after the pair count
+N_STATS = 1 + len(METRIC_KEYS)
+
+
+def _count_chosen_tokens(batch: Dict[str, np.ndarray]) -> int:
+    index = batch["sequence_index"]
+    return int(((index >= 0) & (index % 2 == 0)).sum())
+
+
+class PreferenceObjective:
+    def __init__(self, train_config: Any, reference: Optional[Reference], all_reduce: Callable[[Any], Any]):
+        t = train_config
+        self.kind = t.dpo_loss
+        self.beta, self.label_smoothing, self.gamma = t.dpo_beta, t.dpo_label_smoothing, t.simpo_gamma
+        if reference is None and self.kind not in REFERENCE_FREE:
+            raise ValueError(f"the {self.kind} loss needs a reference")
+        self.reference = reference
+        self._all_reduce = all_reduce  # sums a tensor over the data ranks (ParallelContext.all_reduce_sum)
+        self._nll_scale = 0.0
+        self._stats: List[paddle.Tensor] = []
+        self.last_metrics: Dict[str, float] = {}  # the last step's (summary.json)
+
+    # -- one optimizer step
+    def begin_step(self, micro: List[Dict[str, np.ndarray]]) -> Tuple[float, float]:
+        """(pairs, tokens) of the whole step, summed over the data ranks."""
+        local = [
+            sum(len(b["pair_ids"]) for b in micro),
+            sum(int((b["attention_mask"] > 0).sum()) for b in micro),
+            sum(_count_chosen_tokens(b) for b in micro),
+        ]
+        pairs, tokens, chosen_tokens = self._sum(np.asarray(local, dtype=np.float64))
+        self._nll_scale = pairs / chosen_tokens if chosen_tokens else 0.0
+        self._stats = []
+        return pairs, tokens
+
+    def _sum(self, values: np.ndarray) -> np.ndarray:
+        """Sum a float64 vector over the data ranks (one collective)."""
+        return np.asarray(
+            self._all_reduce(paddle.to_tensor(values, dtype="float64")).numpy(), dtype=np.float64
+        )
+
+    def _terms(self, model: Any, batch: Dict[str, np.ndarray]) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """(summed loss of the batch's pairs incl. the scaled ORPO NLL, [N_STATS] metric sums)."""
+        n = 2 * len(batch["pair_ids"])
+        logps, counts = sequence_logps(model, batch, n)
+        pair = logps.reshape([-1, 2])
+        if self.reference is not None:
+            ref = self.reference.logps(batch, n).reshape([-1, 2])
+        else:
+            ref = paddle.zeros_like(pair)
+        tokens = paddle.to_tensor(counts.reshape(-1, 2))
+        terms = pair_terms(
+            self.kind,
+            pair[:, 0],
+            pair[:, 1],
+            ref[:, 0],
+            ref[:, 1],
+            tokens[:, 0],
+            tokens[:, 1],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            simpo_gamma=self.gamma,
+        )
+        loss = terms.loss.sum()
+        if self.kind == "orpo":  # NLL of the chosen responses, token-weighted over the step
+            loss = loss - pair[:, 0].sum() * self._nll_scale
+        c, r = terms.chosen_rewards.detach(), terms.rejected_rewards.detach()
+        stats = paddle.stack(
+            [
+                paddle.to_tensor(float(n // 2)),
+                c.sum(),
+                r.sum(),
+                (c > r).astype("float32").sum(),
+                (c - r).sum(),
+                terms.chosen_logps.detach().sum(),
+                terms.rejected_logps.detach().sum(),
+                (pair[:, 0] > pair[:, 1]).astype("float32").sum(),
+            ]
+        ).astype("float32")
+        return loss, stats
+
+    def loss_sum(self, model: Any, batch: Dict[str, np.ndarray]) -> Tuple[paddle.Tensor, float]:
+        """(summed pair losses of one micro-batch, its pair count); records the step's metric sums."""
+        if len(batch["pair_ids"]) == 0:  # this rank's share of the data ran out: zero, with a graph
+            return model.hidden_states(**model_inputs(batch)).sum() * 0.0, 0.0
+        loss, stats = self._terms(model, batch)
+        self._stats.append(stats)
+        return loss, float(len(batch["pair_ids"]))
+
+    def _means(self, sums: np.ndarray) -> Dict[str, float]:
+        pairs = max(float(sums[0]), 1.0)
+        return {k: float(v) / pairs for k, v in zip(METRIC_KEYS, sums[1:])}
+
+    def step_metrics(self) -> Dict[str, float]:
+        """TRL's metrics over the step's pairs (all data ranks); one host sync."""
+        local = paddle.stack(self._stats).sum(axis=0) if self._stats else paddle.zeros([N_STATS], "float32")
+        self._stats = []
+        self.last_metrics = self._means(self._sum(local.numpy().astype(np.float64)))
+        return self.last_metrics
+
+    # -- evaluation
+    def evaluate(
+        self, model: Any, loader: Any, autocast: Callable[[], Any]
+    ) -> Tuple[float, Dict[str, float]]:
+        """(mean pair loss, TRL's metrics) over one pass of an eval loader (all data ranks)."""
+        batches = list(loader)
+        pairs, chosen_tokens = self._sum(
+            np.asarray(
+                [sum(len(b["pair_ids"]) for b in batches), sum(_count_chosen_tokens(b) for b in batches)],
+                dtype=np.float64,
+            )
+        )
+        saved, self._nll_scale = self._nll_scale, (pairs / chosen_tokens if chosen_tokens else 0.0)
+        was_training = model.training
+        model.eval()
+        loss_total = 0.0
+        sums = np.zeros(N_STATS)
+        try:
+            with paddle.no_grad():
+                for b in batches:
+                    if len(b["pair_ids"]) == 0:
+                        continue
+                    with autocast():
+                        loss, stats = self._terms(model, b)
+                    loss_total += float(loss)
+                    sums += stats.numpy()
+        finally:
+            self._nll_scale = saved
+            if was_training:
+                model.train()
+        total = self._sum(np.concatenate([[loss_total], sums]))
+        return float(total[0]) / max(pairs, 1.0), self._means(total[1:])

@@ -1,0 +1,128 @@
+"""The typed parts of one training run, as `setup()` builds them, and the state the loop advances.
+
+``Parts`` is frozen: the recipe (recipes/train.py) reads it, never re-assigns it. ``TrainState`` is what
+changes from step to step and what a checkpoint restores (step, counters, history).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, TextIO
+
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.parallel.context import ParallelContext
+from bmtrain_cli.train.runtime import Runtime
+
+
+@dataclass
+class Console:
+    """Messages of the main rank: to the metrics writer (which keeps them apart from the progress bar)
+    once it exists, to the stream before that."""
+
+    stream: TextIO = field(default_factory=lambda: sys.stdout)
+    is_main: bool = True
+    metrics: Optional[Any] = None  # train.metrics.MetricsWriter, attached by setup() at its end
+
+    def say(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.metrics is not None:
+            self.metrics.message(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+
+@dataclass(frozen=True)
+class TrainData:
+    paths: Dict[str, Any]  # train / eval / heldout (the demo task's answers) as used
+    loader: Any  # data.loader.DataLoader of this data rank
+    eval_loader: Optional[Any]
+    report: Dict[str, Any]  # what the data came to (see report.data_report)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    raw: Any  # the decoder itself (after precision decoration): weights are read from here
+    wrapped: Any  # what forward runs on: raw, or fleet's data/tensor/pipeline wrapper of it
+    params: List[Any]  # the trainable parameters (LoRA: the adapters)
+    n_params: int
+    lora: Optional[Any] = None  # lora.checkpoint.LoRARun when finetuning: lora
+
+
+@dataclass(frozen=True)
+class OptimParts:
+    base: Any  # the optimizer that holds the state (what a checkpoint saves)
+    stepper: Any  # what steps: base, or fleet's / our data-parallel wrapper of it
+    precision: Any  # train.optim.Precision: autocast, loss scaling, master weights
+    own_clip: bool  # False when fleet's hybrid clip measures and clips inside step()
+    loss_fn: Optional[Callable[..., Any]]  # loss_sum of the training model (None under pipeline parallel)
+    sharded: Optional[Any] = None  # sharding stage 2/3: the wrapper that also computes the loss
+
+
+@dataclass(frozen=True)
+class Parts:
+    config: Config
+    runtime: Runtime
+    ctx: ParallelContext
+    console: Console
+    tokenizer: Any
+    data: TrainData
+    model: ModelParts
+    optim: OptimParts
+    schedule: Any  # train.schedule: lr(step), warmup_steps, state_dict()
+    memory: Any  # train.metrics.MemoryMeter
+    metrics: Any  # train.metrics.MetricsWriter (disabled on other ranks)
+    started: float  # time.time() when setup began
+    preference: Optional[Any] = None  # stage dpo: preference.objective.PreferenceObjective (the loss)
+
+
+@dataclass
+class TrainState:
+    """Everything the loop changes; a checkpoint holds it and a resume restores it."""
+
+    step: int = 0
+    best_eval_loss: Optional[float] = None
+    skipped_steps: int = 0
+    tokens_seen: int = 0
+    train_time: float = 0.0
+    consecutive_nonfinite: int = 0
+    last_checkpoint: Optional[Path] = None  # the newest checkpoint of this run (or the one resumed)
+    last_saved_step: Optional[int] = None
+    # accuracy_before (demo task), recent_losses (the final-loss window), tokens_per_sec
+    history: Dict[str, Any] = field(default_factory=dict)
+
+    def counters(self) -> Dict[str, Any]:
+        return {
+            "best_eval_loss": self.best_eval_loss,
+            "skipped_steps": self.skipped_steps,
+            "tokens_seen": self.tokens_seen,
+            "train_time": self.train_time,
+        }
+
+    @classmethod
+    def restored(
+        cls, checkpoint: Path, step: int, counters: Dict[str, Any], history: Dict[str, Any]
+    ) -> TrainState:
+        return cls(
+            step=step,
+            last_checkpoint=checkpoint,
+            best_eval_loss=counters.get("best_eval_loss"),
+            skipped_steps=int(counters.get("skipped_steps", 0)),
+            tokens_seen=int(counters.get("tokens_seen", 0)),
+            train_time=float(counters.get("train_time", 0.0)),
+            last_saved_step=step,
+            history=dict(history),
+        )
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: float  # mean token loss of the global batch
+    lr: float
+    grad_norm: float  # global norm before clipping (nan when not measured)
+    tokens: float  # non-padding tokens of the global batch
+    applied: bool  # the optimizer update ran
+    finite: bool
+    metrics: Dict[str, float] = field(default_factory=dict)  # stage dpo: rewards/*, logps/* (TRL's names)

@@ -1,0 +1,399 @@
+"""setup(): every part of a training run, built and checked before anything in output_dir is replaced.
+
+Order: parallel context and runtime (devices, batch arithmetic, the checkpoint to resume) -> data and
+tokenizer -> memory plan -> model, LoRA, recompute -> optimizer and precision -> the layout's wrappers ->
+schedule -> resume -> claim the output directory -> metrics. A failure anywhere before the claim leaves
+the previous run's files as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple
+
+import numpy as np
+import yaml
+
+from bmtrain_cli.config.load import LoadedConfig
+from bmtrain_cli.config.schema import Config
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.parallel.context import ParallelContext
+from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
+from bmtrain_cli.train.report import data_report
+from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
+
+
+def seed_everything(seed: int) -> None:
+    import paddle
+
+    random.seed(seed)
+    np.random.seed(seed)
+    paddle.seed(seed)
+
+
+# ----------------------------------------------------------------------------- data and tokenizer
+
+
+def prepare_data(rt: Runtime, ctx: ParallelContext) -> Dict[str, Any]:
+    """Training/eval paths; the demo task is generated under output_dir/data when no data_path is set."""
+    t = rt.config.train
+    paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
+    if t.data_path is None and t.demo_data:
+        from bmtrain_cli.data.demo import write_demo_data
+        from bmtrain_cli.preference.demo import write_demo_pairs
+
+        data_dir = rt.output_dir / "data"
+        dpo = t.stage == "dpo"  # preference pairs; heldout.jsonl stays the exact-match set
+        if ctx.is_main:
+            (write_demo_pairs if dpo else write_demo_data)(str(data_dir), task=t.demo_data, seed=0)
+        ctx.barrier()
+        paths["train"] = str(data_dir / ("pairs_train.jsonl" if dpo else "train.jsonl"))
+        paths["heldout"] = str(data_dir / "heldout.jsonl")
+        if paths["eval"] is None:
+            paths["eval"] = str(data_dir / "pairs_heldout.jsonl") if dpo else paths["heldout"]
+    return paths
+
+
+def collect_texts(paths: Any, limit: int = 200000) -> List[str]:
+    """Strings of a data set (JSONL or JSON array, any format), for training a tokenizer when none is
+    given. Bad records are skipped here (the loader applies on_bad_record later); if no text is left,
+    the first bad record is named."""
+    from bmtrain_cli.data.readers import as_list, read_records, resolve_source
+
+    texts: List[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, str):
+            texts.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    first_bad = ""
+    for p in (f for spec in as_list(paths) for f in resolve_source(spec)):
+        for rec in read_records(p):
+            if rec.error is not None:
+                first_bad = first_bad or f"{rec.where()}: {rec.error}"
+                continue
+            walk(rec.value)
+            if len(texts) >= limit:
+                return texts
+    if not texts:
+        why = first_bad or "the files hold no text"
+        raise UserError(
+            f"no text to train a tokenizer on in data_path: {why}. Fix the data, or set "
+            "model_config.tokenizer_path to an existing tokenizer"
+        )
+    return texts
+
+
+def load_tokenizer(rt: Runtime, paths: Dict[str, Any], ctx: ParallelContext) -> Any:
+    """The checkpoint's tokenizer when resuming, the configured one, or one trained on the data."""
+    from bmtrain_cli.data.tokenizers import load_tokenizer as load
+
+    m, t = rt.config.model, rt.config.train
+    if rt.resume_from is not None:
+        return load(str(rt.resume_from))
+    if m.tokenizer_path:
+        return load(m.tokenizer_path)
+    if m.model_name_or_path:
+        return load(m.model_name_or_path)
+    tok_dir = rt.output_dir / "tokenizer"
+    if ctx.is_main:
+        if t.demo_data and t.data_path is None:
+            from bmtrain_cli.data.demo import train_demo_tokenizer
+
+            train_demo_tokenizer(str(tok_dir), [paths["train"], paths["heldout"]])
+        else:
+            from bmtrain_cli.data.tokenizers import train_sentencepiece
+
+            texts = collect_texts(paths["train"])
+            vocab = m.vocab_size or min(8000, max(300, len(set("".join(texts[:20000]))) * 4))
+            train_sentencepiece(texts, str(tok_dir), vocab_size=vocab)
+    ctx.barrier()
+    return load(str(tok_dir))
+
+
+def build_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelContext) -> TrainData:
+    """This data rank's training loader and the eval loader (rejected records are written later, by
+    claim_output_dir, once every check has passed)."""
+    from bmtrain_cli.data.loader import build_loader
+
+    t = rt.config.train
+    # the loader reads the user's config with the generated data paths filled in (a new frozen object)
+    train_cfg = t.model_copy(update={"data_path": paths["train"], "eval_data_path": paths["eval"]})
+    data_config = rt.config.model_copy(update={"train": train_cfg})
+
+    def loader(split: str, write_rejected: bool) -> Any:
+        return build_loader(
+            data_config,
+            tokenizer,
+            split=split,
+            data_rank=ctx.data_rank,
+            data_world=ctx.data_world,
+            seed=t.seed,
+            write_rejected=write_rejected,
+        )
+
+    if t.stage == "dpo":  # preference pairs (bmtrain_cli/preference)
+        from bmtrain_cli.preference.recipe import build_data as pair_loaders
+
+        train, evaluation = pair_loaders(data_config, tokenizer, ctx, paths["eval"] is not None)
+    else:
+        train = loader("train", write_rejected=False)
+        evaluation = loader("eval", write_rejected=True) if paths["eval"] is not None else None
+    report = data_report(train, evaluation, rt.output_dir, t.truncation)
+    return TrainData(paths=paths, loader=train, eval_loader=evaluation, report=report)
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+
+
+def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelContext) -> Any:
+    """The decoder: from the checkpoint being resumed, a pretrained path, or fresh from model_config."""
+    from bmtrain_cli.config.checks import fresh_vocab_size
+    from bmtrain_cli.models import build, load_pretrained
+    from bmtrain_cli.models.arch import arch_from_model_config
+
+    m = rt.config.model
+    if rt.resume_from is not None:
+        if rt.config.train.finetuning == "lora":  # adapters-only checkpoint: load its verified base
+            from bmtrain_cli.lora.checkpoint import find_base
+
+            alternatives = [m.model_name_or_path] if m.model_name_or_path else []
+            base = find_base(rt.resume_from, alternatives)
+            return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory)
+        return load_pretrained(str(rt.resume_from), kernels=m.kernels, factory=ctx.factory)
+    if m.model_name_or_path:
+        return load_pretrained(m.model_name_or_path, kernels=m.kernels, factory=ctx.factory)
+    arch = arch_from_model_config(m)
+    arch = dataclasses.replace(
+        arch,
+        vocab_size=fresh_vocab_size(m.vocab_size, tokenizer.vocab_size, "the tokenizer"),
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+    return build(arch, factory=ctx.factory, kernels=m.kernels)
+
+
+def build_model_and_optimizer(
+    rt: Runtime, tokenizer: Any, ctx: ParallelContext, console: Console
+) -> Tuple[ModelParts, OptimParts]:
+    """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
+    from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.parallel.rebalance import resumed_cut
+    from bmtrain_cli.train.optim import Precision, build_optimizer
+
+    t, p = rt.config.train, rt.config.parallel
+    model = build_model(rt, tokenizer, ctx)
+    lora = None
+    if t.finetuning == "lora":  # freeze the base, only the adapters train (bmtrain_cli/lora)
+        from bmtrain_cli.lora.checkpoint import LoRARun
+
+        lora = LoRARun.start(model, t, resume_from=rt.resume_from)
+    if t.gradient_checkpointing and t.recompute_granularity != "none":
+        model.enable_recompute(t.recompute_granularity, t.recompute_num_layers)
+    precision = Precision(t.precision, t.amp_level, t.loss_scale)
+    distributed = ctx.is_distributed
+    # under tensor/pipeline parallel and sharding, fleet's hybrid clip measures the whole model's norm
+    # inside step() (after its reductions) and clips with it; the recipe logs what it measured
+    fleet_clip = distributed and ctx.uses_fleet_model
+    # sharding stage 2/3 (and their offload) wrap model and optimizer together (parallel/sharding.py)
+    group_sharded = distributed and p.sharding_parallel > 1 and p.sharding_stage in (2, 3)
+    grad_clip = None
+    if fleet_clip:
+        from bmtrain_cli.parallel.grad_norm import clip_bound
+
+        grad_clip = clip_bound(t.max_grad_norm)
+    base = build_optimizer(
+        model,
+        t,
+        rt.derived.learning_rate,
+        multi_precision=precision.master_weights,
+        grad_clip=grad_clip,
+        offload=p.offload_optimizer and not group_sharded,  # group-sharded offload is Paddle's
+    )
+    raw, base = precision.decorate(model, base)
+    # pipeline_rebalance: a resume keeps the cut its checkpoint was saved under
+    wrapped = (
+        ctx.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from)) if distributed else raw
+    )
+    sharded = None
+    if group_sharded:
+        from bmtrain_cli.train.static import LossSum
+
+        # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
+        sharded, stepper = ctx.wrap_model_and_optimizer(LossSum(wrapped), base)
+    else:
+        stepper = ctx.wrap_optimizer(base) if distributed else base
+    model_parts = ModelParts(
+        raw=raw,
+        wrapped=wrapped,
+        params=[q for q in raw.parameters() if not q.stop_gradient],
+        n_params=count_parameters(raw.arch),
+        lora=lora,
+    )
+    loss_fn = sharded if sharded is not None else loss_function(rt.config, wrapped, ctx, console)
+    optim = OptimParts(
+        base=base,
+        stepper=stepper,
+        precision=precision,
+        own_clip=not fleet_clip,
+        loss_fn=loss_fn,
+        sharded=sharded,
+    )
+    return model_parts, optim
+
+
+def loss_function(config: Config, wrapped: Any, ctx: ParallelContext, console: Console) -> Optional[Any]:
+    """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
+    (the forward and its backward become one static program; the optimizer step stays eager)."""
+    t = config.train
+    if ctx.pp_degree > 1:
+        return None  # fleet's pipeline schedule computes the loss (ctx.pipeline_step)
+    if not t.to_static:
+        return wrapped.loss_sum
+    from bmtrain_cli.train.static import compile_loss_sum
+
+    if t.batching == "longest":
+        console.say(
+            "note: to_static with batching: longest compiles one program per distinct batch length; "
+            "batching: max_length or packed gives one fixed shape"
+        )
+    return compile_loss_sum(wrapped)
+
+
+def total_steps(config: Config, loader: Any, grad_accum_steps: int) -> int:
+    t = config.train
+    if t.max_steps:
+        return t.max_steps
+    try:
+        n = len(loader)
+    except TypeError:
+        n = 0
+    if not n:
+        raise UserError("the data loader cannot tell its length; set train_config.max_steps")
+    return max(1, math.ceil(t.num_train_epochs * int(n) / grad_accum_steps))
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def _out_of_memory(plan: Any) -> UserError:
+    from bmtrain_cli.plan.estimator import format_bytes
+
+    figure = (
+        f" (the memory plan estimates {format_bytes(plan.required)} per device; {plan.device.name} "
+        f"has {format_bytes(plan.device.memory_bytes)})"
+        if plan is not None
+        else ""
+    )
+    return UserError(
+        f"out of memory while building the model and optimizer{figure}; use a smaller model or more "
+        "devices (`bmtrain plan --config ... --search`)"
+    )
+
+
+def claim_output_dir(
+    rt: Runtime, ctx: ParallelContext, data: TrainData, model: ModelParts, console: Console
+) -> None:
+    """Every check has passed (data, tokenizer, model, optimizer, the checkpoint to resume): only now
+    are the previous run's outputs removed (with overwrite) and this run's first files written."""
+    if ctx.is_main:
+        clear_output_dir(rt.config, resuming=rt.resume_from is not None)
+        text = yaml.safe_dump(rt.config.to_dict(), sort_keys=False)
+        (rt.output_dir / "config.yaml").write_text(text, encoding="utf-8")
+    ctx.barrier()
+    data.loader.start_rejected_log(rt.output_dir, ctx.is_main)  # streaming: every rank, as it reads
+    if model.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
+        model.lora.record_base(rt.config, rt.output_dir, model.wrapped, ctx)
+        console.say(model.lora.describe(model.raw, model.n_params))
+
+
+def setup(
+    loaded: LoadedConfig, ctx: Optional[ParallelContext] = None, stream: Optional[TextIO] = None
+) -> Tuple[Parts, TrainState]:
+    """Build and check every part of the run; returns them with the state to start (or resume) from."""
+    import paddle
+
+    from bmtrain_cli.parallel.context import init_parallel
+    from bmtrain_cli.plan.estimator import check_weights_fit, memory_warning, training_estimate
+    from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
+    from bmtrain_cli.train.optim import check_precision_supported
+    from bmtrain_cli.train.saving import restore
+    from bmtrain_cli.train.schedule import build_schedule
+
+    started = time.time()
+    config = loaded.config
+    ctx = ctx if ctx is not None else init_parallel(config)
+    console = Console(stream=stream or sys.stdout, is_main=ctx.is_main)
+    rt = make_runtime(config, is_main=ctx.is_main)
+    check_precision_supported(config.train.precision, rt.has_gpu)
+    if not rt.has_gpu:
+        paddle.set_device("cpu")
+        from bmtrain_cli.plan.host_memory import pin_mmap_threshold
+
+        pin_mmap_threshold()  # freed tensors go back to the OS: lower, predictable peak RSS (docs/plan.md)
+    t = config.train
+    seed_everything(t.seed)
+    paths = prepare_data(rt, ctx)
+    rt.data_paths = dict(paths)
+    tokenizer = load_tokenizer(rt, paths, ctx)
+    data = build_data(rt, tokenizer, paths, ctx)
+
+    longest = data.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
+    plan = training_estimate(config, vocab_size=getattr(tokenizer, "vocab_size", None), seq_len=longest)
+    check_weights_fit(plan)
+    warning = memory_warning(plan)
+    if warning:
+        console.say(warning)
+    memory = MemoryMeter(rt.has_gpu)
+    try:
+        model, optim = build_model_and_optimizer(rt, tokenizer, ctx, console)
+    except MemoryError:
+        raise _out_of_memory(plan) from None
+    preference = None
+    if t.stage == "dpo":  # the pair loss and its reference model
+        from bmtrain_cli.preference.recipe import build as build_preference
+
+        preference = build_preference(config, data, model, optim, ctx, console.say)
+    rt.total_steps = total_steps(config, data.loader, rt.grad_accum_steps)
+    schedule = build_schedule(t, rt.derived.learning_rate, rt.total_steps)
+    state = TrainState()
+    if rt.resume_from is not None:
+        state = restore(rt.resume_from, ctx, console, data, model, optim)
+    claim_output_dir(rt, ctx, data, model, console)
+    metrics = MetricsWriter(
+        rt.output_dir,
+        total_steps=rt.total_steps,
+        logging_steps=t.logging_steps,
+        enabled=ctx.is_main,
+        resume_step=state.step if rt.resume_from is not None else None,
+        stream=console.stream,
+    )
+    console.metrics = metrics
+    metrics.add_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "```")
+    parts = Parts(
+        config=config,
+        runtime=rt,
+        ctx=ctx,
+        console=console,
+        tokenizer=tokenizer,
+        data=data,
+        model=model,
+        optim=optim,
+        schedule=schedule,
+        memory=memory,
+        metrics=metrics,
+        started=started,
+        preference=preference,
+    )
+    return parts, state

@@ -1,0 +1,136 @@
+"""One optimizer step: ``grad_accum_steps`` micro-batches per data rank, token-weighted.
+
+Each micro-batch's summed token loss is divided by the number of predicted tokens of the whole step
+(summed over micro-batches and data ranks) before backward, so the gradient equals the single-process
+gradient of the mean token loss whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterator, List
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.parts import Parts, StepOutput
+from bmtrain_cli.train.stopping import TrainingStopped
+
+Batch = Dict[str, np.ndarray]
+
+
+class MicroBatches:
+    """The micro-batches of each step, going round the loader's epochs (the loader keeps the position)."""
+
+    def __init__(self, loader: Any, per_step: int) -> None:
+        self.loader = loader
+        self.per_step = per_step
+        self._it: Iterator[Batch] = iter(loader)
+
+    def next_step(self) -> List[Batch]:
+        out = []
+        for _ in range(self.per_step):
+            try:
+                out.append(next(self._it))
+            except StopIteration:
+                self._it = iter(self.loader)
+                try:
+                    out.append(next(self._it))
+                except StopIteration:
+                    raise UserError("the training data produced no batches") from None
+        return out
+
+
+def _tokens(micro: List[Batch]) -> float:
+    return float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
+
+
+def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
+    """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
+    import paddle
+
+    from bmtrain_cli.train.evaluate import count_targets, to_tensors
+    from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
+
+    ctx, optim = parts.ctx, parts.optim
+    if ctx.pp_degree > 1:
+        return pipeline_step(parts, step, micro)
+    precision = optim.precision
+    distributed = ctx.data_world > 1
+    if parts.preference is not None:  # preference pairs: the loss is a mean over the step's pairs
+        total_count, total_tokens = parts.preference.begin_step(micro)
+    else:
+        total_count = float(ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
+        total_tokens = float(ctx.all_reduce_sum(_tokens(micro)))
+    denom = max(total_count, 1.0)
+    lr = parts.schedule(step)
+    optim.stepper.set_lr(lr)
+    loss_acc = None
+    for b in micro:
+        with precision.autocast():
+            if parts.preference is not None:
+                loss_sum, _ = parts.preference.loss_sum(parts.model.wrapped, b)
+            else:
+                loss_sum, _ = optim.loss_fn(**to_tensors(b))
+        precision.backward(loss_sum / denom)
+        loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
+    step_opt = optim.stepper
+    if optim.own_clip and distributed and hasattr(step_opt, "reduce_gradients"):
+        step_opt.reduce_gradients()  # plain data parallel: sum gradients now, step the inner one
+        step_opt = optim.base
+    precision.unscale(step_opt)
+    # the loss and the fp32 global grad norm come to the host together: one sync per step
+    norm_t = grad_norm_tensor(parts.model.params) if optim.own_clip else None
+    host_parts = [loss_acc.astype("float32").reshape([1])]
+    if norm_t is not None:
+        host_parts.append(norm_t.reshape([1]))
+    host = paddle.concat(host_parts).numpy() if len(host_parts) > 1 else host_parts[0].numpy()
+    loss = float(ctx.all_reduce_sum(float(host[0]))) / denom
+    grad_norm = float(host[1]) if norm_t is not None else 0.0
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    max_norm = parts.config.train.max_grad_norm
+    if finite and optim.own_clip and max_norm:
+        clip_grads_(parts.model.params, max_norm, grad_norm)
+    applied = precision.step(step_opt, finite)
+    if not optim.own_clip:
+        grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside step()
+    optim.stepper.clear_grad(set_to_zero=False)
+    metrics = parts.preference.step_metrics() if parts.preference is not None else {}
+    return StepOutput(
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=total_tokens,
+        applied=applied,
+        finite=finite,
+        metrics=metrics,
+    )
+
+
+def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
+    """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet."""
+    lr = parts.schedule(step)
+    parts.optim.stepper.set_lr(lr)
+    loss_total, count = parts.ctx.pipeline_step(parts.model.wrapped, micro, parts.optim.stepper)
+    tokens = float(parts.ctx.all_reduce_sum(_tokens(micro)))
+    loss = loss_total / max(count, 1.0)
+    grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside train_batch
+    return StepOutput(
+        loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, applied=True, finite=math.isfinite(loss)
+    )
+
+
+def fleet_grad_norm(parts: Parts, step: int) -> float:
+    """The global norm fleet's clip measured in the step just taken (nan if its clip did not run: a
+    skipped fp16 step). A non-finite measured norm means the update already ran with it, inside fleet:
+    stop rather than train on from non-finite weights."""
+    norm = parts.optim.stepper.grad_norm()
+    if norm is None:
+        return math.nan
+    if not math.isfinite(norm):
+        raise TrainingStopped(
+            f"training stopped at step {step + 1}: the gradient norm is {norm} and fleet's optimizer "
+            f"has applied the update; the last good checkpoint is kept in {parts.runtime.checkpoint_dir}. "
+            "Lower learning_rate or check the data"
+        )
+    return norm

@@ -5,11 +5,14 @@ touches) before and after one optimizer step of a Linear(576, 1536). Run with OM
 
     OMP_NUM_THREADS=2 python benchmarks/bench_adam_slowdown.py
 
-Each optimizer runs in its own process (the slowdown is process-wide and does not go away).
+Each optimizer runs in its own process (the slowdown is process-wide and does not go away), twice: with
+MKL's own CPU dispatch (``MKL_DEBUG_CPU_TYPE`` empty: its SSE code on an AMD CPU) and with
+``MKL_DEBUG_CPU_TYPE=5`` (its AVX2 code; what ``import bmtrain_cli`` sets on AMD CPUs, bmtrain_cli/cpu_env.py).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -26,8 +29,10 @@ def matmul_ms():
     return (time.process_time() - t) / 30 * 1e3
 lin = paddle.nn.Linear(576, 1536)
 cls = {"paddle AdamW": paddle.optimizer.AdamW, "paddle Adam": paddle.optimizer.Adam,
-       "paddle SGD": paddle.optimizer.SGD, "CpuAdamW": CpuAdamW}[sys.argv[1]]
-opt = cls(learning_rate=1e-3, parameters=lin.parameters())
+       "paddle SGD": paddle.optimizer.SGD, "CpuAdamW elementwise": CpuAdamW,
+       "CpuAdamW fused": CpuAdamW}[sys.argv[1]]
+extra = {"CpuAdamW elementwise": {"fused": False}, "CpuAdamW fused": {"fused": True}}.get(sys.argv[1], {})
+opt = cls(learning_rate=1e-3, parameters=lin.parameters(), **extra)
 lin(x).mean().backward()
 before = matmul_ms()
 opt.step()
@@ -37,17 +42,22 @@ print(f"{before:.1f} {matmul_ms():.1f}")
 
 def main() -> dict:
     results = {}
-    print("| optimizer | matmul CPU ms before its first step | after | ratio |\n|---|---|---|---|")
-    for name in ("paddle SGD", "paddle Adam", "paddle AdamW", "CpuAdamW"):
-        t0 = time.time()
-        out = subprocess.run([sys.executable, "-c", CHILD, name], capture_output=True, text=True, check=True)
-        before, after = map(float, out.stdout.split())
-        results[name] = {"before_ms": before, "after_ms": after, "ratio": after / before}
-        print(
-            f"| {name} | {before:.1f} | {after:.1f} | {after / before:.2f}x |  ({time.time() - t0:.0f}s)",
-            flush=True,
-        )
-
+    print("| MKL_DEBUG_CPU_TYPE | optimizer | matmul CPU ms before its first step | after | ratio |")
+    print("|---|---|---|---|---|")
+    for mkl in ("", "5"):
+        env = dict(os.environ, MKL_DEBUG_CPU_TYPE=mkl)
+        for name in ("paddle SGD", "paddle Adam", "paddle AdamW", "CpuAdamW elementwise", "CpuAdamW fused"):
+            t0 = time.time()
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, name], capture_output=True, text=True, check=True, env=env
+            )
+            before, after = map(float, out.stdout.split())
+            results[f"{name} MKL_DEBUG_CPU_TYPE={mkl}"] = {"before_ms": before, "after_ms": after}
+            print(
+                f"| {mkl or '(unset)'} | {name} | {before:.1f} | {after:.1f} | {after / before:.2f}x | "
+                f"({time.time() - t0:.0f}s)",
+                flush=True,
+            )
     return results
 
 

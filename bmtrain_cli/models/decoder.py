@@ -30,7 +30,7 @@ from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
-from bmtrain_cli.ops import OpSet, select
+from bmtrain_cli.ops import OpSet, OpShapes, select
 
 
 class RMSNorm(nn.Layer):
@@ -239,7 +239,7 @@ class CausalLM(nn.Layer):
             raise UserError(f"position_embedding {arch.position_embedding!r} is not rope or alibi")
         self.arch = arch
         self.factory = factory if factory is not None else PlainFactory()
-        self.ops = select(kernels)
+        self.ops = select(kernels, shapes=OpShapes.of(arch))
         self.model = DecoderModel(arch, self.factory, self.ops, attention_implementation)
         self.lm_head = (
             None if arch.tie_word_embeddings else self.factory.lm_head(arch.hidden_size, arch.vocab_size)

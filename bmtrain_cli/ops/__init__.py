@@ -4,17 +4,21 @@
 uses our kernels from kernels/ (C++ on CPU, CUDA on GPU) and fails with a UserError when they cannot be
 built; ``paddle`` uses Paddle's built-in fused ops where the device has them (reference elsewhere);
 ``auto`` picks, op by op, custom where built, else paddle where it exists, else reference, and warns once
-when the custom build is unavailable. Models call ``self.ops.rms_norm(...)`` and never know which one
+when the custom build is unavailable; on a CPU, given the model's shapes (``shapes=OpShapes.of(arch)``)
+and in a single process, it instead times the candidates of each op on those shapes and takes the fastest
+(ops/measure.py), so it never picks an implementation that is slower there. Models call ``self.ops.rms_norm(...)`` and never know which one
 they got; ``OpSet.sources`` says which implementation each op uses.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 from bmtrain_cli.ops import reference
+from bmtrain_cli.ops.measure import OpShapes
 
 OP_NAMES = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy", "cross_entropy_sum")
 MODES = ("auto", "custom", "paddle", "reference")
@@ -33,6 +37,8 @@ class OpSet:
     linear_cross_entropy: Callable
     cross_entropy_sum: Callable
     sources: Dict[str, str] = field(default_factory=dict, compare=False)
+    # auto on a CPU: seconds of forward + backward of each candidate on the model's shapes (ops/measure.py)
+    timings: Dict[str, Dict[str, float]] = field(default_factory=dict, compare=False)
 
 
 REFERENCE = OpSet(
@@ -82,15 +88,43 @@ def _compose(name: str, layers: list) -> OpSet:
     return OpSet(name=name, sources=sources, **chosen)
 
 
-def select(mode: str = "auto", device: Optional[str] = None) -> OpSet:
-    """The op set for ``model_config.kernels`` on ``device`` (default: Paddle's current device)."""
+def _measured(shapes: OpShapes, layers: list) -> OpSet:
+    """auto by timing: each op's fastest candidate on ``shapes`` (layers: [(source, ops)] in static order)."""
+    import paddle
+
+    from bmtrain_cli.ops import measure
+
+    with paddle.set_grad_enabled(True):
+        picks = measure.choose(shapes, dict(layers))
+    opset = _compose("auto", layers)
+    chosen = {op: dict(layers)[src][op] for op, (src, _) in picks.items()}
+    sources = dict(opset.sources, **{op: src for op, (src, _) in picks.items()})
+    fields = {n: chosen.get(n, getattr(opset, n)) for n in OP_NAMES}
+    return OpSet(name="auto", sources=sources, timings={op: t for op, (_, t) in picks.items()}, **fields)
+
+
+def _single_process() -> bool:
+    """Ranks of one job must run the same ops (replicated activations stay identical under tensor
+    parallel), and each rank timing for itself could disagree: measurement is single-process only."""
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1) <= 1
+
+
+def _measuring_allowed() -> bool:
+    """``BMTRAIN_KERNEL_CHOICE=static`` turns the timing off (auto then takes the static order)."""
+    return os.environ.get("BMTRAIN_KERNEL_CHOICE", "measure") != "static" and _single_process()
+
+
+def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[OpShapes] = None) -> OpSet:
+    """The op set for ``model_config.kernels`` on ``device`` (default: Paddle's current device).
+    ``shapes``: the model's (OpShapes.of(arch)); with ``auto`` on a CPU the ops are then chosen by timing."""
     global _warned
     if mode not in MODES:
         raise ValueError(f"unknown kernels mode {mode!r} (choose one of {', '.join(MODES)})")
     if mode == "reference":
         return REFERENCE
     device = device or _device()
-    key = (mode, device)
+    measure = mode == "auto" and shapes is not None and device.startswith("cpu") and _measuring_allowed()
+    key = (mode, device, shapes if measure else None)
     if key in _cache:
         return _cache[key]
     from bmtrain_cli.ops import build, paddle_fused
@@ -123,6 +157,7 @@ def select(mode: str = "auto", device: Optional[str] = None) -> OpSet:
                     KernelFallbackWarning,
                     stacklevel=2,
                 )
-        opset = _compose("auto", [("custom", ours), ("paddle", fused), ("reference", ref)])
+        layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
+        opset = _measured(shapes, layers) if measure else _compose("auto", layers)
     _cache[key] = opset
     return opset

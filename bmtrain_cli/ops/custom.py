@@ -189,7 +189,7 @@ class _LinearCrossEntropy(PyLayer):
         acc = _logits_dtype(hidden)
         total = paddle.zeros([], dtype=acc)
         dh = paddle.empty_like(hidden) if need_h else None
-        dw = paddle.zeros(weight.shape, dtype=acc) if need_w else None
+        dw = None  # the first chunk's weight gradient, then the later chunks added in place
         for lo, hi in _chunks(n, vocab, chunk_tokens):
             h = hidden[lo:hi]
             logits = paddle.matmul(h, weight, transpose_y=transpose_weight).astype(acc)
@@ -203,8 +203,10 @@ class _LinearCrossEntropy(PyLayer):
                 part = (
                     paddle.matmul(dl, h, transpose_x=True) if transpose_weight else paddle.matmul(h, dl, True)
                 )
-                dw.add_(part.astype(acc))
+                dw = part.astype(acc) if dw is None else dw.add_(part.astype(acc))
                 del part
+        if need_w and dw is None:  # no tokens at all
+            dw = paddle.zeros(weight.shape, dtype=acc)
         count = (labels != ignore_index).astype("float32").sum()
         ctx.mark_non_differentiable(count)
         ctx.save_for_backward(dh, dw)

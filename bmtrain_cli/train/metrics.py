@@ -116,8 +116,9 @@ GPU_PEAK_FLOPS = {
 
 
 def peak_flops(on_gpu: bool, dtype: str = "float32", threads: Optional[int] = None) -> float:
-    """Peak FLOP/s of the device this process trains on (an estimate on CPU: threads x clock x 32 fp32
-    FLOP/cycle for AVX2/AVX-512 FMA). 0 when unknown (MFU is then reported as 0)."""
+    """Peak FLOP/s of the device this process trains on, for MFU: a GPU's dense peak from the table, the
+    CPU's measured fp32 matmul throughput (:func:`measured_matmul_flops`). 0 when unknown (MFU is then 0).
+    ``threads`` is accepted for callers that pass it; the CPU measurement uses Paddle's own threads."""
     if on_gpu:
         try:
             import paddle
@@ -129,17 +130,32 @@ def peak_flops(on_gpu: bool, dtype: str = "float32", threads: Optional[int] = No
             if key in name:
                 return table.get(dtype, 0.0)
         return 0.0
-    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
-    mhz = 0.0
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("cpu MHz"):
-                    mhz = float(line.split(":")[1])
-                    break
-    except (OSError, ValueError):
-        return 0.0
-    return threads * mhz * 1e6 * 32.0
+    return measured_matmul_flops()
+
+
+_measured: Dict[int, float] = {}
+
+
+def measured_matmul_flops(n: int = 1536, repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n fp32 matmul on the CPU with Paddle (best of ``repeats``, after one warm-up;
+    measured once per process, about 0.5 s on 2 cores). A CPU's "peak" in MFU is this measured figure: the
+    clock x FMA-width bound is not reachable by any BLAS and depends on which code path the BLAS takes
+    (docs/benchmarks.md, "MKL on AMD CPUs")."""
+    if n in _measured:
+        return _measured[n]
+    import paddle
+
+    with paddle.no_grad():
+        a = paddle.randn([n, n], dtype="float32").cpu()
+        b = paddle.randn([n, n], dtype="float32").cpu()
+        float(paddle.matmul(a, b)[0, 0])
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            float(paddle.matmul(a, b)[0, 0])
+            best = min(best, time.perf_counter() - t0)
+    _measured[n] = 2.0 * n**3 / best
+    return _measured[n]
 
 
 def flops_per_token(n_params: int, num_layers: int, hidden: int, seq_len: int) -> float:

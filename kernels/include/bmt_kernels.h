@@ -12,6 +12,9 @@
 //   softmax_xent: logits [rows, vocab] (fp32/fp64), labels [rows] int64; loss [rows] (0 where ignored);
 //               dlogits (optional) = softmax(logits) - onehot(label), 0 on ignored rows. Labels outside
 //               [0, vocab) other than ignore_index give BMT_ERR_LABEL.
+//   adamw:      param, grad, moment1, moment2 [n], updated in place (kernels/cpu/adamw_cpu.cc):
+//               m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p = p * decay - step * m / (sqrt(v) + eps_hat)
+//               with decay = 1 - lr wd, step = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -40,6 +43,8 @@ int bmt_cpu_swiglu_bwd(int dtype, const void* gate, const void* up, const void* 
 /* dlogits may be NULL (loss only). */
 int bmt_cpu_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
                          int64_t rows, int64_t vocab, int64_t ignore_index);
+int bmt_cpu_adamw(int dtype, void* param, const void* grad, void* moment1, void* moment2, int64_t n, double decay,
+                  double beta1, double beta2, double step, double eps_hat);
 
 /* ---- CUDA (kernels/cuda/fused_cuda.cu): dtypes BMT_F32, BMT_F16, BMT_BF16 (softmax_xent: BMT_F32);
    stream is a cudaStream_t (NULL = default stream). Asynchronous: errors of the launch are returned,

@@ -87,3 +87,51 @@ def test_build_is_cached(ext):
     sources, cxx, cuda, _ = build.plan()
     assert build.build_key(sources, cxx, cuda) == build.build_key(sources, cxx, cuda)
     assert build.build_key(sources, cxx + ["-DX"], cuda) != build.build_key(sources, cxx, cuda)
+
+
+TINY = ops.OpShapes(hidden=32, heads=2, kv_heads=1, head_dim=16, ffn=48, vocab=64, tied=True)
+
+
+def test_measured_choice_takes_the_faster_candidate():
+    """A candidate made slower (a 5 ms sleep) loses to the same op without it."""
+    import time
+
+    from bmtrain_cli.ops import measure
+
+    def slow_norm(x, w, eps):
+        time.sleep(0.005)
+        return reference.rms_norm(x, w, eps)
+
+    picks = measure.choose(
+        TINY,
+        {
+            "custom": {"rms_norm": slow_norm, "swiglu": reference.swiglu},
+            "reference": {"rms_norm": reference.rms_norm},
+        },
+    )
+    assert picks["rms_norm"][0] == "reference"
+    assert picks["rms_norm"][1]["custom"] > picks["rms_norm"][1]["reference"]
+    assert "swiglu" not in picks  # one candidate only: nothing to time
+
+
+def test_auto_with_shapes_on_cpu_picks_each_ops_fastest(ext, monkeypatch):
+    monkeypatch.setattr(ops, "_cache", {})
+    monkeypatch.delenv("BMTRAIN_KERNEL_CHOICE", raising=False)
+    opset = ops.select("auto", device="cpu", shapes=TINY)
+    assert set(opset.timings) == set(ops.OP_NAMES)  # every op has our kernel and the reference at least
+    for op, times in opset.timings.items():
+        assert {"custom", "reference"} <= set(times)
+        assert opset.sources[op] == min(times, key=times.__getitem__)
+        impl = {"custom": getattr(custom, op), "reference": getattr(reference, op)}.get(opset.sources[op])
+        assert impl is None or getattr(opset, op) is impl
+    assert ops.select("auto", device="cpu", shapes=TINY) is opset  # cached per shape
+
+
+@pytest.mark.parametrize("env", [{"BMTRAIN_KERNEL_CHOICE": "static"}, {"PADDLE_TRAINERS_NUM": "2"}])
+def test_auto_keeps_the_static_order_when_measuring_is_off(ext, monkeypatch, env):
+    monkeypatch.setattr(ops, "_cache", {})
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    opset = ops.select("auto", device="cpu", shapes=TINY)
+    assert opset.timings == {}
+    assert set(opset.sources.values()) == {"custom"}

@@ -116,3 +116,14 @@ def test_eta_is_measured_from_the_first_logged_step(tmp_path, monkeypatch):
     w.close()
     lines = [x for x in out.getvalue().splitlines() if x.startswith("step ")]
     assert lines[0].endswith("ETA ?") and lines[-1].endswith("ETA 10s"), lines
+
+
+def test_cpu_peak_is_a_measured_matmul_throughput() -> None:
+    """MFU's CPU peak is measured (once per process): n^3 matmul FLOPs over the best time, cached."""
+    from bmtrain_cli.train import metrics
+
+    metrics._measured.pop(256, None)
+    flops = metrics.measured_matmul_flops(n=256, repeats=2)
+    assert 1e8 < flops < 1e14  # a real throughput, not a clock-based bound of 0 or inf
+    assert metrics.measured_matmul_flops(n=256) == flops  # cached
+    assert metrics.peak_flops(on_gpu=False) == metrics.measured_matmul_flops()

@@ -7,9 +7,10 @@ file positions. ``mode="train"`` turns machine-dependent warnings into errors.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.env import paddle_has_gpu
+from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
@@ -359,7 +360,7 @@ def check_config(  # noqa: C901
                         f"available: {', '.join(present)}, all-linear",
                     )
 
-    _check_preference(config, err, warn)
+    check_preference(config, err, warn)
 
     # --- data
     if "shuffle_buffer" in t.model_fields_set and t.streaming is False:
@@ -390,94 +391,3 @@ def check_config(  # noqa: C901
             "set train_config.data_path, pass --data_path, or set demo_data: arithmetic",
         )
     return problems
-
-
-PREFERENCE_FIELDS = (
-    "dpo_loss",
-    "dpo_beta",
-    "dpo_label_smoothing",
-    "simpo_gamma",
-    "precompute_ref_log_probs",
-)
-
-
-def _check_preference(config: Config, err: Callable[..., None], warn: Callable[..., None]) -> None:
-    """stage: dpo (docs/preference.md): the layouts and settings a preference run cannot use."""
-    m, t, p = config.model, config.train, config.parallel
-    if t.stage != "dpo":
-        for name in PREFERENCE_FIELDS:
-            if name in t.model_fields_set:
-                warn(
-                    f"train_config.{name}",
-                    "not used: it applies to stage: dpo",
-                    "set stage: dpo or remove it",
-                )
-        return
-    if not m.model_name_or_path:
-        err(
-            "model_config.model_name_or_path",
-            "stage: dpo starts from a trained model (its weights are also the reference); none is set",
-            "set model_config.model_name_or_path to an SFT checkpoint, e.g. the quickstart's",
-        )
-    refused = [
-        (
-            p.pipeline_parallel > 1,
-            "parallel_config.pipeline_parallel",
-            "pipeline_parallel > 1",
-            "fleet's pipeline schedule computes the token loss inside its stages; pair losses need whole "
-            "sequences' log-probs on one stage",
-            "use tensor_parallel or data_parallel for stage: dpo",
-        ),
-        (
-            p.sharding_parallel > 1 and p.sharding_stage in (2, 3),
-            "parallel_config.sharding_stage",
-            "sharding_stage 2/3",
-            "the group-sharded wrapper runs only the SFT loss forward",
-            "use sharding_stage: 1",
-        ),
-        (
-            t.to_static,
-            "train_config.to_static",
-            "to_static",
-            "the compiled step is the SFT loss",
-            "set to_static: false",
-        ),
-        (
-            t.train_on_prompt,
-            "train_config.train_on_prompt",
-            "train_on_prompt",
-            "the pair log-probs are over the responses only",
-            "set train_on_prompt: false",
-        ),
-        (
-            t.data_weights is not None,
-            "train_config.data_weights",
-            "data_weights",
-            "preference files are read as one set",
-            "merge the files or remove data_weights",
-        ),
-        (
-            t.demo_data not in (None, "reverse"),
-            "train_config.demo_data",
-            f"demo_data: {t.demo_data}",
-            "the preference demo is the reverse task",
-            "use demo_data: reverse",
-        ),
-    ]
-    for refused_here, path, what, why, fix in refused:
-        if refused_here:
-            err(path, f"stage: dpo cannot be combined with {what}: {why}", fix)
-    if t.dpo_label_smoothing and t.dpo_loss in ("ipo", "orpo"):
-        err(
-            "train_config.dpo_label_smoothing",
-            f"the {t.dpo_loss} loss has no label smoothing",
-            "use dpo_loss: sigmoid or simpo, or set dpo_label_smoothing: 0",
-        )
-    if "simpo_gamma" in t.model_fields_set and t.dpo_loss != "simpo":
-        warn("train_config.simpo_gamma", f"not used by dpo_loss: {t.dpo_loss}", "use dpo_loss: simpo")
-    if t.precompute_ref_log_probs and t.dpo_loss in ("simpo", "orpo"):
-        err(
-            "train_config.precompute_ref_log_probs",
-            f"the {t.dpo_loss} loss is reference-free: there is nothing to precompute",
-            "set precompute_ref_log_probs: false",
-        )

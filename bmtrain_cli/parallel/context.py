@@ -149,8 +149,12 @@ class ParallelContext:
 
             if self.tp_degree > 1:
                 self._reinit_duplicated_shards(model)
-            model = to_pipeline_layer(model, self, pipeline_costs, pipeline_bounds)
-            return fleet.distributed_model(model)
+            from bmtrain_cli.lora.inject import SETTINGS_ATTR, lora_settings
+
+            pipe = to_pipeline_layer(model, self, pipeline_costs, pipeline_bounds)
+            if lora_settings(model) is not None:  # gathered whole copies (eval, demo) fold the adapters in
+                object.__setattr__(pipe, SETTINGS_ATTR, lora_settings(model))
+            return fleet.distributed_model(pipe)
         if self.config is not None and uses_group_sharded(self.config):
             return model  # wrapped together with the optimizer in wrap_model_and_optimizer
         if self.uses_fleet_model:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -322,16 +322,39 @@ def _mark_shared_copies(pipe: Any) -> None:
             getattr(comm["layer"], attr).is_firstly_shared = False
 
 
+class PipelineObjective(Protocol):
+    """A loss other than the token cross entropy, computed on the last stage from (logits, labels):
+    ``pipeline_data`` gives fleet's per-micro-batch inputs (a tuple of three lists: input_ids,
+    attention_mask, position_ids) and labels, with the step's denominator summed over the data ranks;
+    ``loss_sum`` one micro-batch's summed loss from its logits and labels."""
+
+    def pipeline_data(
+        self, micro_batches: Sequence[Dict[str, Any]], length: int
+    ) -> Tuple[Any, Any, float]: ...
+
+    def loss_sum(self, logits: Any, labels: Any) -> Any: ...
+
+
 class _PipelineLoss:
-    """Token-weighted loss for train_batch: fleet divides each micro-batch loss by the number of
-    micro-batches, so return loss_sum x micro_batches / (tokens of the whole step over all data ranks)."""
+    """Weighted loss for train_batch: fleet divides each micro-batch loss by the number of micro-batches,
+    so return loss_sum x micro_batches / (the step's denominator over all data ranks): its tokens for the
+    token loss, the objective's (e.g. pairs) when one is set for the step."""
 
     def __init__(self, ctx: ParallelCtx) -> None:
         self.ctx = ctx
         self.scale = 1.0
         self.sums: List[Any] = []
+        self.objective: Optional[PipelineObjective] = None
 
     def __call__(self, logits: Any, target: Any) -> Any:
+        if self.objective is not None:
+            loss_sum = self.objective.loss_sum(logits, target)
+        else:
+            loss_sum = self._token_loss_sum(logits, target)
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+    def _token_loss_sum(self, logits: Any, target: Any) -> Any:
         factory = self.ctx.factory
         flat = logits.reshape([-1, logits.shape[-1]])
         labels = target.reshape([-1])
@@ -341,8 +364,7 @@ class _PipelineLoss:
             from bmtrain_cli.ops import reference
 
             loss_sum, _ = reference.cross_entropy_sum(flat, labels)
-        self.sums.append(loss_sum.detach())
-        return loss_sum * self.scale
+        return loss_sum
 
 
 def shifted_targets(labels: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
@@ -394,44 +416,51 @@ def stack_micro_batches(
     return {k: np.concatenate(v, axis=0).astype(np.int64) for k, v in out.items()}
 
 
+def _token_data(
+    ctx: ParallelCtx, micro_batches: Sequence[Dict[str, Any]], length: Optional[int]
+) -> Tuple[Any, Any, float]:
+    """(inputs, shifted targets, the step's target tokens over the data ranks) of the token loss."""
+    import paddle
+
+    data = stack_micro_batches(micro_batches, length)
+    count = ctx.all_reduce_sum(float((data["target"] != IGNORE_INDEX).sum()))
+    if count <= 0:
+        raise UserError("a training step has no target tokens (all labels are -100)")
+    inputs = tuple(paddle.to_tensor(data[k]) for k in ("input_ids", "attention_mask", "position_ids"))
+    for t in inputs:
+        t.stop_gradient = True
+    return inputs, paddle.to_tensor(data["target"]), count
+
+
 def pipeline_train_step(
     ctx: ParallelCtx,
     model: Any,
     micro_batches: Sequence[Dict[str, Any]],
     optimizer: Any,
     lr_scheduler: Any = None,
+    objective: Optional[PipelineObjective] = None,
 ) -> Tuple[float, float]:
-    """Forward+backward of all micro-batches (1F1B) and one optimizer step.
+    """Forward+backward of all micro-batches (1F1B) and one optimizer step; the token loss, or
+    ``objective``'s.
 
-    Returns (loss_sum, token_count) summed over micro-batches and data ranks, on every rank."""
-    import paddle
-
+    Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
     ctx.mark_progress()
-    data = stack_micro_batches(
-        micro_batches, ctx.config.model.max_seq_len if ctx.config is not None else None
-    )
-    count = float((data["target"] != IGNORE_INDEX).sum())
-    count = ctx.all_reduce_sum(count)
-    if count <= 0:
-        raise UserError("a training step has no target tokens (all labels are -100)")
+    length = ctx.config.model.max_seq_len if ctx.config is not None else None
+    if objective is None:
+        inputs, target, count = _token_data(ctx, micro_batches, length)
+    else:
+        inputs, target, count = objective.pipeline_data(micro_batches, length or 0)
     inner = model._layers if hasattr(model, "_layers") else model
     loss_fn: _PipelineLoss = inner._bmtrain_loss
     loss_fn.sums = []
+    loss_fn.objective = objective
     accumulate = getattr(model, "accumulate_steps", len(micro_batches))
     # fleet averages gradients over the data ranks: scale by their number so the result is the sum
-    loss_fn.scale = accumulate * ctx.data_world / count
+    loss_fn.scale = accumulate * ctx.data_world / max(count, 1.0)
     from bmtrain_cli.parallel.sharding import GradSumOptimizer
 
     if isinstance(optimizer, GradSumOptimizer):
         optimizer = optimizer._inner  # train_batch insists on fleet's own optimizer class
-    inputs = (
-        paddle.to_tensor(data["input_ids"]),
-        paddle.to_tensor(data["attention_mask"]),
-        paddle.to_tensor(data["position_ids"]),
-    )
-    for t in inputs:
-        t.stop_gradient = True
-    target = paddle.to_tensor(data["target"])
     model.train_batch([inputs, target], optimizer, lr_scheduler)
     local = float(sum(float(s) for s in loss_fn.sums)) if loss_fn.sums else 0.0
     total = ctx.all_reduce_sum(from_last_stage(ctx, local))
@@ -439,12 +468,17 @@ def pipeline_train_step(
     return total, count
 
 
-def from_last_stage(ctx: ParallelCtx, value: float) -> float:
-    """The last pipeline stage's ``value`` (where the loss is computed), on every stage."""
+def last_stage_values(ctx: ParallelCtx, values: np.ndarray) -> np.ndarray:
+    """The last pipeline stage's float64 ``values`` (where the loss is computed), on every stage."""
     import paddle
     import paddle.distributed as dist
 
-    t = paddle.to_tensor([value], dtype="float64")
+    t = paddle.to_tensor(np.asarray(values, dtype=np.float64).reshape([-1]))
     pp_group = ctx.hcg.get_pipe_parallel_group()
     dist.broadcast(t, src=pp_group.ranks[-1], group=pp_group)
-    return float(t.numpy()[0])
+    return np.asarray(t.numpy(), dtype=np.float64)
+
+
+def from_last_stage(ctx: ParallelCtx, value: float) -> float:
+    """The last pipeline stage's ``value`` (where the loss is computed), on every stage."""
+    return float(last_stage_values(ctx, np.asarray([value]))[0])

@@ -27,9 +27,9 @@ def model_inputs(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
     return out
 
 
-def _token_logps(model: Any, hidden: paddle.Tensor, targets: paddle.Tensor) -> paddle.Tensor:
-    logits = model.logits_from_hidden(hidden).astype("float32")
-    factory = getattr(model, "factory", None)
+def token_logps(logits: paddle.Tensor, targets: paddle.Tensor, factory: Any) -> paddle.Tensor:
+    """log p(target) per row of ``logits`` [tokens, vocab] (a vocabulary shard under tensor parallel)."""
+    logits = logits.astype("float32")
     if factory is not None and getattr(factory, "tp_degree", 1) > 1:
         from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
 
@@ -39,23 +39,34 @@ def _token_logps(model: Any, hidden: paddle.Tensor, targets: paddle.Tensor) -> p
     return -F.cross_entropy(logits, targets.reshape([-1, 1]), reduction="none").reshape([-1])
 
 
-def sequence_logps(
-    model: Any, batch: Dict[str, np.ndarray], n_sequences: int
+def response_positions(index: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows, columns) of the positions that predict a response token (``sequence_index`` >= 0)."""
+    return np.nonzero(index >= 0)
+
+
+def per_sequence(
+    token: paddle.Tensor, sequence_of_token: np.ndarray, n_sequences: int
 ) -> Tuple[paddle.Tensor, np.ndarray]:
-    """(summed response log-probs [n_sequences] fp32, response token counts [n_sequences]) of a pair batch.
+    """(summed ``token`` values [n_sequences], token counts [n_sequences]).
 
     The sum runs as a product with a 0/1 [sequences, tokens] matrix: differentiable, and the same
     arithmetic whatever rows the sequences were packed into."""
+    counts = np.bincount(sequence_of_token, minlength=n_sequences).astype(np.float32)
+    member = np.zeros((n_sequences, len(sequence_of_token)), dtype=np.float32)
+    member[sequence_of_token, np.arange(len(sequence_of_token))] = 1.0
+    return paddle.matmul(paddle.to_tensor(member), token), counts
+
+
+def sequence_logps(
+    model: Any, batch: Dict[str, np.ndarray], n_sequences: int
+) -> Tuple[paddle.Tensor, np.ndarray]:
+    """(summed response log-probs [n_sequences] fp32, response token counts [n_sequences]) of a pair batch."""
     index = batch["sequence_index"]
-    inputs = model_inputs(batch)
-    hidden = model.hidden_states(**inputs)
+    hidden = model.hidden_states(**model_inputs(batch))
     rows, width = batch["input_ids"].shape
-    r, c = np.nonzero(index >= 0)
-    counts = np.bincount(index[r, c], minlength=n_sequences).astype(np.float32)
+    r, c = response_positions(index)
     flat = paddle.to_tensor((r * width + c).astype(np.int64))
     picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
     targets = paddle.to_tensor(batch["input_ids"][r, c + 1].astype(np.int64))
-    token = _token_logps(model, picked, targets)
-    member = np.zeros((n_sequences, len(r)), dtype=np.float32)
-    member[index[r, c], np.arange(len(r))] = 1.0
-    return paddle.matmul(paddle.to_tensor(member), token), counts
+    token = token_logps(model.logits_from_hidden(picked), targets, getattr(model, "factory", None))
+    return per_sequence(token, index[r, c], n_sequences)

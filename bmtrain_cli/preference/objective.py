@@ -65,11 +65,17 @@ class PreferenceObjective:
         """(summed loss of the batch's pairs incl. the scaled ORPO NLL, [N_STATS] metric sums)."""
         n = 2 * len(batch["pair_ids"])
         logps, counts = sequence_logps(model, batch, n)
+        ref = self.reference.logps(batch, n) if self.reference is not None else None
+        return self.pair_loss(logps, counts, ref)
+
+    def pair_loss(
+        self, logps: paddle.Tensor, counts: np.ndarray, ref: Optional[paddle.Tensor]
+    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """(summed loss of the pairs incl. the scaled ORPO NLL, [N_STATS] metric sums) from the policy's
+        summed response log-probs ``logps`` [2P] (chosen, rejected alternating), the response token
+        counts and the reference's log-probs (None for the reference-free losses)."""
         pair = logps.reshape([-1, 2])
-        if self.reference is not None:
-            ref = self.reference.logps(batch, n).reshape([-1, 2])
-        else:
-            ref = paddle.zeros_like(pair)
+        ref = paddle.zeros_like(pair) if ref is None else ref.reshape([-1, 2])
         tokens = paddle.to_tensor(counts.reshape(-1, 2))
         terms = pair_terms(
             self.kind,
@@ -89,7 +95,7 @@ class PreferenceObjective:
         c, r = terms.chosen_rewards.detach(), terms.rejected_rewards.detach()
         stats = paddle.stack(
             [
-                paddle.to_tensor(float(n // 2)),
+                paddle.to_tensor(float(pair.shape[0])),
                 c.sum(),
                 r.sum(),
                 (c > r).astype("float32").sum(),
@@ -101,23 +107,33 @@ class PreferenceObjective:
         ).astype("float32")
         return loss, stats
 
+    def record(self, stats: paddle.Tensor) -> None:
+        """Add a micro-batch's [N_STATS] metric sums to the step's."""
+        self._stats.append(stats)
+
     def loss_sum(self, model: Any, batch: Dict[str, np.ndarray]) -> Tuple[paddle.Tensor, float]:
         """(summed pair losses of one micro-batch, its pair count); records the step's metric sums."""
         if len(batch["pair_ids"]) == 0:  # this rank's share of the data ran out: zero, with a graph
             return model.hidden_states(**model_inputs(batch)).sum() * 0.0, 0.0
         loss, stats = self._terms(model, batch)
-        self._stats.append(stats)
+        self.record(stats)
         return loss, float(len(batch["pair_ids"]))
 
     def _means(self, sums: np.ndarray) -> Dict[str, float]:
         pairs = max(float(sums[0]), 1.0)
         return {k: float(v) / pairs for k, v in zip(METRIC_KEYS, sums[1:])}
 
-    def step_metrics(self) -> Dict[str, float]:
-        """TRL's metrics over the step's pairs (all data ranks); one host sync."""
+    def step_metrics(
+        self, from_last_stage: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    ) -> Dict[str, float]:
+        """TRL's metrics over the step's pairs (all data ranks); one host sync. Under pipeline parallel
+        the sums are recorded on the last stage: ``from_last_stage`` hands them to every stage first."""
         local = paddle.stack(self._stats).sum(axis=0) if self._stats else paddle.zeros([N_STATS], "float32")
         self._stats = []
-        self.last_metrics = self._means(self._sum(local.numpy().astype(np.float64)))
+        sums = local.numpy().astype(np.float64)
+        if from_last_stage is not None:
+            sums = from_last_stage(sums)
+        self.last_metrics = self._means(self._sum(sums))
         return self.last_metrics
 
     # -- evaluation

@@ -37,11 +37,19 @@ def build(config: Any, data: Any, model: Any, optim: Any, ctx: ParallelCtx, say:
     )
 
 
+def _scoring_model(parts: Any) -> Any:
+    """The model pairs are scored with: the training model itself, tensor-parallel shards included; under
+    pipeline parallel (collective) a gathered copy with the whole weights on every rank, as SFT's eval."""
+    if parts.ctx.pp_degree > 1:
+        return parts.ctx.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
+    return parts.model.wrapped
+
+
 def evaluate(parts: Any, state: Any) -> Tuple[float, Dict[str, float]]:
-    """Mean pair loss and TRL's metrics on the eval pairs (collective; on the training model itself,
-    tensor-parallel shards included); the metrics go to state.history["eval_metrics"]."""
+    """Mean pair loss and TRL's metrics on the eval pairs (collective); the metrics go to
+    state.history["eval_metrics"]."""
     loss, extra = parts.preference.evaluate(
-        parts.model.wrapped, parts.data.eval_loader, parts.optim.precision.autocast
+        _scoring_model(parts), parts.data.eval_loader, parts.optim.precision.autocast
     )
     state.history["eval_metrics"] = extra
     return loss, extra
@@ -52,7 +60,7 @@ def before_training(parts: Any, state: Any) -> None:
     if parts.preference is None or parts.data.eval_loader is None or "eval_before" in state.history:
         return
     _, before = parts.preference.evaluate(
-        parts.model.wrapped, parts.data.eval_loader, parts.optim.precision.autocast
+        _scoring_model(parts), parts.data.eval_loader, parts.optim.precision.autocast
     )
     state.history["eval_before"] = before
     parts.console.say(

@@ -108,15 +108,30 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
 
 
 def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
-    """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet."""
+    """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet (stage dpo:
+    the pair loss on the last stage, preference/pipeline.py)."""
     lr = parts.schedule(step)
     parts.optim.stepper.set_lr(lr)
-    loss_total, count = parts.ctx.pipeline_step(parts.model.wrapped, micro, parts.optim.stepper)
+    pairs = None
+    if parts.preference is not None:
+        from bmtrain_cli.preference.pipeline import PairPipeline, pipeline_rows
+
+        pairs = PairPipeline(parts.preference, parts.ctx, pipeline_rows(parts.config.train.micro_batch_size))
+    loss_total, count = parts.ctx.pipeline_step(
+        parts.model.wrapped, micro, parts.optim.stepper, objective=pairs
+    )
     tokens = float(parts.ctx.all_reduce_sum(_tokens(micro)))
     loss = loss_total / max(count, 1.0)
     grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside train_batch
+    metrics = pairs.step_metrics() if pairs is not None else {}
     return StepOutput(
-        loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, applied=True, finite=math.isfinite(loss)
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=tokens,
+        applied=True,
+        finite=math.isfinite(loss),
+        metrics=metrics,
     )
 
 

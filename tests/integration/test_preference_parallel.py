@@ -58,6 +58,7 @@ parallel_config:
   data_parallel: {dp}
   tensor_parallel: {tp}
   sharding_parallel: {sharding}
+  pipeline_parallel: {pp}
 """
 
 KEYS = ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -88,16 +89,32 @@ def base(tmp_path_factory) -> tuple:
 
 
 def _run(
-    tmp: Path, base: tuple, name: str, dp: int, tp: int, loss: str, extra: str, sharding: int = 1
+    tmp: Path,
+    base: tuple,
+    name: str,
+    dp: int,
+    tp: int,
+    loss: str,
+    extra: str,
+    sharding: int = 1,
+    pp: int = 1,
 ) -> dict:
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
     cfg.write_text(
         DPO.format(
-            base=base[0], data=base[1], out=out, dp=dp, tp=tp, loss=loss, extra=extra, sharding=sharding
+            base=base[0],
+            data=base[1],
+            out=out,
+            dp=dp,
+            tp=tp,
+            loss=loss,
+            extra=extra,
+            sharding=sharding,
+            pp=pp,
         )
     )
-    _bmtrain("train" if dp * tp * sharding == 1 else "run", "--config", str(cfg))
+    _bmtrain("train" if dp * tp * sharding * pp == 1 else "run", "--config", str(cfg))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -137,13 +154,48 @@ def test_sharding_stage1_orpo_equals_one_process(tmp_path, base):
     _same(one, sharded)
 
 
+CLIP = 0.05  # max_grad_norm below every step's gradient norm: the clip scales every update
+
+
+PP_LORA = "\n  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  batching: packed"
+
+
+@pytest.mark.parametrize(
+    "loss, extra", [("orpo", ""), ("sigmoid", "\n  precompute_ref_log_probs: true" + PP_LORA)]
+)
+def test_pp2_equals_one_process(tmp_path, base, loss, extra):
+    """Pipeline parallel: the pair loss on the last stage from the logits, the sequence ids and the
+    precomputed reference log-probs carried in the labels; per step loss, TRL's metrics, the clipped
+    gradient norm and the eval loss as one process (orpo: full fine-tuning, one sequence per row;
+    sigmoid: LoRA, reference = adapters off, packed pairs)."""
+    extra = f"  max_grad_norm: {CLIP}" + extra
+    results = {}
+    for name, pp in (("pp2", 2), ("one", 1)):
+        for cached in (base[1] / ".bmtrain_cache").glob("ref_logps-*.npy"):
+            cached.unlink()  # each run computes its reference log-probs (pp2: every rank, whole weights)
+        results[name] = _run(tmp_path, base, name, 1, 1, loss, extra, pp=pp)
+    one, pp2 = results["one"], results["pp2"]
+    _same(one, pp2)
+    norms = [r["grad_norm"] for r in one["train"]]
+    assert min(norms) > CLIP
+    np.testing.assert_allclose([r["grad_norm"] for r in pp2["train"]], norms, rtol=1e-5)
+
+
 def test_resume_continues_exactly_against_the_starting_reference(tmp_path, base):
     """A resumed full fine-tuning run still compares against model_name_or_path (not the checkpoint it
     resumes from): its steps 3-4 equal the uninterrupted run's, rewards included."""
     import shutil
 
     text = DPO.format(
-        base=base[0], data=base[1], out=tmp_path / "full", dp=1, tp=1, sharding=1, loss="sigmoid", extra=""
+        base=base[0],
+        data=base[1],
+        out=tmp_path / "full",
+        dp=1,
+        tp=1,
+        sharding=1,
+        pp=1,
+        loss="sigmoid",
+        extra="",
     )
     text = text.replace("max_steps: 3", "max_steps: 4").replace("save_steps: 3", "save_steps: 2")
     cfg = tmp_path / "full.yaml"

@@ -19,7 +19,19 @@ def _errors(write_yaml, text: str) -> str:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ("parallel:\n  pipeline_parallel: 2\n", "stage: dpo cannot be combined with pipeline_parallel > 1"),
+        (
+            "parallel:\n  pipeline_parallel: 2\n",
+            "stage: dpo cannot be combined with pipeline_parallel > 1 and a live reference model (dpo_loss: sigmoid)",
+        ),
+        (
+            "  dpo_loss: ipo\nparallel:\n  pipeline_parallel: 2\n",
+            "set precompute_ref_log_probs: true (computed once before training), or use dpo_loss simpo/orpo",
+        ),
+        (
+            "  dpo_loss: orpo\n  micro_batch_size: 2\n  global_batch_size: 8\n"
+            "parallel:\n  pipeline_parallel: 2\n  pipeline_micro_batches: 2\n",
+            "pipeline_micro_batches (2) other than the gradient accumulation steps (4)",
+        ),
         (
             "parallel:\n  sharding_parallel: 2\n  sharding_stage: 2\n",
             "cannot be combined with sharding_stage 2/3",
@@ -45,6 +57,13 @@ def test_dpo_needs_a_starting_model(write_yaml):
 def test_accepted_layouts_and_unused_keys_warn(write_yaml):
     ok = BASE + "  dpo_loss: simpo\n  simpo_gamma: 1.0\nparallel:\n  tensor_parallel: 1\n  data_parallel: 2\n"
     assert load_config(write_yaml(ok)) is not None
+    for pipelined in ("  dpo_loss: orpo\n", "  dpo_loss: simpo\n", "  precompute_ref_log_probs: true\n"):
+        text = (
+            BASE
+            + pipelined
+            + "  micro_batch_size: 2\n  global_batch_size: 8\nparallel:\n  pipeline_parallel: 2\n"
+        )
+        assert load_config(write_yaml(text)) is not None
     loaded = load_config(write_yaml("train_config:\n  dpo_beta: 0.2\n  data_path: p.jsonl\n"))
     assert any("applies to stage: dpo" in w.message for w in loaded.warnings)
     loaded = load_config(write_yaml(BASE + "  simpo_gamma: 1.0\n"))

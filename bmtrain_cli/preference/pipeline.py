@@ -1,0 +1,109 @@
+"""Preference pairs through fleet's pipeline schedule (parallel_config.pipeline_parallel > 1).
+
+Each trainer micro-batch of P pairs is one pipeline micro-batch, padded to 2 x micro_batch_size rows of
+max_seq_len tokens (fleet fixes the shapes sent between stages at its first step; a padded row is padding
+only, segment 0, and predicts nothing). Its labels carry what the last stage needs to turn the logits into
+pair losses: at every position the next token and the sequence whose response token that is
+(``sequence_index``, -1 for none), and the reference log-probs of the 2P sequences (precomputed; zeros for
+the reference-free losses; a live reference model would need a second pipeline pass and is refused by
+config/checks.py). The last stage returns the micro-batch's summed pair losses (PreferenceObjective.pair_loss,
+the same arithmetic as one process) and records the metric sums; the pipeline step divides by the step's
+pairs over the data ranks, so the gradient is one process's mean pair loss over the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.parallel.pipeline import last_stage_values
+from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.preference.logps import per_sequence, response_positions, token_logps
+from bmtrain_cli.preference.objective import PreferenceObjective
+from bmtrain_cli.preference.reference import Precomputed
+
+
+def _padded(arr: np.ndarray, rows: int, width: int, value: int) -> np.ndarray:
+    out = np.full((rows, width), value, dtype=np.int64)
+    out[: arr.shape[0], : arr.shape[1]] = arr
+    return out
+
+
+def pipeline_rows(micro_batch_size: int) -> int:
+    """Rows of every pipeline micro-batch: one per sequence when each sequence has its own row."""
+    return 2 * micro_batch_size
+
+
+class PairPipeline:
+    """The pipeline objective (parallel/pipeline.py PipelineObjective) of stage: dpo."""
+
+    def __init__(self, objective: PreferenceObjective, ctx: ParallelCtx, rows: int) -> None:
+        if objective.reference is not None and not isinstance(objective.reference, Precomputed):
+            raise ValueError(
+                "pipeline parallel takes precomputed reference log-probs or a reference-free loss"
+            )
+        self.objective = objective
+        self.ctx = ctx
+        self.rows = rows
+
+    def pipeline_data(
+        self, micro_batches: Sequence[Dict[str, np.ndarray]], length: int
+    ) -> Tuple[Any, Any, float]:
+        """((input_ids, attention_mask, position_ids) lists, (next token, sequence index, reference
+        log-probs) lists, the step's pairs over the data ranks): one entry per micro-batch."""
+        pairs, _ = self.objective.begin_step(list(micro_batches))
+        inputs: List[List[paddle.Tensor]] = [[], [], []]
+        labels: List[List[paddle.Tensor]] = [[], [], []]
+        for b in micro_batches:
+            if b["input_ids"].shape[0] > self.rows or b["input_ids"].shape[1] > length:
+                raise ValueError(
+                    f"a pair batch of shape {b['input_ids'].shape} exceeds the pipeline's {self.rows} x {length}"
+                )
+            n = 2 * len(b["pair_ids"])
+            ids = _padded(b["input_ids"], self.rows, length, 0)
+            index = _padded(b["sequence_index"], self.rows, length, -1)
+            following = np.zeros_like(ids)
+            following[:, :-1] = ids[:, 1:]
+            if n and self.objective.reference is not None:
+                ref = self.objective.reference.logps(b, n)
+            else:
+                ref = paddle.zeros([n], dtype="float32")
+            for out, arr in zip(
+                inputs,
+                (
+                    ids,
+                    _padded(b["attention_mask"], self.rows, length, 0),
+                    _padded(b["position_ids"], self.rows, length, 0),
+                ),
+            ):
+                out.append(paddle.to_tensor(arr))
+            for out, value in zip(labels, (paddle.to_tensor(following), paddle.to_tensor(index), ref)):
+                out.append(value)
+        for t in inputs[0] + inputs[1] + inputs[2]:
+            t.stop_gradient = True
+        return tuple(inputs), tuple(labels), pairs
+
+    def loss_sum(self, logits: paddle.Tensor, labels: Any) -> paddle.Tensor:
+        """One micro-batch's summed pair losses from the last stage's logits [rows, length, vocab]."""
+        following, index_t, ref = labels
+        n = int(ref.shape[0])
+        if n == 0:  # this data rank's share ran out: zero, with a graph
+            return logits.sum() * 0.0
+        index = index_t.numpy()
+        r, c = response_positions(index)
+        flat = paddle.to_tensor((r * index.shape[1] + c).astype(np.int64))
+        picked = paddle.gather(logits.reshape([-1, logits.shape[-1]]), flat)
+        targets = paddle.gather(following.reshape([-1]), flat)
+        token = token_logps(picked, targets, self.ctx.factory)
+        logps, counts = per_sequence(token, index[r, c], n)
+        loss, stats = self.objective.pair_loss(
+            logps, counts, ref if self.objective.reference is not None else None
+        )
+        self.objective.record(stats)
+        return loss
+
+    def step_metrics(self) -> Dict[str, float]:
+        """TRL's metrics of the step (recorded on the last stage), on every rank."""
+        return self.objective.step_metrics(lambda values: last_stage_values(self.ctx, values))

@@ -369,21 +369,15 @@ class _PipelineLoss:
         if self.objective is not None:
             loss_sum = self.objective.loss_sum(logits, target)
         else:
-            loss_sum = self._token_loss_sum(logits, target)
+            flat, labels = logits.reshape([-1, logits.shape[-1]]), target.reshape([-1])
+            if self.ctx.factory.tp_degree > 1:
+                loss_sum, _ = self.ctx.factory.vocab_cross_entropy_sum(flat, labels)
+            else:
+                from bmtrain_cli.ops import reference
+
+                loss_sum, _ = reference.cross_entropy_sum(flat, labels)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
-
-    def _token_loss_sum(self, logits: Any, target: Any) -> Any:
-        factory = self.ctx.factory
-        flat = logits.reshape([-1, logits.shape[-1]])
-        labels = target.reshape([-1])
-        if factory.tp_degree > 1:
-            loss_sum, _ = factory.vocab_cross_entropy_sum(flat, labels)
-        else:
-            from bmtrain_cli.ops import reference
-
-            loss_sum, _ = reference.cross_entropy_sum(flat, labels)
-        return loss_sum
 
 
 def shifted_targets(labels: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
@@ -446,8 +440,6 @@ def _token_data(
     if count <= 0:
         raise UserError("a training step has no target tokens (all labels are -100)")
     inputs = tuple(paddle.to_tensor(data[k]) for k in ("input_ids", "attention_mask", "position_ids"))
-    for t in inputs:
-        t.stop_gradient = True
     return inputs, paddle.to_tensor(data["target"]), count
 
 
@@ -459,10 +451,8 @@ def pipeline_train_step(
     lr_scheduler: Any = None,
     objective: Optional[PipelineObjective] = None,
 ) -> Tuple[float, float]:
-    """Forward+backward of all micro-batches (1F1B) and one optimizer step; the token loss, or
-    ``objective``'s.
-
-    Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
+    """Forward+backward of all micro-batches (1F1B) and one optimizer step (the token loss, or
+    ``objective``'s). Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
     ctx.mark_progress()
     length = ctx.config.model.max_seq_len if ctx.config is not None else None
     if objective is None:

@@ -81,8 +81,6 @@ class PairPipeline:
                 out.append(paddle.to_tensor(arr))
             for out, value in zip(labels, (paddle.to_tensor(following), paddle.to_tensor(index), ref)):
                 out.append(value)
-        for t in inputs[0] + inputs[1] + inputs[2]:
-            t.stop_gradient = True
         return tuple(inputs), tuple(labels), pairs
 
     def loss_sum(self, logits: paddle.Tensor, labels: Any) -> paddle.Tensor:

@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.preference.logps import model_inputs, sequence_logps
-from bmtrain_cli.preference.losses import REFERENCE_FREE, pair_terms
+from bmtrain_cli.preference.losses import REFERENCE_FREE, PairLogps, pair_terms
 from bmtrain_cli.preference.reference import Reference
 from bmtrain_cli.train.metrics import PREFERENCE_KEYS
 
@@ -71,14 +71,10 @@ class PreferenceObjective:
         else:
             ref = paddle.zeros_like(pair)
         tokens = paddle.to_tensor(counts.reshape(-1, 2))
+        logps_in = PairLogps(pair[:, 0], pair[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
         terms = pair_terms(
             self.kind,
-            pair[:, 0],
-            pair[:, 1],
-            ref[:, 0],
-            ref[:, 1],
-            tokens[:, 0],
-            tokens[:, 1],
+            logps_in,
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             simpo_gamma=self.gamma,

@@ -13,6 +13,7 @@ from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
+from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -475,7 +476,7 @@ def _check_preference(config: Config, err: Callable[..., None], warn: Callable[.
         )
     if "simpo_gamma" in t.model_fields_set and t.dpo_loss != "simpo":
         warn("train_config.simpo_gamma", f"not used by dpo_loss: {t.dpo_loss}", "use dpo_loss: simpo")
-    if t.precompute_ref_log_probs and t.dpo_loss in ("simpo", "orpo"):
+    if t.precompute_ref_log_probs and t.dpo_loss in REFERENCE_FREE:
         err(
             "train_config.precompute_ref_log_probs",
             f"the {t.dpo_loss} loss is reference-free: there is nothing to precompute",

@@ -20,7 +20,6 @@ import paddle
 import paddle.nn.functional as F
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
 
 
 @dataclass

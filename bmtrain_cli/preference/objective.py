@@ -16,8 +16,9 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.preference.logps import model_inputs, sequence_logps
-from bmtrain_cli.preference.losses import REFERENCE_FREE, PairLogps, pair_terms
+from bmtrain_cli.preference.losses import PairLogps, pair_terms
 from bmtrain_cli.preference.reference import Reference
+from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 from bmtrain_cli.train.metrics import PREFERENCE_KEYS
 
 METRIC_KEYS = PREFERENCE_KEYS  # order of the metric sums after the pair count

@@ -165,6 +165,20 @@ def layer_activations(
     return out
 
 
+def no_grad_forward_bytes(w: Workload, device: Device, layout: Layout) -> int:
+    """The most a forward without gradients (stage dpo's reference) holds at once inside one layer: the
+    layer input with q, k, v and, for a score-keeping kernel, the scores beside their softmax [b, heads, s, s];
+    or in the MLP, its input, gate, up, the activation and the product."""
+    a = w.arch
+    tokens = w.micro_sequences(layout) * w.seq_len
+    heads = a.num_attention_heads / layout.tp
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim / layout.tp
+    scores = 2 * heads * w.seq_len if _keeps_scores(attention_kernel(w, device, layout), device) else heads
+    attention = a.hidden_size + qkv + scores
+    mlp = a.hidden_size + 4 * a.intermediate_size / layout.tp
+    return int(max(attention, mlp) * tokens * act_bytes(w))
+
+
 def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -> Tuple[int, int]:
     """(bytes kept for the loss's backward, transient peak while computing it) on the last stage."""
     if not last_stage:

@@ -38,6 +38,7 @@ from bmtrain_cli.plan.activations import (
     layer_params,
     lora_layer_params,
     loss_bytes,
+    no_grad_forward_bytes,
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
@@ -147,7 +148,9 @@ def _stage_estimate(  # noqa: C901
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)
     loss_kept, loss_transient = loss_bytes(w, device, layout, last)
-    reference, ref_forward = _reference_bytes(w, stage_params * pbytes, loss_transient, work)
+    reference, ref_forward = _reference_bytes(
+        w, stage_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
+    )
 
     # --- communication buffers
     comm = 0
@@ -236,10 +239,10 @@ def _stage_estimate(  # noqa: C901
     )
 
 
-def _reference_bytes(w: Workload, weights: int, loss_transient: int, work: int) -> Tuple[int, int]:
+def _reference_bytes(w: Workload, weights: int, forward: int) -> Tuple[int, int]:
     """Stage dpo's reference during training (preference/reference.py): (weights held, transient of its
-    forward in a step). A precomputed reference is not there; a reference-free loss has none."""
-    forward = max(loss_transient, work)  # no gradients: one layer at a time, then the logits
+    no-gradient ``forward`` in a step). A precomputed reference is not there; a reference-free loss has
+    none."""
     if w.reference == FROZEN_COPY:
         return weights, forward
     if w.reference == ADAPTERS_OFF:

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from bmtrain_cli.config import load_config
-from bmtrain_cli.plan.estimator import estimate, weights_exceed_device
+from bmtrain_cli.plan.activations import no_grad_forward_bytes
+from bmtrain_cli.plan.devices import get_device
+from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout, weights_exceed_device
 from bmtrain_cli.preference.reference_kind import (
     ADAPTERS_OFF,
     FROZEN_COPY,
@@ -105,3 +107,25 @@ def test_the_weight_check_counts_the_frozen_copy(seven_b) -> None:
     between = replace(dpo.device, memory_bytes=(dpo.parameters + dpo.reference_weights) - 1)
     assert weights_exceed_device(replace(dpo, device=between))
     assert not weights_exceed_device(replace(dpo, device=between, reference_weights=0))
+
+
+def test_the_reference_forward_counts_where_the_loss_phase_is_the_peak(seven_b) -> None:
+    """A small model on a CPU (scores kept, no recompute): the no-gradient forward of the reference runs
+    while the policy's activations are held, and raises the peak by at most its own working set."""
+    w = Workload.from_config(seven_b, read_data=False)
+    small = replace(
+        w.arch,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+    )
+    base = replace(w, arch=small, seq_len=256, precision="fp32", stage="dpo", finetuning="lora")
+    cpu, layout = get_device("cpu"), Layout(micro_batch=4)
+    without = estimate_layout(replace(base, reference=NO_REFERENCE), layout, cpu)
+    with_ref = estimate_layout(replace(base, reference=ADAPTERS_OFF), layout, cpu)
+    forward = no_grad_forward_bytes(replace(base, reference=ADAPTERS_OFF), cpu, layout)
+    assert without.peak < with_ref.peak <= without.peak + forward
+    assert with_ref.reference_weights == 0

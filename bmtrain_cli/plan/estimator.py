@@ -217,7 +217,7 @@ def _stage_estimate(  # noqa: C901
         layout=layout,
         stage_index=idx,
         parameters=int(params),
-        reference_weights=int(reference),
+        reference_weights=reference,  # an exact size (weights x bytes), no estimate
         gradients=int(grads),
         optimizer_states=int(opt),
         master_weights=int(master),

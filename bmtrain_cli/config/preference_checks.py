@@ -7,6 +7,7 @@ from typing import Callable, List, Tuple
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
+from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 
 PREFERENCE_FIELDS = (
     "dpo_loss",
@@ -24,9 +25,7 @@ def _pipeline_refusals(config: Config) -> List[Tuple[bool, str, str, str, str]]:
     accumulation = derive(config).grad_accum_steps
     return [
         (
-            p.pipeline_parallel > 1
-            and t.dpo_loss not in ("simpo", "orpo")
-            and not t.precompute_ref_log_probs,
+            p.pipeline_parallel > 1 and t.dpo_loss not in REFERENCE_FREE and not t.precompute_ref_log_probs,
             "parallel_config.pipeline_parallel",
             f"pipeline_parallel > 1 and a live reference model (dpo_loss: {t.dpo_loss})",
             "the reference's log-probs would need a second pass through the pipeline every step",
@@ -111,7 +110,7 @@ def check_preference(config: Config, err: Callable[..., None], warn: Callable[..
         )
     if "simpo_gamma" in t.model_fields_set and t.dpo_loss != "simpo":
         warn("train_config.simpo_gamma", f"not used by dpo_loss: {t.dpo_loss}", "use dpo_loss: simpo")
-    if t.precompute_ref_log_probs and t.dpo_loss in ("simpo", "orpo"):
+    if t.precompute_ref_log_probs and t.dpo_loss in REFERENCE_FREE:
         err(
             "train_config.precompute_ref_log_probs",
             f"the {t.dpo_loss} loss is reference-free: there is nothing to precompute",

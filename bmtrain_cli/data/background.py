@@ -1,4 +1,5 @@
-"""Running a generator in a thread, one item ahead, with a clean stop (streaming's reading thread)."""
+"""Running a generator in a thread, some items ahead, with a clean stop (streaming's reading thread, the
+cached loader's prefetch)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,20 @@ def put_unless_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool
     return False
 
 
-def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """The items of the generator ``make()``, made by a thread one item in advance: the next item is
-    started when the previous one has been taken, so at most two are alive (the one in use, the next).
+def in_background(
+    make: Callable[[], Iterator[Any]], ahead: int = 1, name: str = "bmtrain-stream-read"
+) -> Iterator[Any]:
+    """The items of the generator ``make()``, made by a thread ``ahead`` items in advance: an item is
+    started only while fewer than ``ahead`` made ones wait untaken, so at most ``ahead + 1`` are alive (the
+    one in use and those ahead; ahead 1: the one in use and the next).
 
-    Closing this generator stops the thread (and closes the generator there)."""
-    q: queue.Queue = queue.Queue(maxsize=1)
+    Exceptions in the thread are raised here. Closing this generator stops the thread (and closes the
+    generator there)."""
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
+    q: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
-    taken = threading.Semaphore(0)
+    taken = threading.Semaphore(ahead - 1)
     done = object()
 
     def run() -> None:
@@ -44,7 +51,7 @@ def in_background(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         finally:
             gen.close()
 
-    t = threading.Thread(target=run, name="bmtrain-stream-read", daemon=True)
+    t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
     try:
         while True:

@@ -84,7 +84,8 @@ class TokenStore:
         return self.tokens[a:b], self.mask[a:b]
 
 
-def _load(directory: Path, path: str, built: bool) -> TokenStore:
+def load_store(directory: Path, path: str, built: bool) -> TokenStore:
+    """The TokenStore a complete cache directory holds (memory-mapped)."""
     meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
     offsets = np.load(directory / "offsets.npy")
     n_tok = int(offsets[-1])
@@ -108,7 +109,8 @@ def _load(directory: Path, path: str, built: bool) -> TokenStore:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive cross-process lock on ``path`` (POSIX; none elsewhere)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX: no cross-process lock
@@ -135,6 +137,63 @@ def default_cache_root(path: str, output_dir: Optional[str]) -> Path:
         return Path(output_dir or ".") / "data_cache"
 
 
+class Rejections:
+    """The bad records of one file: every one counted, the first MAX_REJECTED_KEPT kept with the reason."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.kept: List[dict] = []
+        self.count = 0
+
+    def add(self, line: int, reason: str, raw: str) -> None:
+        self.count += 1
+        if len(self.kept) < MAX_REJECTED_KEPT:
+            self.kept.append({"file": self.path, "line": line, "reason": reason, "record": raw})
+
+
+def finish_store(
+    sink_dir: Path,
+    offsets: List[int],
+    lines: List[int],
+    records: int,
+    rejections: Rejections,
+    **extra: object,
+) -> None:
+    """Write offsets.npy, lines.npy and, last and atomically, meta.json (its presence means complete);
+    ``extra`` adds keys to meta.json. tokens.bin and mask.bin are already written."""
+    np.save(sink_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    np.save(sink_dir / "lines.npy", np.asarray(lines, dtype=np.int64))
+    meta: Dict[str, object] = {
+        "version": CACHE_VERSION,
+        **extra,
+        "file": str(Path(rejections.path).resolve()),
+        "records": records,
+        "samples": len(lines),
+        "tokens": offsets[-1],
+        "rejected_count": rejections.count,
+        "rejected": sorted(rejections.kept, key=lambda r: r["line"]),
+        "created": time.time(),
+    }
+    tmp = sink_dir / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+    tmp.replace(sink_dir / "meta.json")
+
+
+def cached_store(path: str, root: Path, name: str, build: Callable[[Path], None]) -> TokenStore:
+    """The store ``root/name`` of ``path``: reused when complete, else built now by ``build(directory)``
+    under a file lock (several ranks starting together build it once; the others wait and reuse it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    directory = root / name
+    if (directory / "meta.json").is_file():
+        return load_store(directory, path, built=False)
+    with file_lock(root / f"{name}.lock"):
+        if (directory / "meta.json").is_file():  # another process built it while we waited
+            return load_store(directory, path, built=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        build(directory)
+    return load_store(directory, path, built=True)
+
+
 def tokenize_file(
     path: str,
     encoder: Encoder,
@@ -144,18 +203,11 @@ def tokenize_file(
     workers: int = 0,
 ) -> None:
     """Tokenise every record of ``path`` into sink_dir (meta.json last), in ``workers`` processes."""
-    rejected: List[dict] = []
-    rejected_count = 0
+    rejections = Rejections(path)
     offsets = [0]
     lines: List[int] = []
     n_records = 0
     tasks: Deque[List[Item]] = deque()
-
-    def reject(line: int, reason: str, raw: str) -> None:
-        nonlocal rejected_count
-        rejected_count += 1
-        if len(rejected) < MAX_REJECTED_KEPT:
-            rejected.append({"file": path, "line": line, "reason": reason, "record": raw})
 
     def task_list() -> Iterator[List[Item]]:
         nonlocal n_records
@@ -163,7 +215,7 @@ def tokenize_file(
         for x in raw_records(path):
             n_records += 1
             if isinstance(x, RawRecord):
-                reject(x.line, x.error or "", x.raw)
+                rejections.add(x.line, x.error or "", x.raw)
                 continue
             buf.append(x)
             if len(buf) == ENCODE_CHUNK:
@@ -182,7 +234,7 @@ def tokenize_file(
             for enc in pool.map(task_list()):
                 items = tasks.popleft()
                 for i, reason, raw in enc.bad:
-                    reject(items[i][1], reason, raw)
+                    rejections.add(items[i][1], reason, raw)
                 ftok.write(enc.tokens.tobytes())
                 fmask.write(enc.mask.tobytes())
                 offsets.extend((offsets[-1] + enc.offsets[1:]).tolist())
@@ -191,22 +243,7 @@ def tokenize_file(
                     progress(len(lines))
     finally:
         pool.close()
-    rejected.sort(key=lambda r: r["line"])
-    np.save(sink_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-    np.save(sink_dir / "lines.npy", np.asarray(lines, dtype=np.int64))
-    meta: Dict[str, object] = {
-        "version": CACHE_VERSION,
-        "file": str(Path(path).resolve()),
-        "records": n_records,
-        "samples": len(lines),
-        "tokens": offsets[-1],
-        "rejected_count": rejected_count,
-        "rejected": rejected,
-        "created": time.time(),
-    }
-    tmp = sink_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
-    tmp.replace(sink_dir / "meta.json")
+    finish_store(sink_dir, offsets, lines, n_records, rejections)
 
 
 def open_or_build(
@@ -220,14 +257,10 @@ def open_or_build(
 ) -> TokenStore:
     """The TokenStore of ``path``: from the cache when its key matches, else tokenised now and cached."""
     root = Path(cache_root) if cache_root else default_cache_root(path, output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    key = cache_key(path, encoder, data_format)
-    directory = root / f"{Path(path).stem}-{key}"
-    if (directory / "meta.json").is_file():
-        return _load(directory, path, built=False)
-    with _file_lock(root / f"{Path(path).stem}-{key}.lock"):
-        if (directory / "meta.json").is_file():  # another process built it while we waited
-            return _load(directory, path, built=False)
-        directory.mkdir(parents=True, exist_ok=True)
-        tokenize_file(path, encoder, data_format, directory, progress, workers)
-    return _load(directory, path, built=True)
+    name = f"{Path(path).stem}-{cache_key(path, encoder, data_format)}"
+    return cached_store(
+        path,
+        root,
+        name,
+        lambda directory: tokenize_file(path, encoder, data_format, directory, progress, workers),
+    )

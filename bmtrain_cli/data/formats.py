@@ -84,11 +84,12 @@ def parse_record(record: Any, data_format: str = "auto") -> Conversation:
     if fmt == "text":
         return Conversation(text=_string(record, "text"))
     if fmt == "chat":
-        return _parse_chat(record)
+        return parse_chat(record)
     raise BadRecord(f"unknown data_format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
-def _parse_chat(record: dict) -> Conversation:
+def parse_chat(record: dict) -> Conversation:
+    """The conversation of a chat record (``messages``: role/content or from/value turns); BadRecord says why not."""
     msgs = record.get("messages")
     if not isinstance(msgs, list):
         raise BadRecord(f'field "messages" must be a list, got {type(msgs).__name__}')

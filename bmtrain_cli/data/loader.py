@@ -15,22 +15,19 @@ batches are then cut from memory-mapped arrays, optionally in a background threa
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import queue
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from bmtrain_cli.data.cache import TokenStore, open_or_build
+from bmtrain_cli.data.background import in_background
+from bmtrain_cli.data.cache import open_or_build
 from bmtrain_cli.data.collate import TRUNC_ANSWER, collate, empty_batch, pack, truncate
 from bmtrain_cli.data.encode import Encoder, make_encoder
 from bmtrain_cli.data.readers import as_list, resolve_source
 from bmtrain_cli.data.rejected_log import save_rejected
+from bmtrain_cli.data.store_set import BatchOptions, StoreLoader, StoreSet
 from bmtrain_cli.data.stream_setup import build_stream_loader, choose_streaming, data_workers
 from bmtrain_cli.errors import UserError
 
@@ -39,14 +36,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bmtrain.data")
 
-BATCHING_MODES = ("max_length", "longest", "packed")
-
 
 @dataclass
-class Dataset:
+class Dataset(StoreSet):
     """All tokenised samples of the sources; global sample id = position in the concatenation."""
 
-    stores: List[TokenStore]
     store_source: List[int]  # index of the data_path entry each store came from
     n_sources: int
     starts: np.ndarray = field(init=False)
@@ -79,22 +73,6 @@ class Dataset:
         k = int(np.searchsorted(self.starts, gid, side="right")) - 1
         return f"{self.stores[k].file}:{int(self.stores[k].lines[gid - int(self.starts[k])])}"
 
-    @property
-    def fingerprint(self) -> str:
-        names = [s.directory.name for s in self.stores]
-        return hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
-
-    @property
-    def records(self) -> int:
-        return sum(s.records for s in self.stores)
-
-    @property
-    def rejected_count(self) -> int:
-        return sum(s.rejected_count for s in self.stores)
-
-    def rejected(self) -> List[dict]:
-        return [r for s in self.stores for r in s.rejected]
-
 
 def load_dataset(
     sources: Sequence[str],
@@ -120,11 +98,8 @@ def load_dataset(
         for f, _ in files
     ]
     ds = Dataset(stores, [i for _, i in files], len(sources))
+    ds.refuse_bad_records(on_bad_record)
     bad = ds.rejected_count
-    if bad and on_bad_record == "error":
-        first = ds.rejected()[0]
-        more = f" ({bad - 1} more bad record{'s' if bad > 2 else ''}; on_bad_record: skip sets them aside)"
-        raise UserError(f"{first['file']}:{first['line']}: {first['reason']}{more if bad > 1 else ''}")
     if bad and write_rejected and output_dir:
         save_rejected(ds.rejected(), ds.rejected_count, output_dir)
     if len(ds) == 0:
@@ -133,7 +108,7 @@ def load_dataset(
     return ds
 
 
-class Loader:
+class Loader(StoreLoader[Dataset]):
     """Iterate micro-batches for one data rank; ``state_dict()`` / ``load_state_dict()`` resume exactly.
 
     Iterating a training loader never ends (epochs follow each other; ``epoch`` says which one is
@@ -144,48 +119,21 @@ class Loader:
     def __init__(
         self,
         dataset: Dataset,
+        options: BatchOptions,
         *,
-        max_seq_len: int,
-        micro_batch_size: int,
-        pad_id: int,
-        bos_id: Optional[int] = None,
-        batching: str = "longest",
-        truncation: str = "left",
-        shuffle: bool = True,
-        seed: int = 0,
         weights: Optional[Sequence[float]] = None,
-        data_rank: int = 0,
-        data_world: int = 1,
-        infinite: bool = True,
         num_workers: int = 0,
         pack_window: int = 16,
     ):
-        if batching not in BATCHING_MODES:
-            raise UserError(f"unknown batching {batching!r}; choose one of {', '.join(BATCHING_MODES)}")
-        if not 0 <= data_rank < data_world:
-            raise ValueError(f"data_rank {data_rank} out of range for data_world {data_world}")
-        self.dataset = dataset
-        self.max_seq_len = int(max_seq_len)
-        self.micro_batch_size = int(micro_batch_size)
-        self.pad_id = int(pad_id)
-        self.bos_id = bos_id
-        self.batching = batching
-        self.truncation = truncation
-        self.shuffle = shuffle
-        self.seed = int(seed)
+        super().__init__(dataset, options)
         self.weights = list(weights) if weights else None
-        self.data_rank = data_rank
-        self.data_world = data_world
-        self.infinite = infinite
         self.num_workers = num_workers
         self.pack_window = pack_window
-        self.epoch = 0
-        self._offset = 0
         self._plan: Optional[Tuple[int, List[Any]]] = None
 
         over = dataset.lengths > self.max_seq_len
         self.n_overlong = int(over.sum())
-        if truncation == "drop":
+        if self.truncation == "drop":
             self._usable = ~over
             self._lengths = dataset.lengths
         else:
@@ -280,77 +228,16 @@ class Loader:
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         if not self.infinite:
             self._offset = 0  # an eval pass always covers the whole split
-        source = self._produce() if self.num_workers <= 0 else self._prefetched()
+        source = (
+            self._produce()
+            if self.num_workers <= 0
+            else in_background(
+                self._produce, ahead=max(2, 2 * self.num_workers), name="bmtrain-data-prefetch"
+            )
+        )
         for batch, epoch, offset in source:
             self.epoch, self._offset = epoch, offset
             yield batch
-
-    def _prefetched(self) -> Iterator[Tuple[Dict[str, np.ndarray], int, int]]:
-        q: queue.Queue = queue.Queue(maxsize=max(2, 2 * self.num_workers))
-        stop = threading.Event()
-        done = object()
-
-        def work() -> None:
-            try:
-                for item in self._produce():
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-                q.put(done)
-            except BaseException as exc:  # re-raised in the consumer
-                q.put(exc)
-
-        t = threading.Thread(target=work, name="bmtrain-data-prefetch", daemon=True)
-        t.start()
-        try:
-            while True:
-                item = q.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            t.join(timeout=5)
-
-    # ---- resume
-    def state_dict(self) -> Dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "offset": self._offset,
-            "seed": self.seed,
-            "batching": self.batching,
-            "data_fingerprint": self.dataset.fingerprint,
-            "micro_batch_size": self.micro_batch_size,
-            "data_world": self.data_world,
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key in ("seed", "batching"):
-            if key in state and state[key] != getattr(self, key):
-                raise UserError(
-                    f"cannot resume the data order: the checkpoint used {key}={state[key]!r}, "
-                    f"this run {getattr(self, key)!r}"
-                )
-        fp = state.get("data_fingerprint")
-        if fp is not None and fp != self.dataset.fingerprint:
-            raise UserError(
-                "cannot resume the data order exactly: the training data, tokenizer or template changed "
-                "since the checkpoint was written"
-            )
-        self.epoch = int(state["epoch"])
-        self._offset = int(state["offset"])
-
-    def start_rejected_log(self, output_dir: Union[str, Path], is_main: bool = True) -> None:
-        """Write the rejected records to output_dir/rejected.jsonl (the main rank; all are known now)."""
-        if is_main and self.dataset.rejected_count:
-            save_rejected(self.dataset.rejected(), self.dataset.rejected_count, output_dir)
 
     # ---- reporting
     def stats(self) -> Dict[str, Any]:
@@ -375,7 +262,9 @@ class Loader:
         }
 
 
-def _sources_for(config: Any, split: str, data_path: Any) -> Tuple[List[str], Optional[List[float]]]:
+def data_sources(config: Any, split: str, data_path: Any = None) -> Tuple[List[str], Optional[List[float]]]:
+    """(source specs, data_weights or None) of a split (train, or eval/heldout/validation); ``data_path``
+    overrides the config's paths."""
     t = config.train
     if split == "train":
         sources = as_list(data_path if data_path is not None else t.data_path)
@@ -415,7 +304,7 @@ def build_loader(
     is False (the trainer has the loader write it, ``start_rejected_log``, once every check has passed).
     """
     t = config.train
-    sources, weights = _sources_for(config, split, data_path)
+    sources, weights = data_sources(config, split, data_path)
     train = split == "train"
     seed = t.seed if seed is None else seed
     micro = micro_batch_size or t.micro_batch_size
@@ -474,20 +363,13 @@ def loader_for(
     data_world: int = 1,
 ) -> Loader:
     """The cached-mode Loader of a config over a dataset already built."""
-    t = config.train
-    return Loader(
-        ds,
-        max_seq_len=config.model.max_seq_len,
-        micro_batch_size=micro_batch_size or t.micro_batch_size,
-        pad_id=tokenizer.pad_id,
-        bos_id=tokenizer.bos_id,
-        batching=t.batching,
-        truncation=t.truncation,
-        shuffle=t.shuffle and train,
-        seed=t.seed if seed is None else seed,
-        weights=weights,
+    options = BatchOptions.of(
+        config,
+        tokenizer,
+        train=train,
+        seed=seed,
+        micro_batch_size=micro_batch_size,
         data_rank=data_rank,
         data_world=data_world,
-        infinite=train,
-        num_workers=t.num_workers,
     )
+    return Loader(ds, options, weights=weights, num_workers=config.train.num_workers)

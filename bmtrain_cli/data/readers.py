@@ -178,6 +178,17 @@ def is_json_array(f: BinaryIO) -> bool:
     return head.startswith(b"[")
 
 
+def _jsonl_lines(f: BinaryIO) -> Iterator[Tuple[int, Optional[bytes]]]:
+    """(line number, line) of every non-blank line of an open JSONL file; (1, None) alone when it has none."""
+    empty = True
+    for lineno, line in enumerate(f, start=1):
+        if not is_blank(lineno, line):
+            empty = False
+            yield lineno, line
+    if empty:
+        yield 1, None
+
+
 def read_records(path: str) -> Iterator[RawRecord]:
     """Every non-blank record of a JSONL (or JSON-array) file, parsed or with the reason it is bad.
 
@@ -187,14 +198,12 @@ def read_records(path: str) -> Iterator[RawRecord]:
         if is_json_array(f):
             yield from _read_json_array(path, f.read())
             return
-        n = 0
-        for lineno, line in enumerate(f, start=1):
-            if is_blank(lineno, line):
-                continue
-            n += 1
-            yield parse_line(path, lineno, line)
-        if n == 0:
-            yield RawRecord(path, 1, "", None, EMPTY_FILE)
+        for lineno, line in _jsonl_lines(f):
+            yield (
+                parse_line(path, lineno, line)
+                if line is not None
+                else RawRecord(path, 1, "", None, EMPTY_FILE)
+            )
 
 
 def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional[bytes]]]]:
@@ -205,14 +214,7 @@ def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional
             for rec in _read_json_array(path, f.read()):
                 yield rec if rec.error is not None else (path, rec.line, rec.raw.encode("utf-8"))
             return
-        n = 0
-        for lineno, line in enumerate(f, start=1):
-            if is_blank(lineno, line):
-                continue
-            n += 1
-            yield (path, lineno, line)
-        if n == 0:
-            yield (path, 1, None)
+        yield from ((path, lineno, line) for lineno, line in _jsonl_lines(f))
 
 
 def read_values(path: str) -> List[Any]:

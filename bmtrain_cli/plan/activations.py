@@ -126,7 +126,7 @@ def layer_activations(
     """Per layer, first to last: (bytes kept after the forward of one micro-batch, working set of its
     backward). Recompute applies to the first ``recompute_layers`` layers (all when None); a recomputed
     layer's backward first rebuilds what it did not keep."""
-    tokens = layout.micro_batch * w.seq_len
+    tokens = w.micro_sequences(layout) * w.seq_len
     e = act_bytes(w)
     n_rec = (
         0
@@ -165,16 +165,38 @@ def layer_activations(
     return out
 
 
+def no_grad_forward_bytes(w: Workload, device: Device, layout: Layout) -> int:
+    """The most a forward without gradients (stage dpo's reference) holds at once inside one layer: the
+    layer input with q, k, v and, for a score-keeping kernel, the scores beside their softmax [b, heads, s, s];
+    or in the MLP, its input, gate, up, the activation and the product."""
+    a = w.arch
+    tokens = w.micro_sequences(layout) * w.seq_len
+    heads = a.num_attention_heads / layout.tp
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim / layout.tp
+    scores = 2 * heads * w.seq_len if _keeps_scores(attention_kernel(w, device, layout), device) else heads
+    attention = a.hidden_size + qkv + scores
+    mlp = a.hidden_size + 4 * a.intermediate_size / layout.tp
+    return int(max(attention, mlp) * tokens * act_bytes(w))
+
+
 def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) -> Tuple[int, int]:
     """(bytes kept for the loss's backward, transient peak while computing it) on the last stage."""
     if not last_stage:
         return 0, 0
     a = w.arch
-    n = layout.micro_batch * (w.seq_len - 1)
+    seqs = w.micro_sequences(layout)
+    n = seqs * (w.seq_len - 1)
     h, vocab = a.hidden_size, a.vocab_size // layout.tp
     e = act_bytes(w)
     head_elems = h * vocab
-    final = h * layout.micro_batch * w.seq_len * e  # final norm input
+    final = h * seqs * w.seq_len * e  # final norm input
+    if w.stage == "dpo":
+        # the pair loss (preference/logps.py) takes the response positions' hidden states (gathered), their
+        # logits, an fp32 copy and the cross-entropy's fp32 softmax; counted as if every position were a
+        # response token (an upper bound). Transient: the logits and the fp32 copy before the softmax
+        # replaces them, then the logits' gradient in both dtypes.
+        logits = n * vocab
+        return int(final + n * h * e + logits * 4), int(logits * (e + 4))
     if layout.tp == 1 and w.kernels != "reference":
         # fused linear + cross-entropy in chunks: keeps d(hidden) and d(weight) (fp32 accumulators);
         # transient: a contiguous copy of the hidden states, a chunk's logits and their gradient, and

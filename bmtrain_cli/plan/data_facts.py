@@ -85,7 +85,12 @@ def _longest(config: Any, tokenizer: Any, data: Any, tmp: Optional[str]) -> tupl
     with contextlib.ExitStack() as stack:
         out_dir = tmp or stack.enter_context(tempfile.TemporaryDirectory(prefix="bmtrain-plan-"))
         try:
-            loader = build_loader(config, tokenizer, split="train", data_path=data, output_dir=out_dir)
+            if config.train.stage == "dpo":  # preference pairs: the longest sequence of a pair
+                from bmtrain_cli.preference.loader import build_preference_loader
+
+                loader: Any = build_preference_loader(config, tokenizer, data_path=data, output_dir=out_dir)
+            else:
+                loader = build_loader(config, tokenizer, split="train", data_path=data, output_dir=out_dir)
         except (UserError, OSError, ValueError) as exc:
             return None, f"the data could not be read ({str(exc).splitlines()[0] if str(exc) else exc})"
     return loader.longest, ""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from bmtrain_cli.models.arch import (
     ModelArch,
@@ -38,6 +38,7 @@ from bmtrain_cli.plan.activations import (
     layer_params,
     lora_layer_params,
     loss_bytes,
+    no_grad_forward_bytes,
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
@@ -49,6 +50,7 @@ from bmtrain_cli.plan.workload import (
     MemoryEstimate,
     Workload,
 )
+from bmtrain_cli.preference.reference_kind import ADAPTERS_OFF, FROZEN_COPY, PRECOMPUTED
 
 # ----------------------------------------------------------------------------------------------
 # the estimate
@@ -139,13 +141,16 @@ def _stage_estimate(  # noqa: C901
     per_layer = per_mode[layout.recompute]
     acts = by_mode[layout.recompute]
     work = max((wk for _, wk in per_layer), default=0)  # the largest backward working set of a layer
-    tokens = layout.micro_batch * w.seq_len
+    tokens = w.micro_sequences(layout) * w.seq_len
     e = act_bytes(w)
     if attention_kernel(w, device, layout) in ("sdpa_mask", "eager"):
-        acts += layout.micro_batch * w.seq_len * w.seq_len * e  # the additive mask [b, 1, s, s]
+        acts += tokens * w.seq_len * e  # the additive mask [b, 1, s, s]
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)
     loss_kept, loss_transient = loss_bytes(w, device, layout, last)
+    reference, ref_forward = _reference_bytes(
+        w, stage_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
+    )
 
     # --- communication buffers
     comm = 0
@@ -163,8 +168,10 @@ def _stage_estimate(  # noqa: C901
     # layers backwards); with accumulation they are there from the second micro-batch on.
     accum = max(1, w.global_batch // (layout.micro_batch * layout.data_ranks))
     held_grads = grads if (accum > 1 or pp > 1) else 0
-    static = params + opt + master + comm + held_grads
-    loss_phase = acts + loss_kept + loss_transient
+    static = params + reference + opt + master + comm + held_grads
+    # the reference's forward (no gradients) runs after the policy's, whose activations and loss tensors
+    # are still held
+    loss_phase = acts + loss_kept + max(loss_transient, ref_forward)
     growing = grads - held_grads
     head_grad = min(growing, emb * pbytes if last and w.finetuning != "lora" else 0)
     layer_grad = (growing - head_grad) / max(1, layers + (1 if first else 0))
@@ -182,14 +189,20 @@ def _stage_estimate(  # noqa: C901
         step += largest * 4  # a gradient copy on its way to the host
     transient = max(loss_transient, work, 2 * largest * 4)
     alloc_peak = static + max(loss_phase, early_bwd, late_bwd, step)
-
+    if w.reference == PRECOMPUTED and w.finetuning != "lora":
+        # the pass before training holds the policy's weights, the copy and a no-gradient forward: less
+        # than a training step, whose gradients are as large as the copy (sharding stage 1 at most for dpo)
+        notes.append(
+            f"reference log-probs precomputed: the frozen copy ({format_bytes(stage_params * pbytes)}) is "
+            "dropped before the first step"
+        )
     if cpu:
         # checkpoint save (the final one at least): weights and optimizer states are copied to numpy
         # while the model and the optimizer still hold theirs. Paddle's CPU Tensor.numpy() allocates the
         # copy through Paddle's host allocator, so it is part of the measured peak.
         alloc_peak += host  # offloaded states are host memory: on a CPU the same memory as the rest
         states = opt + master + host
-        save = params + states + comm + max(states, 2 * trainable * 4)
+        save = params + reference + states + comm + max(states, 2 * trainable * 4)
         if save > alloc_peak:
             notes.append("the peak is the checkpoint save (host copies of weights and optimizer states)")
         peak = max(alloc_peak, save)
@@ -204,6 +217,7 @@ def _stage_estimate(  # noqa: C901
         layout=layout,
         stage_index=idx,
         parameters=int(params),
+        reference_weights=reference,  # an exact size (weights x bytes), no estimate
         gradients=int(grads),
         optimizer_states=int(opt),
         master_weights=int(master),
@@ -223,6 +237,17 @@ def _stage_estimate(  # noqa: C901
         ),
         notes=notes,
     )
+
+
+def _reference_bytes(w: Workload, weights: int, forward: int) -> Tuple[int, int]:
+    """Stage dpo's reference during training (preference/reference.py): (weights held, transient of its
+    no-gradient ``forward`` in a step). A precomputed reference is not there; a reference-free loss has
+    none."""
+    if w.reference == FROZEN_COPY:
+        return weights, forward
+    if w.reference == ADAPTERS_OFF:
+        return 0, forward
+    return 0, 0
 
 
 def estimate(
@@ -297,8 +322,9 @@ def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:
 
 
 def weights_exceed_device(est: MemoryEstimate) -> bool:
-    """The weights alone (not an estimate: their exact size) are larger than the device's memory."""
-    return est.parameters > est.device.memory_bytes
+    """The weights alone (not an estimate: their exact size; with stage dpo's frozen reference copy) are
+    larger than the device's memory."""
+    return est.parameters + est.reference_weights > est.device.memory_bytes
 
 
 def check_weights_fit(est: Optional[MemoryEstimate]) -> None:
@@ -308,7 +334,9 @@ def check_weights_fit(est: Optional[MemoryEstimate]) -> None:
 
     if est is not None and weights_exceed_device(est):
         raise UserError(
-            f"the model's weights alone need {format_bytes(est.parameters)} per device, more than the "
+            f"the model's weights alone need {format_bytes(est.parameters + est.reference_weights)} per device"
+            + (" (with the frozen reference copy of stage dpo)" if est.reference_weights else "")
+            + ", more than the "
             f"{format_bytes(est.device.memory_bytes)} of {est.device.name} (the memory plan estimates "
             f"{format_bytes(est.required)} in all); use a smaller model or more devices "
             "(`bmtrain plan --config ... --search`)"

@@ -11,6 +11,7 @@ from bmtrain_cli.models.arch import (
     lora_targets,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
+from bmtrain_cli.preference.reference_kind import NO_REFERENCE, reference_kind
 
 # --- CPU: the process around the tensors (Python, Paddle's libraries and thread pools; ~0.4 GiB resident
 # on Paddle 3.3.1), counted by the fit check only. See docs/plan.md "What is measured".
@@ -97,7 +98,18 @@ class Workload:
     attention: str = "auto"
     kernels: str = "auto"
     packed: bool = False  # batching: packed (segment ids reach the attention; else no mask at all)
+    stage: str = "sft"  # sft | dpo (a sample is a preference pair: two sequences)
+    reference: str = NO_REFERENCE  # dpo's reference model (preference/reference_kind.py)
     note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
+
+    @property
+    def sequences_per_sample(self) -> int:
+        """Sequences per micro-batch sample: 2 for stage dpo, whose micro_batch_size counts pairs."""
+        return 2 if self.stage == "dpo" else 1
+
+    def micro_sequences(self, layout: Layout) -> int:
+        """Sequences in one micro-batch (what sizes the activations and the loss)."""
+        return layout.micro_batch * self.sequences_per_sample
 
     @classmethod
     def from_config(
@@ -140,6 +152,8 @@ class Workload:
             attention=m.attention_implementation,
             kernels=m.kernels,
             packed=t.batching == "packed",
+            stage=t.stage,
+            reference=reference_kind(t),
             note=facts.note,
         )
 
@@ -152,6 +166,7 @@ class MemoryEstimate:
     layout: Layout
     stage_index: int
     parameters: int
+    reference_weights: int  # stage dpo's frozen copy of the starting weights (0 without one)
     gradients: int
     optimizer_states: int
     master_weights: int
@@ -190,6 +205,11 @@ class MemoryEstimate:
             f"per-device memory on {self.device.name}{where}: {lay.describe()}",
             f"  parameters       {f(self.parameters):>12}   "
             f"({self.trainable_parameters:,} trainable of {self.total_parameters:,})",
+            *(
+                [f"  reference copy   {f(self.reference_weights):>12}   (frozen starting weights, stage dpo)"]
+                if self.reference_weights
+                else []
+            ),
             f"  gradients        {f(self.gradients):>12}",
             f"  optimizer states {f(self.optimizer_states):>12}{opt_where}",
             f"  master weights   {f(self.master_weights):>12}{opt_where}",

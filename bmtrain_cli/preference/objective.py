@@ -16,8 +16,9 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.preference.logps import model_inputs, sequence_logps
-from bmtrain_cli.preference.losses import REFERENCE_FREE, pair_terms
+from bmtrain_cli.preference.losses import PairLogps, pair_terms
 from bmtrain_cli.preference.reference import Reference
+from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 from bmtrain_cli.train.metrics import PREFERENCE_KEYS
 
 METRIC_KEYS = PREFERENCE_KEYS  # order of the metric sums after the pair count
@@ -77,14 +78,10 @@ class PreferenceObjective:
         pair = logps.reshape([-1, 2])
         ref = paddle.zeros_like(pair) if ref is None else ref.reshape([-1, 2])
         tokens = paddle.to_tensor(counts.reshape(-1, 2))
+        logps_in = PairLogps(pair[:, 0], pair[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
         terms = pair_terms(
             self.kind,
-            pair[:, 0],
-            pair[:, 1],
-            ref[:, 0],
-            ref[:, 1],
-            tokens[:, 0],
-            tokens[:, 1],
+            logps_in,
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             simpo_gamma=self.gamma,

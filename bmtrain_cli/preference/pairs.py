@@ -10,27 +10,24 @@ are rendered with the same template as SFT data, so pair k of a file is stored a
 from __future__ import annotations
 
 import hashlib
-import json
-import time
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from bmtrain_cli.data.cache import (
     CACHE_VERSION,
+    Rejections,
     TokenStore,
-    _file_lock,
-    _load,
+    cached_store,
     default_cache_root,
     file_hash,
+    finish_store,
     template_id,
 )
 from bmtrain_cli.data.encode import Encoder
-from bmtrain_cli.data.formats import BadRecord, Conversation, _parse_chat
+from bmtrain_cli.data.formats import BadRecord, Conversation, parse_chat
 from bmtrain_cli.data.readers import read_records
-
-MAX_REJECTED_KEPT = 100_000
 
 
 def _response(record: dict, key: str) -> str:
@@ -63,7 +60,7 @@ def _prompt_turns(record: dict) -> Tuple[Tuple[Tuple[str, str], ...], Optional[s
     if not isinstance(last, dict) or last.get("role", last.get("from")) not in ("user", "human"):
         raise BadRecord("the prompt's messages must end with a user turn")
     # parsed with SFT's chat rules; a placeholder answer completes the last turn
-    conv = _parse_chat({"messages": [*prompt, {"role": "assistant", "content": "x"}]})
+    conv = parse_chat({"messages": [*prompt, {"role": "assistant", "content": "x"}]})
     turns = conv.messages[:-1]
     if system is not None and conv.system is not None:
         raise BadRecord('give the system prompt once: in "system" or as the first message')
@@ -96,51 +93,29 @@ def pair_cache_key(path: str, encoder: Encoder) -> str:
 
 def _tokenize_pairs(path: str, encoder: Encoder, sink: Path) -> None:
     """Every record of ``path`` into sink (tokens.bin, mask.bin, offsets.npy, lines.npy, meta.json last)."""
-    rejected: List[dict] = []
+    rejections = Rejections(path)
     offsets, lines = [0], []
-    n_records = n_rejected = 0
-
-    def reject(line: int, reason: str, raw: str) -> None:
-        nonlocal n_rejected
-        n_rejected += 1
-        if len(rejected) < MAX_REJECTED_KEPT:
-            rejected.append({"file": path, "line": line, "reason": reason, "record": raw})
-
+    n_records = 0
     with open(sink / "tokens.bin", "wb") as ftok, open(sink / "mask.bin", "wb") as fmask:
         for rec in read_records(path):
             n_records += 1
             if rec.error is not None:
-                reject(rec.line, rec.error, rec.raw)
+                rejections.add(rec.line, rec.error, rec.raw)
                 continue
             try:
                 encoded = encoder.encode_many(list(parse_pair(rec.value)))
             except BadRecord as exc:
-                reject(rec.line, str(exc), rec.raw)
+                rejections.add(rec.line, str(exc), rec.raw)
                 continue
             if not all(any(mask) for _, mask in encoded):
-                reject(rec.line, "no trained token in a response", rec.raw)
+                rejections.add(rec.line, "no trained token in a response", rec.raw)
                 continue
             for ids, mask in encoded:
                 ftok.write(np.asarray(ids, dtype=np.int32).tobytes())
                 fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
                 offsets.append(offsets[-1] + len(ids))
                 lines.append(rec.line)
-    np.save(sink / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-    np.save(sink / "lines.npy", np.asarray(lines, dtype=np.int64))
-    meta = {
-        "version": CACHE_VERSION,
-        "kind": "preference",
-        "file": str(Path(path).resolve()),
-        "records": n_records,
-        "samples": len(lines),
-        "tokens": offsets[-1],
-        "rejected_count": n_rejected,
-        "rejected": rejected,
-        "created": time.time(),
-    }
-    tmp = sink / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
-    tmp.replace(sink / "meta.json")
+    finish_store(sink, offsets, lines, n_records, rejections, kind="preference")
 
 
 def open_or_build_pairs(
@@ -148,14 +123,5 @@ def open_or_build_pairs(
 ) -> TokenStore:
     """The pair store of ``path`` (samples 2k, 2k + 1 = chosen, rejected of pair k): cached or built now."""
     root = Path(cache_root) if cache_root else default_cache_root(path, output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"{Path(path).stem}-{pair_cache_key(path, encoder)}"
-    directory = root / name
-    if (directory / "meta.json").is_file():
-        return _load(directory, path, built=False)
-    with _file_lock(root / f"{name}.lock"):
-        if (directory / "meta.json").is_file():
-            return _load(directory, path, built=False)
-        directory.mkdir(parents=True, exist_ok=True)
-        _tokenize_pairs(path, encoder, directory)
-    return _load(directory, path, built=True)
+    return cached_store(path, root, name, lambda directory: _tokenize_pairs(path, encoder, directory))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 from bmtrain_cli.preference.loader import PreferenceLoader, build_preference_loader
-from bmtrain_cli.preference.losses import REFERENCE_FREE
 from bmtrain_cli.preference.objective import PreferenceObjective
 from bmtrain_cli.preference.reference import (
     AdaptersOff,
@@ -16,6 +15,7 @@ from bmtrain_cli.preference.reference import (
     precompute,
     precompute_key,
 )
+from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 
 
 def build_loaders(

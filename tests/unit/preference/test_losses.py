@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.preference.losses import log1mexp, pair_terms
+from bmtrain_cli.preference.losses import PairLogps, log1mexp, pair_terms
 
 FIXTURE = json.loads((Path(__file__).parents[2] / "fixtures" / "preference_parity.json").read_text())
 P = len(FIXTURE["lengths"]) // 2
@@ -26,7 +26,7 @@ def _inputs(fx: dict = FIXTURE):
 
 def _terms(kind: str, **kw):
     defaults = {"beta": FIXTURE["beta"], "simpo_gamma": FIXTURE["simpo_gamma"]}
-    return pair_terms(kind, *_inputs(), **{**defaults, **kw})
+    return pair_terms(kind, PairLogps(*_inputs()), **{**defaults, **kw})
 
 
 @pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
@@ -72,10 +72,10 @@ def test_losses_equal_the_papers_formulas_in_numpy():
     ac, ar = pc / nc, pr / nr  # ORPO eqs. 4-7: odds = p / (1 - p) of the mean token log-prob
     orpo = -beta * _log_sigmoid(np.log(np.exp(ac) / (1 - np.exp(ac))) - np.log(np.exp(ar) / (1 - np.exp(ar))))
     got = {
-        "sigmoid": pair_terms("sigmoid", *args, beta=beta, label_smoothing=eps).loss.numpy(),
-        "ipo": pair_terms("ipo", *args, beta=beta).loss.numpy(),
-        "simpo": pair_terms("simpo", *args, beta=beta, simpo_gamma=gamma).loss.numpy(),
-        "orpo": pair_terms("orpo", *args, beta=beta).loss.numpy(),
+        "sigmoid": pair_terms("sigmoid", PairLogps(*args), beta=beta, label_smoothing=eps).loss.numpy(),
+        "ipo": pair_terms("ipo", PairLogps(*args), beta=beta).loss.numpy(),
+        "simpo": pair_terms("simpo", PairLogps(*args), beta=beta, simpo_gamma=gamma).loss.numpy(),
+        "orpo": pair_terms("orpo", PairLogps(*args), beta=beta).loss.numpy(),
     }
     for kind, want in {"sigmoid": dpo, "ipo": ipo, "simpo": simpo, "orpo": orpo}.items():
         np.testing.assert_allclose(got[kind], want, rtol=1e-9, err_msg=kind)
@@ -85,10 +85,10 @@ def test_reference_free_losses_ignore_the_reference():
     a = _inputs()
     moved = [a[0], a[1], a[2] + 5.0, a[3] - 3.0, a[4], a[5]]
     for kind in ("simpo", "orpo"):
-        same = pair_terms(kind, *moved, beta=0.3).loss.numpy()
-        np.testing.assert_array_equal(pair_terms(kind, *a, beta=0.3).loss.numpy(), same)
+        same = pair_terms(kind, PairLogps(*moved), beta=0.3).loss.numpy()
+        np.testing.assert_array_equal(pair_terms(kind, PairLogps(*a), beta=0.3).loss.numpy(), same)
     assert not np.allclose(
-        pair_terms("sigmoid", *moved, beta=0.3).loss.numpy(), _terms("sigmoid").loss.numpy()
+        pair_terms("sigmoid", PairLogps(*moved), beta=0.3).loss.numpy(), _terms("sigmoid").loss.numpy()
     )
 
 

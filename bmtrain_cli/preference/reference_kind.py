@@ -1,0 +1,23 @@
+"""Which reference a run compares against, from its train_config alone (no Paddle: the config checks, the
+setup and the memory plan read it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+REFERENCE_FREE = ("simpo", "orpo")
+
+# what a run's reference is (docs/preference.md "The reference"; docs/plan.md counts each)
+NO_REFERENCE = "none"  # stage sft, or a reference-free loss
+FROZEN_COPY = "frozen_copy"  # full fine-tuning: a second copy of the starting weights, never trained
+ADAPTERS_OFF = "adapters_off"  # LoRA: the policy with its adapters switched off (no second copy)
+PRECOMPUTED = "precomputed"  # numbers computed once before training; the model used for them is dropped
+
+
+def reference_kind(train: Any) -> str:
+    """The reference of a train_config (``stage``, ``dpo_loss``, ``finetuning``, ``precompute_ref_log_probs``)."""
+    if train.stage != "dpo" or train.dpo_loss in REFERENCE_FREE:
+        return NO_REFERENCE
+    if train.precompute_ref_log_probs:
+        return PRECOMPUTED
+    return ADAPTERS_OFF if train.finetuning == "lora" else FROZEN_COPY

@@ -8,13 +8,12 @@
 #include <vector>
 
 #include "bmt_kernels.h"
+#include "parallel.h"
 
 namespace {
 
 constexpr int64_t kChunk = 1 << 16;
-// Below this many elements in all the pass runs on one thread (memory-bound; see adamw_cpu.cc for why an
-// OpenMP region is not free on a shared machine).
-constexpr int64_t kParallelMin = 1 << 22;
+using bmt::kParallelMin;  // parallel.h: one thread below it (counted over all the tensors)
 
 template <typename T>
 double sum_squares(const void* const* ptrs, const int64_t* sizes, int64_t count) {

@@ -78,9 +78,7 @@ def PipelineParallel(
     spec_of(model).loss_fn = loss_fn
     if stages == 1:
         return model
-    import paddle.distributed as dist
     from paddle.distributed import fleet
-    from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
     from bmtrain_cli.parallel import pipeline
 
@@ -89,21 +87,10 @@ def PipelineParallel(
         costs = [1.0 if has_parameters(item) else 0.0 for item in items]
     elif partition == "parameters":
         costs = pipeline.item_parameter_counts(items)
-    else:  # every rank measures (tensor-parallel layers talk to their group), rank 0's numbers are used
-        box = [pipeline.measure_item_costs(items, to_tensor(sample_input))]
-        dist.broadcast_object_list(box, src=0)
-        costs = box[0]
-    bounds = pipeline.partition(costs, stages)
-    ctx.pipeline_info = {
-        "method": partition,
-        "boundaries": bounds,
-        "stage_costs": pipeline.stage_costs(costs, bounds),
-        "imbalance": pipeline.imbalance(costs, bounds),
-    }
+    else:
+        costs = pipeline.measured_costs(items, to_tensor(sample_input))
     loss = PipelineLoss(loss_fn)
-    layer = PipelineLayer(
-        layers=items, num_stages=stages, topology=ctx.hcg.topology(), loss_fn=loss, seg_method=bounds
-    )
+    layer = pipeline.cut_into_stages(items, costs, ctx, loss, partition)
     # fleet's pipeline reads the micro-batch count when it is built (its schedule and hooks are sized by
     # it); the micro-batch size follows each step's batch (train_step)
     fleet.fleet._user_defined_strategy.pipeline_configs = {

@@ -244,6 +244,45 @@ def stage_layers(bounds: Sequence[int], decoder_layers: int) -> List[List[int]]:
     ]
 
 
+def measured_costs(items: Sequence[Any], sample: Any) -> List[float]:
+    """``measured`` partition costs: every rank times the items (tensor-parallel layers talk to their
+    group), rank 0's numbers are used by all."""
+    import paddle.distributed as dist
+
+    box = [measure_item_costs(items, sample)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cut_into_stages(
+    descs: Sequence[Any],
+    costs: Sequence[float],
+    ctx: ParallelCtx,
+    loss_fn: Any,
+    method: str,
+    bounds: Optional[Sequence[int]] = None,
+) -> Any:
+    """The one place a model becomes pipeline stages, for `bmtrain train` and the API's PipelineParallel:
+    boundaries by ``partition(costs)`` (or ``bounds``), recorded in ``ctx.pipeline_info``, and fleet's
+    PipelineLayer holding this rank's stage."""
+    from paddle.distributed.fleet.meta_parallel import PipelineLayer
+
+    bounds = [int(b) for b in bounds] if bounds is not None else partition(costs, ctx.pp_degree)
+    ctx.pipeline_info = {
+        "method": method,
+        "boundaries": bounds,
+        "stage_costs": stage_costs(costs, bounds),
+        "imbalance": imbalance(costs, bounds),
+    }
+    return PipelineLayer(
+        layers=list(descs),
+        num_stages=ctx.pp_degree,
+        topology=ctx.hcg.topology(),
+        loss_fn=loss_fn,
+        seg_method=bounds,
+    )
+
+
 def to_pipeline_layer(
     model: Any,
     ctx: ParallelCtx,
@@ -253,9 +292,6 @@ def to_pipeline_layer(
     """Cut a built CausalLM into this rank's pipeline stage (fleet PipelineLayer). ``costs`` (one per
     item, the same on every rank): cut by them instead of by pipeline_partition (a rebalance);
     ``bounds``: cut there (a resume continuing a rebalanced cut; ignored unless it fits this model)."""
-    import paddle.distributed as dist
-    from paddle.distributed.fleet.meta_parallel import PipelineLayer
-
     config = ctx.config
     method = config.parallel.pipeline_partition if config is not None else "uniform"
     items = _build_items(model)
@@ -268,26 +304,17 @@ def to_pipeline_layer(
     elif method == "parameters":
         costs = item_parameter_counts(items.layers)
     else:
-        costs = None
-        if ctx.rank == 0:
-            seq = min(128, config.model.max_seq_len if config is not None else 128)
-            sample = decoder_sample(1, seq, model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree)
-            costs = measure_item_costs(items.layers, sample)
-        box = [costs]
-        dist.broadcast_object_list(box, src=0)
-        costs = box[0]
+        seq = min(128, config.model.max_seq_len if config is not None else 128)
+        vocab = model.arch.vocab_size // ctx.tp_degree * ctx.tp_degree
+        costs = measured_costs(items.layers, decoder_sample(1, seq, vocab))
     if bounds is not None and len(bounds) == ctx.pp_degree + 1 and bounds[-1] == len(items.layers):
-        method, bounds = f"{method}, the checkpoint's cut", [int(b) for b in bounds]
+        method = f"{method}, the checkpoint's cut"
     else:
-        bounds = partition(costs, ctx.pp_degree)
-    info = {
-        "method": method,
-        "boundaries": bounds,
-        "stage_costs": stage_costs(costs, bounds),
-        "imbalance": imbalance(costs, bounds),
-        "stage_layers": stage_layers(bounds, layers),
-    }
-    ctx.pipeline_info = info
+        bounds = None
+    loss_fn = _PipelineLoss(ctx)
+    pipe = cut_into_stages(items.descs, costs, ctx, loss_fn, method, bounds)
+    info = ctx.pipeline_info
+    info["stage_layers"] = stage_layers(info["boundaries"], layers)
     if ctx.rank == 0:
         print(
             f"pipeline partition ({method}): decoder layers per stage {info['stage_layers']}, "
@@ -295,14 +322,6 @@ def to_pipeline_layer(
             "(max stage / mean)",
             flush=True,
         )
-    loss_fn = _PipelineLoss(ctx)
-    pipe = PipelineLayer(
-        layers=items.descs,
-        num_stages=ctx.pp_degree,
-        topology=ctx.hcg.topology(),
-        loss_fn=loss_fn,
-        seg_method=bounds,
-    )
     _mark_shared_copies(pipe)
     object.__setattr__(pipe, "_bmtrain_loss", loss_fn)
     full_names = {n: items.names[id(p)] for n, p in pipe.named_parameters() if id(p) in items.names}

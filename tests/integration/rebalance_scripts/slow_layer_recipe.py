@@ -16,7 +16,7 @@ from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.train.run import load_recipe
 from bmtrain_cli.train.setup import setup
 
-SLOW_SECONDS = 0.1
+SLOW_SECONDS = 0.25  # well above a layer's forward even on a loaded machine
 SLOW_FIRST, SLOW_AFTER, SWITCH_STEP = 5, 0, 4
 
 base = load_recipe("train")  # recipes/train.py: its loop, unchanged

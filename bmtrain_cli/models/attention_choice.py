@@ -58,12 +58,13 @@ def choose_kernel(
         return "sdpa_mask", "static graph of unknown length: Paddle's sdpa with a mask from the segment ids"
     if on_gpu and half:
         return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
-    if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
-        if kind == "causal":
-            return "sdpa_causal", f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster"
-        return "sdpa_mask", f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax with a segment mask"
-    where = "GPU fp32" if on_gpu else "CPU"
     rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
+    if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
+        short = f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"
+        if kind == "causal":
+            return "sdpa_causal", f"{short}; right-padded rows need no mask"
+        return "sdpa_mask", f"{short}; segment ids become an additive [b, 1, s, s] mask"
+    where = "GPU fp32" if on_gpu else "CPU"
     return "blocked", f"{where}: exact blocked attention, memory linear in the sequence length; {rows}"
 
 

@@ -60,7 +60,9 @@ def choose_kernel(
         return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
     rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
     if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
-        short = f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"
+        short = (
+            f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"
+        )
         if kind == "causal":
             return "sdpa_causal", f"{short}; right-padded rows need no mask"
         return "sdpa_mask", f"{short}; segment ids become an additive [b, 1, s, s] mask"

@@ -18,7 +18,7 @@ What :func:`attend` receives as ``mask`` decides the kernel (``models.attention_
 Kernels: ``flash`` (Paddle's flash_attention, GPU fp16/bf16, causal), ``flash_varlen``
 (flash_attn_unpadded over cu_seqlens, GPU fp16/bf16, segment ids), ``blocked`` (exact attention one
 query block at a time with a custom backward: the softmax is never kept, so memory grows linearly with
-the sequence; every device and dtype, used on CPU and for fp32), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
+the sequence; every device and dtype, used for fp32 and, above ``DENSE_MAX_SEQ`` tokens, on CPU), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
 scaled_dot_product_attention without / with an additive mask) and ``eager`` (matmul + softmax in fp32).
 K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, sdpa and
 blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
@@ -279,7 +279,8 @@ def attend(
     if kind == "causal" and q.shape[1] != k.shape[1]:
         mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
     half = q.dtype in (paddle.float16, paddle.bfloat16)
-    kernel, _ = choose_kernel(kind, implementation, half, _on_gpu(), not paddle.in_dynamic_mode())
+    static = not paddle.in_dynamic_mode()
+    kernel, _ = choose_kernel(kind, implementation, half, _on_gpu(), static, None if static else k.shape[1])
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "flash":
         from paddle.nn.functional.flash_attention import flash_attention

@@ -8,7 +8,7 @@ ALiBi).
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
 KERNELS = ("flash", "flash_varlen", "blocked", "sdpa_causal", "sdpa_mask", "eager")
@@ -16,13 +16,26 @@ KERNELS = ("flash", "flash_varlen", "blocked", "sdpa_causal", "sdpa_mask", "eage
 LINEAR_KERNELS = ("flash", "flash_varlen", "blocked")
 # Queries per block of the blocked kernel: its transient score blocks are [b, heads, BLOCK, s].
 ATTENTION_BLOCK = 128
+# On a CPU in fp32, sequences up to this length run Paddle's sdpa (one matmul + softmax, keeping the
+# [b, heads, s, s] probabilities) instead of the blocked kernel. Measured forward + backward of the core,
+# 4096 tokens per call (benchmarks/bench_attention_core.py, 2 threads), sdpa's speed-up over blocked:
+# heads 4/4: 1.93x / 1.78x / 1.23x at 128 / 256 / 512 tokens; heads 9/3 (grouped): 1.28x / 1.12x / 0.94x.
+# Above it the blocked kernel keeps its memory linear in the sequence length.
+DENSE_MAX_SEQ = 256
 
 
 def choose_kernel(
-    kind: str, implementation: str, half: bool, on_gpu: bool, static: bool = False
+    kind: str,
+    implementation: str,
+    half: bool,
+    on_gpu: bool,
+    static: bool = False,
+    seq_len: Optional[int] = None,
 ) -> Tuple[str, str]:
     """(kernel, why) for a mask kind, the configured ``attention_implementation``, the compute dtype
-    (half: fp16/bf16), the device and whether a static graph with unknown sizes is being built."""
+    (half: fp16/bf16), the device, whether a static graph with unknown sizes is being built, and the
+    sequence length (None: unknown, taken as long). The model passes the length of the batch it attends
+    over and the memory planner the configured ``max_seq_len``, the longest a batch gets."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})"
@@ -45,8 +58,15 @@ def choose_kernel(
         return "sdpa_mask", "static graph of unknown length: Paddle's sdpa with a mask from the segment ids"
     if on_gpu and half:
         return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
-    where = "GPU fp32" if on_gpu else "CPU"
     rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
+    if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
+        short = (
+            f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"
+        )
+        if kind == "causal":
+            return "sdpa_causal", f"{short}; right-padded rows need no mask"
+        return "sdpa_mask", f"{short}; segment ids become an additive [b, 1, s, s] mask"
+    where = "GPU fp32" if on_gpu else "CPU"
     return "blocked", f"{where}: exact blocked attention, memory linear in the sequence length; {rows}"
 
 

@@ -35,9 +35,16 @@ def _kernels_dir() -> Path:
 
 
 KERNELS_DIR = _kernels_dir()
-CPU_SOURCES = ["cpu/fused_cpu.cc", "cpu/adamw_cpu.cc", "paddle/fused_ops.cc", "paddle/adamw_op.cc"]
+CPU_SOURCES = [
+    "cpu/fused_cpu.cc",
+    "cpu/adamw_cpu.cc",
+    "cpu/grad_norm_cpu.cc",
+    "paddle/fused_ops.cc",
+    "paddle/adamw_op.cc",
+    "paddle/grad_norm_op.cc",
+]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
-HEADERS = ["include/bmt_kernels.h"]
+HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h"]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LD_FLAGS = ["-fopenmp"]
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]

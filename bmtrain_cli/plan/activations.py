@@ -52,7 +52,8 @@ def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
     matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
     kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
     gpu = device.kind != "cpu"
-    return choose_kernel(kind, w.attention, gpu and w.precision in ("bf16", "fp16"), gpu)[0]
+    half = w.precision in ("bf16", "fp16")
+    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len)[0]
 
 
 def _keeps_scores(kernel: str, device: Device) -> bool:

@@ -83,12 +83,21 @@ def grads_of(params: Sequence[paddle.Tensor]) -> List[paddle.Tensor]:
 
 def grad_norm_tensor(params: Sequence[paddle.Tensor]) -> Optional[paddle.Tensor]:
     """sqrt(sum of squared gradients) as a 0-d fp32 tensor on the device (no host sync); None when no
-    parameter has a gradient. inf/nan when any gradient is non-finite."""
+    parameter has a gradient. inf/nan when any gradient is non-finite. CPU float32/float64 gradients go
+    through one pass of our C++ kernel (ops/grad_norm.py: no squared copies, one OpenMP region; accumulated
+    in double), the others (GPU, half precision, no compiler) through Paddle's square + sum in fp32."""
     grads = grads_of(params)
     if not grads:
         return None
+    from bmtrain_cli.ops.grad_norm import kernel_available, sum_squares
+
     with paddle.no_grad():
-        squares = [
+        squares = []
+        if kernel_available():
+            total, grads = sum_squares(grads)
+            if total is not None:
+                squares.append(total)
+        squares += [
             paddle.sum(paddle.square(g if g.dtype == paddle.float32 else g.astype("float32"))) for g in grads
         ]
         total = paddle.add_n(squares) if len(squares) > 1 else squares[0]

@@ -66,7 +66,9 @@ def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
     pipeline = parts.ctx.pp_degree > 1
     kind = training_mask_kind(arch, m.max_seq_len, t.batching == "packed", pipeline)
     precision = parts.optim.precision
-    kernel, why = choose_kernel(kind, m.attention_implementation, precision.enabled, rt.has_gpu)
+    kernel, why = choose_kernel(
+        kind, m.attention_implementation, precision.enabled, rt.has_gpu, seq_len=m.max_seq_len
+    )
     return [first, parts.data.report["line"], f"attention: {kernel} ({why})"]
 
 

@@ -8,13 +8,11 @@
 #include <cstdint>
 
 #include "bmt_kernels.h"
+#include "parallel.h"
 
 namespace {
 
-// Below this many elements the update runs on one thread. It is memory-bound: one thread moved 28M
-// elements in 20 ms on the 2-core development machine, and each OpenMP region of a shared, busy machine
-// can wait a scheduler time slice (~20 ms measured on 256x256 weights) for its second thread.
-constexpr int64_t kParallelMin = 1 << 22;
+using bmt::kParallelMin;  // parallel.h: one thread below it
 
 template <typename T>
 void adamw(T* p, const T* g, T* m, T* v, int64_t n, T decay, T beta1, T beta2, T step, T eps_hat) {

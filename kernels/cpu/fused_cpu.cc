@@ -14,12 +14,12 @@
 #endif
 
 #include "bmt_kernels.h"
+#include "parallel.h"
 
 namespace {
 
 constexpr int64_t kBlock = 4096;
-// Below this many elements a kernel runs on one thread: waking the team costs more than it saves.
-constexpr int64_t kParallelMin = 1 << 15;
+using bmt::kParallelMin;  // parallel.h: one thread below it
 
 inline int num_threads() {
 #ifdef _OPENMP

@@ -15,6 +15,8 @@
 //   adamw:      param, grad, moment1, moment2 [n], updated in place (kernels/cpu/adamw_cpu.cc):
 //               m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p = p * decay - step * m / (sqrt(v) + eps_hat)
 //               with decay = 1 - lr wd, step = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+//   sum_squares: count tensors ptrs[t] of sizes[t] elements, one dtype; *out = sum of every x^2 (in double)
+//               (kernels/cpu/grad_norm_cpu.cc: the global gradient norm)
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -45,6 +47,7 @@ int bmt_cpu_softmax_xent(int dtype, const void* logits, const int64_t* labels, v
                          int64_t rows, int64_t vocab, int64_t ignore_index);
 int bmt_cpu_adamw(int dtype, void* param, const void* grad, void* moment1, void* moment2, int64_t n, double decay,
                   double beta1, double beta2, double step, double eps_hat);
+int bmt_cpu_sum_squares(int dtype, const void* const* ptrs, const int64_t* sizes, int64_t count, double* out);
 
 /* ---- CUDA (kernels/cuda/fused_cuda.cu): dtypes BMT_F32, BMT_F16, BMT_BF16 (softmax_xent: BMT_F32);
    stream is a cudaStream_t (NULL = default stream). Asynchronous: errors of the launch are returned,

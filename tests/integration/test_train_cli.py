@@ -94,10 +94,10 @@ def test_outputs_of_a_run(trained):
 
 
 def test_start_says_which_attention_kernel(trained):
-    """Right-padded batches on a CPU: the blocked kernel without a mask, and why."""
+    """Right-padded batches of 24 tokens on a CPU: matmul + softmax (short) without a mask, and why."""
     _, _, output = trained
     line = next(x for x in output.splitlines() if x.startswith("attention: "))
-    assert line.startswith("attention: blocked (CPU: exact blocked attention") and "need no mask" in line
+    assert line.startswith("attention: sdpa_causal (CPU, 24 <= 256 tokens") and "need no mask" in line
 
 
 def test_checkpoint_is_hf_loadable(trained):

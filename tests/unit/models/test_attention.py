@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.data.collate import collate
+from bmtrain_cli.models import attention as attention_module
 from bmtrain_cli.models import build
 from bmtrain_cli.models.attention import (
     attend,
@@ -20,7 +21,12 @@ from bmtrain_cli.models.attention import (
     eager_attention,
     repeat_kv,
 )
-from bmtrain_cli.models.attention_choice import LINEAR_KERNELS, choose_kernel, training_mask_kind
+from bmtrain_cli.models.attention_choice import (
+    DENSE_MAX_SEQ,
+    LINEAR_KERNELS,
+    choose_kernel,
+    training_mask_kind,
+)
 from bmtrain_cli.models.scoring import right_padded, to_tensors
 from tests.unit.models.tiny import TINY
 
@@ -138,6 +144,62 @@ def test_kernel_choice():
     )
     with pytest.raises(ValueError):
         choose_kernel("causal", "fast", False, False)
+
+
+def test_short_sequences_on_cpu_take_matmul_softmax_long_ones_the_blocked_kernel():
+    short, long = DENSE_MAX_SEQ, DENSE_MAX_SEQ + 1
+    assert choose_kernel("causal", "auto", False, False, seq_len=short)[0] == "sdpa_causal"
+    assert choose_kernel("segments", "auto", False, False, seq_len=short)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "auto", False, False, seq_len=long)[0] == "blocked"
+    assert choose_kernel("segments", "auto", False, False, seq_len=long)[0] == "blocked"
+    # measured on a CPU in fp32 only: half precision on a CPU and fp32 on a GPU keep the blocked kernel
+    assert choose_kernel("causal", "auto", True, False, seq_len=short)[0] == "blocked"
+    assert choose_kernel("causal", "auto", False, True, seq_len=short)[0] == "blocked"
+
+
+@pytest.mark.parametrize("layout", [None, "packed"], ids=["causal", "packed"])
+def test_attend_dispatches_by_length_and_both_paths_are_exact(layout, monkeypatch):
+    calls = []
+    real = attention_module.blocked_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "blocked_attention", counting)
+    for s in (37, DENSE_MAX_SEQ + 3):
+        q, k, v = _qkv(2, s, 4, 2, seed=s)
+        seg = None
+        if layout is not None:
+            seg = paddle.to_tensor(
+                np.repeat(np.arange(1, 4), -(-s // 3))[:s][None].repeat(2, 0), dtype="int64"
+            )
+        got = attend(q, k, v, seg, "auto", training=True)
+        ref = _reference(q, k, v, seg)
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), atol=2e-6)
+        up = paddle.to_tensor(np.random.default_rng(s).standard_normal(got.shape).astype("float32"))
+        g = paddle.grad((got * up).sum(), [q, k, v])
+        g_ref = paddle.grad((ref * up).sum(), [q, k, v])
+        for a, b in zip(g, g_ref):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    assert calls == [DENSE_MAX_SEQ + 3]  # only the long sequence went through the blocked kernel
+
+
+def test_memory_planner_plans_the_kernel_training_runs():
+    from bmtrain_cli.plan.activations import _keeps_scores, attention_kernel
+    from bmtrain_cli.plan.devices import get_device
+    from bmtrain_cli.plan.workload import Layout, Workload
+
+    cpu = get_device("cpu")
+    for seq, kernel in ((DENSE_MAX_SEQ, "sdpa_causal"), (4 * DENSE_MAX_SEQ, "blocked")):
+        w = Workload(arch=TINY, seq_len=seq, global_batch=2)
+        assert (
+            attention_kernel(w, cpu, Layout())
+            == kernel
+            == choose_kernel("causal", "auto", False, False, seq_len=seq)[0]
+        )
+        # the short one keeps its [b, heads, s, s] probabilities in the plan; the long one is linear
+        assert _keeps_scores(kernel, cpu) == (seq == DENSE_MAX_SEQ)
 
 
 def test_training_mask_kind():

@@ -40,8 +40,12 @@ def _grads(outs, inputs, upstream):
     return paddle.grad(outs, inputs, upstream, allow_unused=True)
 
 
+# THREADED: above kernels/cpu/parallel.h's kParallelMin (4Mi elements), so OpenMP's threaded path runs
+THREADED = (1025, 4097)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 33), (17, 4097), (2, 3, 64)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 33), (17, 4097), (2, 3, 64), THREADED])
 def test_rms_norm(ext, dtype, shape):
     rng = np.random.default_rng(1)
     x = _t(rng.standard_normal(shape).astype(dtype) * 3)
@@ -56,7 +60,14 @@ def test_rms_norm(ext, dtype, shape):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(
     "b,s,qh,kh,d,cos_b",
-    [(1, 1, 1, 1, 2, 1), (2, 5, 3, 1, 8, 2), (2, 7, 4, 2, 128, 1), (1, 33, 5, 5, 6, 1), (3, 4, 2, 2, 64, 3)],
+    [
+        (1, 1, 1, 1, 2, 1),
+        (2, 5, 3, 1, 8, 2),
+        (2, 7, 4, 2, 128, 1),
+        (1, 33, 5, 5, 6, 1),
+        (3, 4, 2, 2, 64, 3),
+        (1, 1025, 24, 8, 128, 1),  # threaded: 1025 x 32 heads x 128 > 4Mi elements
+    ],
 )
 def test_rotary(ext, dtype, b, s, qh, kh, d, cos_b):
     rng = np.random.default_rng(2)
@@ -87,7 +98,7 @@ def test_rotary_only_q_used(ext):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("shape", [(1,), (7, 33), (3, 5000), (2, 3, 4097)])
+@pytest.mark.parametrize("shape", [(1,), (7, 33), (3, 5000), (2, 3, 4097), THREADED])
 def test_swiglu(ext, dtype, shape):
     rng = np.random.default_rng(4)
     g = _t((rng.standard_normal(shape) * 8).astype(dtype))  # includes saturated sigmoid regions

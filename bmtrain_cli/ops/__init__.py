@@ -94,9 +94,9 @@ def _measured(shapes: OpShapes, layers: list) -> OpSet:
 
     from bmtrain_cli.ops import measure
 
-    with paddle.set_grad_enabled(True):
-        picks = measure.choose(shapes, dict(layers))
     opset = _compose("auto", layers)
+    with paddle.set_grad_enabled(True):
+        picks = measure.choose(shapes, dict(layers), default=opset.sources)
     chosen = {op: dict(layers)[src][op] for op, (src, _) in picks.items()}
     sources = dict(opset.sources, **{op: src for op, (src, _) in picks.items()})
     fields = {n: chosen.get(n, getattr(opset, n)) for n in OP_NAMES}

@@ -8,12 +8,17 @@ follow Paddle's documented signatures; they cannot run on this CPU-only machine 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Tuple
 
 import paddle
 import paddle.nn.functional as F
 
 from bmtrain_cli.labels import IGNORE_INDEX
+
+# Paddle 3.x marks its one fused softmax + cross-entropy op deprecated (cross_entropy wraps it); the
+# warning reached users of `kernels: auto`, whose CPU timing tries this op
+warnings.filterwarnings("ignore", message="(?s).*softmax_with_cross_entropy")
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:

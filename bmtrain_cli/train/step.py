@@ -8,11 +8,12 @@ gradient of the mean token loss whatever the layout.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.train.parts import Parts, StepOutput
 from bmtrain_cli.train.stopping import TrainingStopped
 
@@ -45,11 +46,33 @@ def _tokens(micro: List[Batch]) -> float:
     return float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
 
 
+class TokenLoss:
+    """The SFT objective: each micro-batch's summed token loss over the predicted tokens of the whole step
+    (the interface preference.objective.PreferenceObjective also has: begin_step, loss_sum, step_metrics)."""
+
+    def __init__(self, loss_fn: Any, ctx: ParallelCtx) -> None:
+        self.loss_fn, self.ctx = loss_fn, ctx
+
+    def begin_step(self, micro: List[Batch]) -> Tuple[float, float]:
+        """(predicted tokens, non-padding tokens) of the whole step, summed over the data ranks."""
+        from bmtrain_cli.models.scoring import count_targets
+
+        count = float(self.ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
+        return count, float(self.ctx.all_reduce_sum(_tokens(micro)))
+
+    def loss_sum(self, model: Any, batch: Batch) -> Any:
+        from bmtrain_cli.models.scoring import to_tensors
+
+        return self.loss_fn(**to_tensors(batch))  # the training model's (compiled or sharded) loss_sum
+
+    def step_metrics(self) -> Dict[str, float]:
+        return {}
+
+
 def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
     import paddle
 
-    from bmtrain_cli.models.scoring import count_targets, to_tensors
     from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
 
     ctx, optim = parts.ctx, parts.optim
@@ -57,21 +80,16 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         return pipeline_step(parts, step, micro)
     precision = optim.precision
     distributed = ctx.data_world > 1
-    if parts.preference is not None:  # preference pairs: the loss is a mean over the step's pairs
-        total_count, total_tokens = parts.preference.begin_step(micro)
-    else:
-        total_count = float(ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
-        total_tokens = float(ctx.all_reduce_sum(_tokens(micro)))
+    # stage dpo: the mean pair loss of the step's pairs; otherwise the token-weighted SFT loss
+    objective = parts.preference if parts.preference is not None else TokenLoss(optim.loss_fn, ctx)
+    total_count, total_tokens = objective.begin_step(micro)
     denom = max(total_count, 1.0)
     lr = parts.schedule(step)
     optim.stepper.set_lr(lr)
     loss_acc = None
     for b in micro:
         with precision.autocast():
-            if parts.preference is not None:
-                loss_sum, _ = parts.preference.loss_sum(parts.model.wrapped, b)
-            else:
-                loss_sum, _ = optim.loss_fn(**to_tensors(b))
+            loss_sum, _ = objective.loss_sum(parts.model.wrapped, b)
         precision.backward(loss_sum / denom)
         loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
     step_opt = optim.stepper
@@ -95,7 +113,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     if not optim.own_clip:
         grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside step()
     optim.stepper.clear_grad(set_to_zero=False)
-    metrics = parts.preference.step_metrics() if parts.preference is not None else {}
+    metrics = objective.step_metrics()
     return StepOutput(
         loss=loss,
         lr=lr,

@@ -210,6 +210,8 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* r
     }
     return;
   }
+  // the mask first, then a plain max: GCC 12 with -fno-trapping-math miscompiled one loop taking
+  // max(m, ok ? x : -inf) (garbage maxima from s = 80 on)
 #pragma omp simd
   for (int64_t j = blk.j0; j < jend; ++j) {
     const bool ok = j >= lo && j <= i && seg[j] == si;

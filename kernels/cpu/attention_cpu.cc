@@ -8,9 +8,9 @@
 //
 // Work items are (batch, kv head[, chunk]): an item packs its K and V once (K^T and V^T [d, s] for the
 // score tiles, K and V [s, d] for the row products, zero-padded to whole tiles) and runs every block of
-// its rep query heads, so its K/V gradients are private. When b * hk would leave threads idle, an item's
-// query blocks are dealt round-robin to several chunks, each with its own K/V gradient buffers, summed
-// after the parallel loop. The micro-kernels hold a kQB x kKB (or kQB x kDC) accumulator tile in
+// its rep query heads, so its K/V gradients are private (a thread's buffer, written out at the item's
+// end). When b * hk would leave threads idle, an item's query blocks are dealt round-robin to several
+// chunks, each with its own K/V gradient buffers, summed after the parallel loop. The micro-kernels hold a kQB x kKB (or kQB x kDC) accumulator tile in
 // registers (compile-time sizes, so GCC unrolls and vectorises them).
 #include <algorithm>
 #include <cmath>
@@ -262,15 +262,36 @@ void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, const in
   }
 }
 
+// An item's K/V gradients [sp, dp] into dk, dv (rows of [b, s, hk, d]), summed over its `parts` buffers.
+template <typename T>
+void store_kv_grads(const Shape& sh, const T* const* parts, int64_t nparts, int64_t bb, int64_t g, T* dk, T* dv) {
+  const int64_t kv_elems = sh.sp * sh.dp;
+  for (int64_t j = 0; j < sh.s; ++j) {
+    T* dkr = dk + sh.row(bb, j, g, sh.hk);
+    T* dvr = dv + sh.row(bb, j, g, sh.hk);
+    for (int64_t c = 0; c < sh.d; ++c) {
+      T sk = 0, sv = 0;
+      for (int64_t i = 0; i < nparts; ++i) {
+        sk += parts[i][j * sh.dp + c];
+        sv += parts[i][kv_elems + j * sh.dp + c];
+      }
+      dkr[c] = sk;
+      dvr[c] = sv;
+    }
+  }
+}
+
 template <typename T>
 void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const int64_t* seg, const T* out,
                    const T* lse, const T* dout, T* dq, T* dk, T* dv, T scale) {
   const int64_t kv_elems = sh.sp * sh.dp;
-  std::vector<T> grads(static_cast<size_t>(sh.items()) * 2 * kv_elems, T(0));  // per item: dK, dV
+  // chunked items keep their K/V gradients until every chunk is done; whole items use a thread's buffer
+  std::vector<T> chunked(sh.chunks > 1 ? static_cast<size_t>(sh.items()) * 2 * kv_elems : 0, T(0));
 #pragma omp parallel if (sh.parallel)
   {
     Item<T> it;
     std::vector<T> qt(kQB * sh.dp), dot(kQB * sh.dp), dqt(kQB * sh.dp), p(kQB * sh.sp), ds(kQB * sh.sp);
+    std::vector<T> own(sh.chunks > 1 ? 0 : 2 * kv_elems);
     int64_t packed = -1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < sh.items(); ++item) {
@@ -278,8 +299,9 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const in
       const int64_t bb = pair / sh.hk, g = pair % sh.hk;
       if (packed != pair) it.pack(sh, k, v, seg, bb, g, true, true);
       packed = pair;
-      T* gk = grads.data() + item * 2 * kv_elems;
+      T* gk = sh.chunks > 1 ? chunked.data() + item * 2 * kv_elems : own.data();
       T* gv = gk + kv_elems;
+      if (sh.chunks == 1) std::fill(own.begin(), own.end(), T(0));
       for (int64_t index = chunk; index < sh.rep * sh.qblocks(); index += sh.chunks) {
         const Block blk = make_block(sh, it, g, index);
         load_rows(sh, q, bb, blk, qt.data());
@@ -306,26 +328,19 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const in
         key_products(p.data(), dot.data(), sh.sp, sh.dp, blk.j0, blk.j1, gv);
         key_products(ds.data(), qt.data(), sh.sp, sh.dp, blk.j0, blk.j1, gk);
       }
+      if (sh.chunks == 1) {
+        const T* parts[1] = {gk};
+        store_kv_grads(sh, parts, 1, bb, g, dk, dv);
+      }
     }
   }
+  if (sh.chunks == 1) return;
   // sum the chunks of each (batch, kv head) into dk, dv
 #pragma omp parallel for schedule(static) if (sh.parallel)
   for (int64_t pair = 0; pair < sh.b * sh.hk; ++pair) {
-    const int64_t bb = pair / sh.hk, g = pair % sh.hk;
-    for (int64_t j = 0; j < sh.s; ++j) {
-      T* dkr = dk + sh.row(bb, j, g, sh.hk);
-      T* dvr = dv + sh.row(bb, j, g, sh.hk);
-      for (int64_t c = 0; c < sh.d; ++c) {
-        T sk = 0, sv = 0;
-        for (int64_t ch = 0; ch < sh.chunks; ++ch) {
-          const T* gk = grads.data() + (pair * sh.chunks + ch) * 2 * kv_elems;
-          sk += gk[j * sh.dp + c];
-          sv += gk[kv_elems + j * sh.dp + c];
-        }
-        dkr[c] = sk;
-        dvr[c] = sv;
-      }
-    }
+    std::vector<const T*> parts(sh.chunks);
+    for (int64_t ch = 0; ch < sh.chunks; ++ch) parts[ch] = chunked.data() + (pair * sh.chunks + ch) * 2 * kv_elems;
+    store_kv_grads(sh, parts.data(), sh.chunks, pair / sh.hk, pair % sh.hk, dk, dv);
   }
 }
 

@@ -80,11 +80,19 @@ struct Item {
     for (int64_t j = 0; j < sh.s; ++j) {
       const T* kr = k + sh.row(bb, j, g, sh.hk);
       const T* vr = v + sh.row(bb, j, g, sh.hk);
+      std::copy(vr, vr + sh.d, vp.data() + j * sh.dp);
+      if (rows_k) std::copy(kr, kr + sh.d, kp.data() + j * sh.dp);
+    }
+    // the transposes a kKB-key tile at a time: each write fills a run of kKB contiguous keys
+    for (int64_t j0 = 0; j0 < sh.s; j0 += kKB) {
+      const int64_t n = std::min<int64_t>(kKB, sh.s - j0);
       for (int64_t c = 0; c < sh.d; ++c) {
-        kt[c * sh.sp + j] = kr[c];
-        vp[j * sh.dp + c] = vr[c];
-        if (trans_v) vt[c * sh.sp + j] = vr[c];
-        if (rows_k) kp[j * sh.dp + c] = kr[c];
+        T* kc = kt.data() + c * sh.sp + j0;
+        T* vc = trans_v ? vt.data() + c * sh.sp + j0 : nullptr;
+        for (int64_t u = 0; u < n; ++u) {
+          kc[u] = k[sh.row(bb, j0 + u, g, sh.hk) + c];
+          if (vc) vc[u] = v[sh.row(bb, j0 + u, g, sh.hk) + c];
+        }
       }
     }
     seg.assign(sh.s, 0);
@@ -204,7 +212,7 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* r
     const T l = *lse_in;
 #pragma omp simd
     for (int64_t j = blk.j0; j < jend; ++j) {
-      const bool ok = j >= lo && j <= i && seg[j] == si;
+      const bool ok = (j >= lo) & (j <= i) & (seg[j] == si);  // no short circuit: a plain load vectorises
       const T e = bmt::exp_approx(row[j] * scale - l);
       row[j] = ok ? e : T(0);
     }
@@ -214,7 +222,7 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* r
   // max(m, ok ? x : -inf) (garbage maxima from s = 80 on)
 #pragma omp simd
   for (int64_t j = blk.j0; j < jend; ++j) {
-    const bool ok = j >= lo && j <= i && seg[j] == si;
+    const bool ok = (j >= lo) & (j <= i) & (seg[j] == si);  // no short circuit: a plain load vectorises
     row[j] = ok ? row[j] * scale : ninf;
   }
   T m = ninf;

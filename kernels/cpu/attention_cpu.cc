@@ -10,8 +10,9 @@
 // score tiles, K and V [s, d] for the row products, zero-padded to whole tiles) and runs every block of
 // its rep query heads, so its K/V gradients are private (a thread's buffer, written out at the item's
 // end). When b * hk would leave threads idle, an item's query blocks are dealt round-robin to several
-// chunks, each with its own K/V gradient buffers, summed after the parallel loop. The micro-kernels hold a kQB x kKB (or kQB x kDC) accumulator tile in
-// registers (compile-time sizes, so GCC unrolls and vectorises them).
+// chunks, each with its own K/V gradient buffers, summed after the parallel loop. The micro-kernels
+// hold a kQB x kKB (or kQB x kDC) accumulator tile in registers (compile-time sizes, so GCC unrolls and
+// vectorises them); the exp is simd_math.h's.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -191,7 +192,8 @@ void load_rows(const Shape& sh, const T* x, int64_t bb, const Block& blk, T* til
 
 template <typename T>
 void store_rows(const Shape& sh, const T* tile, int64_t bb, const Block& blk, T* x) {
-  for (int64_t q = 0; q < blk.n; ++q) std::copy(tile + q * sh.dp, tile + q * sh.dp + sh.d, x + sh.row(bb, blk.i0 + q, blk.head, sh.h));
+  for (int64_t q = 0; q < blk.n; ++q)
+    std::copy(tile + q * sh.dp, tile + q * sh.dp + sh.d, x + sh.row(bb, blk.i0 + q, blk.head, sh.h));
 }
 
 // Row q of the block's scores -> probabilities in place (0 where the key is not visible). Forward

@@ -31,11 +31,11 @@ def _child(mode: str) -> dict:
     from bmtrain_cli.config.schema import TrainConfig
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.models.decoder import CausalLM
-    from bmtrain_cli.plan.host_memory import pin_mmap_threshold
+    from bmtrain_cli.plan import host_memory
     from bmtrain_cli.train.metrics import MemoryMeter
     from bmtrain_cli.train.optim import build_optimizer
 
-    pin_mmap_threshold()  # as the trainer does on CPU
+    host_memory.apply("release")  # RSS ~= the live tensors (train_config.host_memory: release)
     meter = MemoryMeter(on_gpu=False)
     s = SHAPE
     arch = ModelArch(

@@ -12,6 +12,9 @@ Stacks, each step timed in its own process with the same OMP_NUM_THREADS (defaul
                (``kernels: auto``), train/optim.build_optimizer (CpuAdamW with the fused C++ update on the
                CPU), loss_sum / count, backward, the fp32 global grad norm and clip (clip 1.0), step
 - ours_static: the same with ``to_static: true`` (train/static.compile_loss_sum)
+- ours_release: ours with ``train_config.host_memory: release`` (freed tensors returned to the OS); the
+               "ours" stacks run ``reuse``, what ``auto`` picks whenever twice the plan fits in RAM (it
+               does here: ~3 GB for the 135M shape)
 - paddleformers: paddleformers.transformers.LlamaForCausalLM with paddle.optimizer.AdamW and Paddle's
                global-norm clip (benchmarks/.venv-pf, created on first use by bench_model.py's helper), with
                MKL's own CPU dispatch (MKL_DEBUG_CPU_TYPE unset: what a PaddleFormers user gets)
@@ -48,7 +51,7 @@ SHAPES: Dict[str, dict] = {
     "real": dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152, seq=190, batch=2, tied=True,
                  warmup=2, steps=3),
 }  # fmt: skip
-STACKS = ("ours", "ours_static", "paddleformers", "paddleformers_mkl", "torch")
+STACKS = ("ours", "ours_static", "ours_release", "paddleformers", "paddleformers_mkl", "torch")
 LR, CLIP = 1e-4, 1.0
 
 
@@ -70,6 +73,9 @@ def _timed(phases: Dict[str, Callable[[], object]], shape: dict) -> dict:
     res = {f"{k}_s": statistics.median(v) for k, v in per.items()}
     res.update(step_s=step, tokens_per_sec=shape["batch"] * shape["seq"] / step, first_loss=losses[0])
     res["last_loss"] = losses[-1]
+    import resource
+
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return res
 
 
@@ -79,13 +85,16 @@ def _ids(shape: dict):
     return np.random.default_rng(0).integers(0, shape["vocab"], (shape["batch"], shape["seq"]))
 
 
-def _worker_ours(shape: dict, static: bool) -> dict:
+def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     sys.path.insert(0, str(REPO))
     from types import SimpleNamespace
 
     import paddle
 
     import bmtrain_cli  # noqa: F401  (its MKL setting, bmtrain_cli/cpu_env.py, applies from the first matmul)
+    from bmtrain_cli.plan import host_memory
+
+    host_memory.apply(host)  # as train/setup.py does on a CPU (train_config.host_memory)
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.train.optim import build_optimizer, clip_grads_, grad_norm_tensor
@@ -224,6 +233,8 @@ def worker(kind: str, shape_name: str) -> dict:
         return _worker_ours(shape, False)
     if kind == "ours_static":
         return _worker_ours(shape, True)
+    if kind == "ours_release":
+        return _worker_ours(shape, False, host="release")
     if kind in ("paddleformers", "paddleformers_mkl"):
         return _worker_paddleformers(shape)
     if kind == "torch":
@@ -283,7 +294,7 @@ def _pythons() -> Tuple[Dict[str, str], Dict[str, str]]:
     sys.path.insert(0, str(HERE))
     from bench_model import ensure_paddleformers
 
-    pythons = {"ours": sys.executable, "ours_static": sys.executable}
+    pythons = {"ours": sys.executable, "ours_static": sys.executable, "ours_release": sys.executable}
     errors: Dict[str, str] = {}
     pf, err = ensure_paddleformers()
     if pf:
@@ -346,9 +357,9 @@ def report(runs: dict, peaks: Dict[str, float], errors: Dict[str, str], shapes, 
         }
         print(f"\n{shape}: {SHAPES[shape]}")
         print(
-            "| stack | tokens/s | fwd s | bwd s | update s | MFU | vs PaddleFormers | vs torch | first loss |"
+            "| stack | tokens/s | fwd s | bwd s | update s | MFU | vs PaddleFormers | vs torch | first loss | peak RSS MB |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for s, r in best.items():
             tps = r["tokens_per_sec"]
             mfu = tps * fpt / (peak * 1e9) if peak else 0.0
@@ -357,7 +368,7 @@ def report(runs: dict, peaks: Dict[str, float], errors: Dict[str, str], shapes, 
             print(
                 f"| {s} | {tps:.1f} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['update_s']:.2f} | "
                 f"{100 * mfu:.1f}% | {tps / pf if pf else float('nan'):.2f}x | {tps / th if th else float('nan'):.2f}x | "
-                f"{r['first_loss']:.4f} |"
+                f"{r['first_loss']:.4f} | {r.get('peak_rss_mb', 0):.0f} |"
             )
             out[f"{shape}/{s}"] = dict(
                 r, mfu=mfu, all_tokens_per_sec=[x["tokens_per_sec"] for x in runs[(shape, s)]]

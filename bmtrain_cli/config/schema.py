@@ -114,6 +114,11 @@ class TrainConfig(_Section):
         None, ge=0, description="Tokenizer processes (streaming and the cache build); default: half the CPUs."
     )
     on_bad_record: Literal["error", "skip"] = "error"
+    host_memory: Literal["auto", "reuse", "release"] = Field(
+        "auto",
+        description="CPU training: keep freed tensor memory for reuse (faster, higher peak RSS), return it "
+        "to the OS (release), or reuse when twice the memory plan fits in RAM (auto).",
+    )
     data_cache_dir: Optional[str] = Field(
         None, description="Token cache directory (default: beside the data)."
     )

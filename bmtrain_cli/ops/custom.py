@@ -203,7 +203,7 @@ class _LinearCrossEntropy(PyLayer):
                 part = (
                     paddle.matmul(dl, h, transpose_x=True) if transpose_weight else paddle.matmul(h, dl, True)
                 )
-                dw = part.astype(acc) if dw is None else dw.add_(part.astype(acc))
+                dw = part.astype(acc) if dw is None else dw.add_(part.astype(acc))  # astype: no copy in fp32
                 del part
         if need_w and dw is None:  # no tokens at all
             dw = paddle.zeros(weight.shape, dtype=acc)
@@ -216,8 +216,10 @@ class _LinearCrossEntropy(PyLayer):
     @staticmethod
     def backward(ctx, grad_loss, grad_count):
         dh, dw = ctx.saved_tensor()
-        gh = None if dh is None else dh * grad_loss.astype(dh.dtype)
-        gw = None if dw is None else (dw * grad_loss.astype(dw.dtype)).astype(ctx.w_dtype)
+        # scaled in place: the saved gradients are used once, and a new [vocab, hidden] tensor costs a page
+        # fault per page on a CPU (x * g: 100 ms against scale_: 5 ms for 49152 x 576 fp32)
+        gh = None if dh is None else dh.scale_(grad_loss.astype(dh.dtype))
+        gw = None if dw is None else dw.scale_(grad_loss.astype(dw.dtype)).astype(ctx.w_dtype)
         return gh, gw, None
 
 

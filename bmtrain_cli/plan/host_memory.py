@@ -1,11 +1,20 @@
-"""Host (CPU) memory behaviour that the planner relies on.
+"""How freed host (CPU) memory is handled while training on a CPU: kept for reuse, or returned to the OS.
 
-Paddle's CPU allocator hands tensors to glibc malloc. By default glibc raises its mmap threshold each
-time a large block is freed (up to 32 MiB), after which tensors below that size come from the malloc
-heap, whose freed chunks stay resident: on Paddle 3.3.1 the peak RSS of a training step was 1.4-1.8x
-the live tensors, varying with shapes. Pinning the threshold (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``,
-glibc's own starting value) keeps every tensor-sized block in its own mapping that is returned on free,
-so peak RSS ~= peak live tensors + a constant: less memory and a predictable peak.
+Paddle's CPU allocator hands every tensor to glibc malloc, and a training step allocates and frees its
+activations and gradients anew. Two policies (``train_config.host_memory``):
+
+- ``reuse``: freed memory stays in the malloc heap for the next tensors (``M_MMAP_MAX`` 0, a high
+  ``M_TRIM_THRESHOLD``). A step then touches almost no fresh pages. Measured on the SmolLM2-135M shape
+  (2 x 190 tokens, fp32 AdamW, 2 threads; docs/benchmarks.md "Host memory policy"): 15.9k page faults and
+  0.13 s of kernel time per step, against 814k faults and 1.76 s with ``release``; the process's peak RSS
+  4.13 GB against 3.13 GB (freed blocks of one size are not always reused for another).
+- ``release``: glibc's mmap threshold is pinned at its starting value (``M_MMAP_THRESHOLD`` 128 KiB), so
+  every tensor-sized block is its own mapping, returned on free: peak RSS ~= the live tensors + a constant
+  (without pinning, glibc raises the threshold after the first large free and the heap keeps 1.4-1.8x
+  the live tensors on small models), at the price of a page fault per 4 KiB of every new tensor.
+
+``auto`` takes ``reuse`` when the memory plan's estimate times ``REUSE_HEADROOM`` (per rank, all ranks of
+the machine) fits in the machine's memory, else ``release``: the fast policy wherever memory allows.
 """
 
 from __future__ import annotations
@@ -13,27 +22,66 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Callable, Optional
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 DEFAULT_THRESHOLD = 128 << 10
+KEEP_BYTES = (1 << 31) - 1  # M_TRIM_THRESHOLD is an int: the heap keeps up to 2 GiB of free top memory
+POLICIES = ("auto", "reuse", "release")
+# reuse's peak RSS over the live tensors: 1.32x measured on the 135M shape, up to 1.8x on small models
+REUSE_HEADROOM = 2.0
 
-_applied = False
+_applied: Optional[str] = None
 
 
-def pin_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold so freed tensor memory goes back to the OS (Linux/glibc only).
-    Returns whether it was applied. Call once when CPU training starts; safe to call again."""
-    global _applied
-    if _applied:
-        return True
+def _mallopt() -> Optional[Callable[[int, int], int]]:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return False
+        return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
-    return _applied
+    return mallopt
+
+
+def choose(policy: str, estimate_bytes: Optional[int], host_bytes: int, ranks: int = 1) -> str:
+    """``reuse`` or ``release`` for a configured policy; ``auto`` from the plan's per-rank estimate (None:
+    no estimate, taken as fitting) against the machine's memory shared by ``ranks`` processes."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown host memory policy {policy!r} (choose one of {', '.join(POLICIES)})")
+    if policy != "auto":
+        return policy
+    if estimate_bytes is None or host_bytes <= 0:
+        return "reuse"
+    return "reuse" if estimate_bytes * REUSE_HEADROOM * max(ranks, 1) <= host_bytes else "release"
+
+
+def apply(policy: str) -> bool:
+    """Set glibc malloc for ``reuse`` or ``release`` (Linux/glibc only; elsewhere nothing changes and the
+    answer is False). Call when CPU training starts; calling again with the same policy is a no-op."""
+    global _applied
+    if policy not in ("reuse", "release"):
+        raise ValueError(f"apply() takes 'reuse' or 'release', got {policy!r}")
+    if _applied == policy:
+        return True
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    if policy == "reuse":
+        ok = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    else:
+        ok = all(
+            mallopt(option, value)
+            for option, value in (
+                (M_MMAP_MAX, 65536),  # glibc's defaults, should reuse have been set before
+                (M_TRIM_THRESHOLD, DEFAULT_THRESHOLD),
+                (M_MMAP_THRESHOLD, DEFAULT_THRESHOLD),
+            )
+        )
+    _applied = policy if ok else None
+    return ok

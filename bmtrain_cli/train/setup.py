@@ -318,6 +318,21 @@ def claim_output_dir(
         console.say(model.lora.describe(model.raw, model.n_params))
 
 
+def _set_host_memory(policy: str, plan: Any, ctx: ParallelCtx, console: Console) -> None:
+    """CPU training: keep freed tensor memory for reuse or return it to the OS (plan/host_memory.py)."""
+    from bmtrain_cli.plan import host_memory
+    from bmtrain_cli.plan.devices import format_bytes, host_memory_bytes
+
+    estimate = None if plan is None else int(plan.required)
+    chosen = host_memory.choose(policy, estimate, host_memory_bytes(), ctx.world_size)
+    host_memory.apply(chosen)
+    if policy == "auto" and chosen == "release":
+        console.say(
+            f"host memory: freed tensors go back to the OS (twice the plan's {format_bytes(estimate or 0)} "
+            "per rank does not fit in RAM); steps are slower than with train_config.host_memory: reuse"
+        )
+
+
 def setup(
     loaded: LoadedConfig, ctx: Optional[ParallelCtx] = None, stream: Optional[TextIO] = None
 ) -> Tuple[Parts, TrainState]:
@@ -339,9 +354,6 @@ def setup(
     check_precision_supported(config.train.precision, rt.has_gpu)
     if not rt.has_gpu:
         paddle.set_device("cpu")
-        from bmtrain_cli.plan.host_memory import pin_mmap_threshold
-
-        pin_mmap_threshold()  # freed tensors go back to the OS: lower, predictable peak RSS (docs/plan.md)
     t = config.train
     seed_everything(t.seed)
     paths = prepare_data(rt, ctx)
@@ -355,6 +367,8 @@ def setup(
     warning = memory_warning(plan)
     if warning:
         console.say(warning)
+    if not rt.has_gpu:
+        _set_host_memory(t.host_memory, plan, ctx, console)
     memory = MemoryMeter(rt.has_gpu)
     try:
         model, optim = build_model_and_optimizer(rt, tokenizer, ctx, console)

@@ -48,7 +48,23 @@ CPU_SOURCES = [
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-LD_FLAGS = ["-fopenmp"]
+
+
+def link_flags() -> List[str]:
+    """Link our OpenMP regions to the OpenMP runtime Paddle already runs (its bundled libiomp5, which also
+    serves the GNU ``GOMP_*`` entry points GCC emits), so that MKL's matmuls and our kernels share one
+    thread pool. With GCC's libgomp beside it, each runtime's threads spin-wait after their parallel
+    regions while the other's want the cores: measured on 2 cores, the fused attention's forward + backward
+    took 23.9 ms with 2 threads against 5.9 ms with 1 (and 5.4 ms with 2 and GOMP_SPINCOUNT=0).
+    Where Paddle has no libiomp5 (builds without MKL) our kernels use libgomp."""
+    import paddle
+
+    iomp = Path(paddle.__file__).resolve().parent / "libs" / "libiomp5.so"
+    if iomp.is_file():
+        return [str(iomp), f"-Wl,-rpath,{iomp.parent}"]
+    return ["-fopenmp"]
+
+
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
 
@@ -121,7 +137,7 @@ def build_key(sources: List[str], cxx: List[str], cuda: List[str]) -> str:
     for path in sorted(sources) + [str(KERNELS_DIR / s) for s in HEADERS]:
         h.update(path.encode())
         h.update(Path(path).read_bytes())
-    for part in (cxx, cuda, LD_FLAGS):
+    for part in (cxx, cuda, link_flags()):
         h.update(" ".join(part).encode())
     h.update(paddle.__version__.encode())
     h.update(compiler_id().encode())
@@ -197,7 +213,7 @@ def _build(verbose: bool) -> ModuleType:
                         sources=sources,
                         extra_cxx_cflags=cxx,
                         extra_cuda_cflags=cuda,
-                        extra_ldflags=list(LD_FLAGS),
+                        extra_ldflags=link_flags(),
                         extra_include_paths=[str(KERNELS_DIR / "include")],
                         build_directory=str(build_dir),
                         verbose=verbose,

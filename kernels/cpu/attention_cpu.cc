@@ -251,7 +251,7 @@ void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, const in
     Item<T> it;
     std::vector<T> qt(kQB * sh.dp), ot(kQB * sh.dp), p(kQB * sh.sp);
     int64_t packed = -1;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
     for (int64_t item = 0; item < sh.items(); ++item) {
       const int64_t pair = item / sh.chunks, chunk = item % sh.chunks;
       const int64_t bb = pair / sh.hk, g = pair % sh.hk;
@@ -303,7 +303,7 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const in
     std::vector<T> qt(kQB * sh.dp), dot(kQB * sh.dp), dqt(kQB * sh.dp), p(kQB * sh.sp), ds(kQB * sh.sp);
     std::vector<T> own(sh.chunks > 1 ? 0 : 2 * kv_elems);
     int64_t packed = -1;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
     for (int64_t item = 0; item < sh.items(); ++item) {
       const int64_t pair = item / sh.chunks, chunk = item % sh.chunks;
       const int64_t bb = pair / sh.hk, g = pair % sh.hk;

@@ -8,7 +8,8 @@ Parameters: a LLaMA built by bmtrain_cli.models.build with the SmolLM2-135M shap
 (global norm ~11.6) clipped to 1.0, so the clip fires every step. A step is what the trainer does after
 backward (train/step.py): the global norm (train/optim.grad_norm_tensor, read on the host), the clip
 (``clip_for_step`` where the checkout has it: folded into CpuAdamW's update; otherwise ``clip_grads_``),
-``opt.step()``; torch: ``clip_grad_norm_`` and ``step()`` (its default foreach implementation). Each
+``opt.step()``; torch: ``clip_grad_norm_`` and ``step()``, with its default (foreach) AdamW and with
+``fused=True`` (its fused CPU kernel). Each
 optimizer runs in its own process (Paddle's AdamW slows the rest of its process, see
 bench_adam_slowdown.py), rounds alternate them, and a step is timed by wall clock and by process CPU time
 (the CPU time holds better on a shared machine). Run with OMP_NUM_THREADS=2:
@@ -63,46 +64,46 @@ def _paddle_worker(kind: str, tree: Path) -> dict:
     def step() -> None:
         for p, g in zip(params, grads):
             p.grad = g.clone()  # a fresh gradient each step, as after backward (outside the timing below)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         norm = float(optim.grad_norm_tensor(params))
         clip(opt, params, MAX_NORM, norm)
         opt.step()
         opt.clear_grad(set_to_zero=False)
-        step.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
+        step.elapsed = (time.perf_counter() - t0, time.process_time() - c0)  # type: ignore[attr-defined]
 
     return {"n_params": sum(p.size for p in params), "shapes": [list(p.shape) for p in params],
             **_timed(step)}  # fmt: skip
 
 
 def _timed(step) -> dict:
-    """Like _timed, but each step reports its own elapsed wall time (the gradient copies excluded)."""
+    """Median wall and process CPU time of STEPS steps after a first one (which creates the moments); each
+    step reports its own (wall, cpu) in ``step.elapsed``, without setting up its gradients."""
     step()
     wall, cpu = [], []
     for _ in range(STEPS):
-        c0 = time.process_time()
         step()
-        wall.append(step.elapsed)
-        cpu.append(time.process_time() - c0)
+        wall.append(step.elapsed[0])
+        cpu.append(step.elapsed[1])
     return {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
 
 
-def _torch_worker(shapes_file: str) -> dict:
+def _torch_worker(shapes_file: str, fused: bool) -> dict:
     import torch
 
     torch.manual_seed(0)
     shapes = json.loads(Path(shapes_file).read_text())
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     grads = [torch.randn(s) * 1e-3 for s in shapes]
-    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01, **({"fused": True} if fused else {}))
 
     def step() -> None:
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
+        step.elapsed = (time.perf_counter() - t0, time.process_time() - c0)  # type: ignore[attr-defined]
 
     return {"n_params": sum(p.numel() for p in params), "threads": torch.get_num_threads(), **_timed(step)}
 
@@ -128,7 +129,9 @@ def main(rounds: int = 2, baseline: Optional[str] = None, torch_python: Optional
     if torch_python:
         shapes_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False).name
         torch_env = dict(env, PYTHONPATH="")
-        kinds["torch AdamW (foreach)"] = ([torch_python, __file__, "--torch-worker", shapes_file], torch_env)
+        for mode in ("foreach", "fused"):  # torch's default, and its fused CPU kernel (fused=True)
+            cmd = [torch_python, __file__, "--torch-worker", shapes_file, mode]
+            kinds[f"torch AdamW ({mode})"] = (cmd, torch_env)
     runs: dict = {k: [] for k in kinds}
     for _ in range(rounds):
         for kind, (cmd, kenv) in kinds.items():
@@ -157,7 +160,7 @@ def _arg(name: str) -> Optional[str]:
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
         print(json.dumps(_paddle_worker(sys.argv[2], Path(sys.argv[3]))), flush=True)
-    elif len(sys.argv) >= 3 and sys.argv[1] == "--torch-worker":
-        print(json.dumps(_torch_worker(sys.argv[2])), flush=True)
+    elif len(sys.argv) >= 4 and sys.argv[1] == "--torch-worker":
+        print(json.dumps(_torch_worker(sys.argv[2], sys.argv[3] == "fused")), flush=True)
     else:
         main(int(_arg("--rounds") or 2), _arg("--baseline"), _arg("--torch"))

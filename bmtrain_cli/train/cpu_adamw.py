@@ -73,9 +73,7 @@ class CpuAdamW(paddle.optimizer.AdamW):
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         self._grad_scale = 1.0
-        super().clear_grad(set_to_zero)
-
-    clear_gradients = clear_grad
+        super().clear_grad(set_to_zero)  # Paddle's __init__ binds clear_gradients to this too
 
     def _append_optimize_op(self, block: Any, param_and_grad: Any) -> Any:
         if isinstance(param_and_grad, dict):

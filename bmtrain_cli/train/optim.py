@@ -50,7 +50,7 @@ def build_optimizer(
 ) -> Any:
     """AdamW over the trainable parameters. ``grad_clip`` attaches Paddle's global-norm clip to the
     optimizer (used under tensor/pipeline parallel, where fleet turns it into a cross-rank clip);
-    otherwise the trainer clips with :func:`clip_grads_` before ``step()``. ``offload`` keeps the
+    otherwise the trainer clips with :func:`clip_for_step` before ``step()``. ``offload`` keeps the
     optimizer state in host memory (train/offload.py). On the CPU (and for offloaded states) the update is
     train/cpu_adamw.CpuAdamW: Paddle's CPU adamw kernel slows every later matmul 3-4x with 2+ threads."""
     params = [p for _, p in trainable_parameters(model)]

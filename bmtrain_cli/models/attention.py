@@ -16,17 +16,22 @@ What :func:`attend` receives as ``mask`` decides the kernel (``models.attention_
   that bites, ALiBi, and static graphs), given to sdpa or to the eager reference.
 
 Kernels: ``flash`` (Paddle's flash_attention, GPU fp16/bf16, causal), ``flash_varlen``
-(flash_attn_unpadded over cu_seqlens, GPU fp16/bf16, segment ids), ``blocked`` (exact attention one
-query block at a time with a custom backward: the softmax is never kept, so memory grows linearly with
-the sequence; every device and dtype, used for fp32 and, above ``DENSE_MAX_SEQ`` tokens, on CPU), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
+(flash_attn_unpadded over cu_seqlens, GPU fp16/bf16, segment ids), ``cpu_fused`` (our C++/OpenMP kernel,
+ops/fused_attention.py over kernels/cpu/attention_cpu.cc: causal or segment ids, fp32/fp64 on a CPU; it
+keeps only the per-query log-sum-exp and recomputes the probabilities in the backward, so memory grows
+linearly with the sequence; used on a CPU whenever the model's op set carries it, i.e. ``kernels``
+custom or auto with the extension built), ``blocked`` (exact attention one query block at a time in
+Paddle ops with a custom backward, also linear in memory; every device and dtype: GPU fp32, and on a CPU
+without the fused kernel above ``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
 scaled_dot_product_attention without / with an additive mask) and ``eager`` (matmul + softmax in fp32).
-K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, sdpa and
-blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
+K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, cpu_fused, sdpa
+and blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
+``model_config.kernels: reference`` (and ``paddle``) keep the pure-Paddle kernels.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Protocol, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -34,7 +39,28 @@ from paddle.autograd import PyLayer
 
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, IMPLEMENTATIONS, choose_kernel
 
-__all__ = ["IMPLEMENTATIONS", "attend", "blocked_attention", "build_bias", "cu_seqlens", "eager_attention"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "AttentionCore",
+    "attend",
+    "blocked_attention",
+    "build_bias",
+    "cu_seqlens",
+    "eager_attention",
+]
+
+
+class AttentionCore(Protocol):
+    """A fused causal attention core in the model's layout (ops.fused_attention.fused_attention):
+    q [b, s, h, d], k/v [b, s, kv_heads, d], optional int segment ids [b, s] -> [b, s, h, d]."""
+
+    def __call__(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        segment_ids: Optional[paddle.Tensor] = None,
+    ) -> paddle.Tensor: ...
 
 
 def build_bias(
@@ -271,17 +297,23 @@ def attend(
     mask: Optional[paddle.Tensor],
     implementation: str = "auto",
     training: bool = False,
+    cpu_kernel: Optional[AttentionCore] = None,
 ) -> paddle.Tensor:
     """Attention of q [b, sq, heads, d] over k/v [b, sk, kv_heads, d] (kv_heads divides heads; K/V are
     not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
-    [b, s], or an additive float bias; see the module docstring."""
+    [b, s], or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
+    the model's op set (``OpSet.attention``; None where our kernels are not in use)."""
     kind = mask_kind(mask)
     if kind == "causal" and q.shape[1] != k.shape[1]:
         mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
     half = q.dtype in (paddle.float16, paddle.bfloat16)
     static = not paddle.in_dynamic_mode()
-    kernel, _ = choose_kernel(kind, implementation, half, _on_gpu(), static, None if static else k.shape[1])
+    kernel, _ = choose_kernel(
+        kind, implementation, half, _on_gpu(), static, None if static else k.shape[1], cpu_kernel is not None
+    )
     n_rep = q.shape[2] // k.shape[2]
+    if kernel == "cpu_fused":
+        return cpu_kernel(q, k, v, None if kind == "causal" else mask)
     if kernel == "flash":
         from paddle.nn.functional.flash_attention import flash_attention
 

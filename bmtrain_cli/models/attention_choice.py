@@ -11,13 +11,15 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
-KERNELS = ("flash", "flash_varlen", "blocked", "sdpa_causal", "sdpa_mask", "eager")
+KERNELS = ("flash", "flash_varlen", "cpu_fused", "blocked", "sdpa_causal", "sdpa_mask", "eager")
 # kernels whose memory is linear in the sequence length (no s x s tensor is kept or materialised)
-LINEAR_KERNELS = ("flash", "flash_varlen", "blocked")
+LINEAR_KERNELS = ("flash", "flash_varlen", "cpu_fused", "blocked")
 # Queries per block of the blocked kernel: its transient score blocks are [b, heads, BLOCK, s].
 ATTENTION_BLOCK = 128
-# On a CPU in fp32, sequences up to this length run Paddle's sdpa (one matmul + softmax, keeping the
-# [b, heads, s, s] probabilities) instead of the blocked kernel. Measured forward + backward of the core,
+# On a CPU in fp32 without the fused CPU kernel (``cpu_fused``: the custom extension is not built, or
+# ``model_config.kernels`` is paddle/reference), sequences up to this length run Paddle's sdpa (one matmul
+# + softmax, keeping the [b, heads, s, s] probabilities) instead of the blocked kernel. The fused kernel
+# is faster than both at every length measured (docs/benchmarks.md, "Attention core on a CPU"). Measured forward + backward of the core,
 # 4096 tokens per call (benchmarks/bench_attention_core.py, 2 threads), sdpa's speed-up over blocked:
 # heads 4/4: 1.93x / 1.78x / 1.23x at 128 / 256 / 512 tokens; heads 9/3 (grouped): 1.28x / 1.12x / 0.94x.
 # Above it the blocked kernel keeps its memory linear in the sequence length.
@@ -31,11 +33,14 @@ def choose_kernel(
     on_gpu: bool,
     static: bool = False,
     seq_len: Optional[int] = None,
+    fused_cpu: bool = False,
 ) -> Tuple[str, str]:
     """(kernel, why) for a mask kind, the configured ``attention_implementation``, the compute dtype
-    (half: fp16/bf16), the device, whether a static graph with unknown sizes is being built, and the
-    sequence length (None: unknown, taken as long). The model passes the length of the batch it attends
-    over and the memory planner the configured ``max_seq_len``, the longest a batch gets."""
+    (half: fp16/bf16), the device, whether a static graph with unknown sizes is being built, the
+    sequence length (None: unknown, taken as long) and whether the fused CPU kernel is available (the
+    model's op set carries it: our kernels built, ``kernels`` custom or auto). The model passes the length
+    of the batch it attends over and the memory planner the configured ``max_seq_len``, the longest a
+    batch gets."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})"
@@ -59,6 +64,8 @@ def choose_kernel(
     if on_gpu and half:
         return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
     rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
+    if fused_cpu and not on_gpu and not half:
+        return "cpu_fused", f"CPU: fused C++ attention kernel, memory linear in the sequence length; {rows}"
     if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
         short = (
             f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"

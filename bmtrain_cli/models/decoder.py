@@ -145,7 +145,7 @@ class Attention(nn.Layer):
     def _core(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
     ) -> paddle.Tensor:
-        return attend(q, k, v, bias, self.implementation, self.training)
+        return attend(q, k, v, bias, self.implementation, self.training, self.ops.attention)
 
 
 class MLP(nn.Layer):

@@ -7,14 +7,16 @@ built; ``paddle`` uses Paddle's built-in fused ops where the device has them (re
 when the custom build is unavailable; on a CPU, given the model's shapes (``shapes=OpShapes.of(arch)``)
 and in a single process, it instead times the candidates of each op on those shapes and takes the fastest
 (ops/measure.py), so it never picks an implementation that is slower there. Models call ``self.ops.rms_norm(...)`` and never know which one
-they got; ``OpSet.sources`` says which implementation each op uses.
+they got; ``OpSet.sources`` says which implementation each op uses. Where our kernels run on a CPU
+(``custom``, or ``auto`` with the extension built) the set also carries the fused attention core
+(``OpSet.attention``, ops/fused_attention.py), which the attention runs instead of Paddle's.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Optional
 
 from bmtrain_cli.ops import reference
@@ -39,6 +41,9 @@ class OpSet:
     sources: Dict[str, str] = field(default_factory=dict, compare=False)
     # auto on a CPU: seconds of forward + backward of each candidate on the model's shapes (ops/measure.py)
     timings: Dict[str, Dict[str, float]] = field(default_factory=dict, compare=False)
+    # the fused CPU attention core (ops/fused_attention.py) where our kernels run on a CPU, else None:
+    # models/attention.py's attend() then runs it as the ``cpu_fused`` kernel
+    attention: Optional[Callable] = field(default=None, compare=False)
 
 
 REFERENCE = OpSet(
@@ -131,6 +136,7 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
 
     ref = {n: getattr(reference, n) for n in OP_NAMES}
     fused = paddle_fused.available(device)
+    ours: Dict[str, Callable] = {}
     if mode == "paddle":
         opset = _compose("paddle", [("paddle", fused), ("reference", ref)])
     elif mode == "custom":
@@ -159,5 +165,9 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
                 )
         layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
         opset = _measured(shapes, layers) if measure else _compose("auto", layers)
+    if ours and device.startswith("cpu"):
+        from bmtrain_cli.ops.fused_attention import fused_attention
+
+        opset = replace(opset, attention=fused_attention)
     _cache[key] = opset
     return opset

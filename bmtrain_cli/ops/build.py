@@ -39,12 +39,14 @@ CPU_SOURCES = [
     "cpu/fused_cpu.cc",
     "cpu/adamw_cpu.cc",
     "cpu/grad_norm_cpu.cc",
+    "cpu/attention_cpu.cc",
     "paddle/fused_ops.cc",
     "paddle/adamw_op.cc",
     "paddle/grad_norm_op.cc",
+    "paddle/attention_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
-HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h"]
+HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LD_FLAGS = ["-fopenmp"]
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]

@@ -47,13 +47,20 @@ def stage_layers(num_layers: int, pp: int) -> List[int]:
 # activations
 
 
+def fused_cpu_attention(w: Workload, device: Device) -> bool:
+    """Whether the model's op set carries the fused CPU attention core (ops.select): our kernels on a CPU,
+    i.e. ``kernels`` custom, or auto with a C++ compiler to build them."""
+    return device.kind == "cpu" and w.kernels in ("auto", "custom") and find_cxx() is not None
+
+
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
-    """The kernel training runs (models/attention_choice.py): a flash or blocked one keeps no score
-    matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
+    """The kernel training runs (models/attention_choice.py): a flash, fused CPU or blocked one keeps no
+    score matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
     kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
     gpu = device.kind != "cpu"
     half = w.precision in ("bf16", "fp16")
-    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len)[0]
+    fused = fused_cpu_attention(w, device)
+    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len, fused_cpu=fused)[0]
 
 
 def _keeps_scores(kernel: str, device: Device) -> bool:
@@ -98,7 +105,8 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     kernel = attention_kernel(w, device, layout)
     scores = _keeps_scores(kernel, device)
     # q, k, v as the attention core keeps them: the score-keeping compositions repeat K/V to the query
-    # heads (eager and sdpa's math path); the flash and blocked kernels keep K/V with their own heads
+    # heads (eager and sdpa's math path); the flash, fused CPU and blocked kernels keep K/V with their own
+    # heads (and the per-query log-sum-exp, below)
     core_in = (3 * q if (n_rep > 1 and scores) else q + 2 * kv) / tp
     attn_out = q / tp
     mlp = 3 * a.intermediate_size / tp  # gate, up (SwiGLU inputs), SwiGLU output
@@ -157,6 +165,11 @@ def layer_activations(
             + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, w.seq_len) * 4 / e
         )
         work = max(work, (per_token - mlp_freed) * tokens * e)
+    elif kernel == "cpu_fused":
+        # its gradients of q, k, v and the K/V gradient accumulators (kernels/cpu/attention_cpu.cc: one
+        # pair per (batch, kv head), more when few pairs are split over threads); scratch is per thread
+        q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
+        work = max(work, (q_el + 4 * kv_el - mlp_freed) * tokens * e)
     out = []
     for i in range(layers):
         if i < n_rec:

@@ -67,7 +67,12 @@ def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
     kind = training_mask_kind(arch, m.max_seq_len, t.batching == "packed", pipeline)
     precision = parts.optim.precision
     kernel, why = choose_kernel(
-        kind, m.attention_implementation, precision.enabled, rt.has_gpu, seq_len=m.max_seq_len
+        kind,
+        m.attention_implementation,
+        precision.enabled,
+        rt.has_gpu,
+        seq_len=m.max_seq_len,
+        fused_cpu=parts.model.raw.ops.attention is not None,
     )
     return [first, parts.data.report["line"], f"attention: {kernel} ({why})"]
 

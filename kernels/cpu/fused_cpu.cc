@@ -2,7 +2,7 @@
 //
 // Loops are written so that GCC vectorises them (-O3, `omp simd`), and the outer loops run in parallel
 // over rows with OpenMP (threads: OMP_NUM_THREADS, like Paddle's own CPU kernels). fp32 uses a
-// vectorisable exp (Cephes polynomial, about 2 ulp); fp64 uses std::exp.
+// vectorisable exp (simd_math.h); fp64 uses std::exp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +15,7 @@
 
 #include "bmt_kernels.h"
 #include "parallel.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -37,24 +38,7 @@ inline int thread_id() {
 #endif
 }
 
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.5f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline double exp_approx(double x) { return std::exp(x); }
+using bmt::exp_approx;  // simd_math.h
 
 template <typename T>
 struct Acc {

@@ -1,4 +1,5 @@
-// When the CPU launchers use more than one OpenMP thread (fused_cpu.cc, adamw_cpu.cc, grad_norm_cpu.cc).
+// When the CPU launchers use more than one OpenMP thread (fused_cpu.cc, adamw_cpu.cc, grad_norm_cpu.cc;
+// attention_cpu.cc counts the multiply-adds of one causal score pass against the same threshold).
 //
 // Below kParallelMin elements a kernel runs on one thread. These kernels are memory-bound (one thread moved
 // a 28M-element AdamW update in 20 ms on the 2-core development machine), and on a shared, busy machine an

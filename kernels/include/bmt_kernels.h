@@ -19,6 +19,10 @@
 //               then b1^t *= b1, b2^t *= b2. A power outside [0, 1) gives BMT_ERR_VALUE before any write.
 //   sum_squares: count tensors ptrs[t] of sizes[t] elements, one dtype; *out = sum of every x^2 (in double)
 //               (kernels/cpu/grad_norm_cpu.cc: the global gradient norm)
+//   attention:  q [b, s, h, d], k, v [b, s, hk, d] (hk divides h; query head j uses kv head j / (h / hk)),
+//               optional segment_ids [b, s] (NULL: plain causal); out [b, s, h, d], lse [b, h, s] in the
+//               dtype of q (kernels/cpu/attention_cpu.cc). Causal: query i sees the keys j <= i whose
+//               segment id equals its own. bwd: dq, dk, dv from out, lse and dout (probabilities recomputed).
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -59,6 +63,12 @@ int bmt_cpu_adamw_multi(int dtype, int64_t count, void* const* params, const voi
                         const int64_t* sizes, double lr, double weight_decay, double beta1, double beta2,
                         double epsilon, double grad_scale);
 int bmt_cpu_sum_squares(int dtype, const void* const* ptrs, const int64_t* sizes, int64_t count, double* out);
+int bmt_cpu_attention_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
+                          void* out, void* lse, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                          int64_t dim, double scale);
+int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
+                          const void* out, const void* lse, const void* dout, void* dq, void* dk, void* dv,
+                          int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim, double scale);
 
 /* ---- CUDA (kernels/cuda/fused_cuda.cu): dtypes BMT_F32, BMT_F16, BMT_BF16 (softmax_xent: BMT_F32);
    stream is a cudaStream_t (NULL = default stream). Asynchronous: errors of the launch are returned,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -94,7 +95,8 @@ def test_outputs_of_a_run(trained):
 
 
 def test_start_says_which_attention_kernel(trained):
-    """Right-padded batches of 24 tokens on a CPU: matmul + softmax (short) without a mask, and why."""
+    """Right-padded batches of 24 tokens on a CPU with kernels: reference (so not our fused attention):
+    matmul + softmax (short) without a mask, and why."""
     _, _, output = trained
     line = next(x for x in output.splitlines() if x.startswith("attention: "))
     assert line.startswith("attention: sdpa_causal (CPU, 24 <= 256 tokens") and "need no mask" in line
@@ -404,3 +406,17 @@ def test_resume_removes_half_written_saves(trained, tmp_path):
     res = _train("--config", cfg, "--output_dir", str(out), "--resume")
     assert res.exit_code == 0, res.output
     assert not stale.exists()
+
+
+@pytest.mark.slow
+def test_custom_kernels_train_with_the_fused_cpu_attention(tmp_path):
+    """kernels: custom on a CPU: the run says it attends with the fused CPU kernel, and trains."""
+    cfg = tmp_path / "cfg.yaml"
+    text = TINY.replace(model_yaml(max_seq_len=24, kv_heads=None), model_yaml(24, None, "custom"))
+    cfg.write_text(text.format(out=tmp_path / "out", steps=3), encoding="utf-8")
+    res = _train("--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("attention: "))
+    assert line.startswith("attention: cpu_fused (CPU: fused C++ attention kernel"), line
+    losses = _losses(tmp_path / "out")
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses.values()), losses

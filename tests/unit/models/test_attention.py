@@ -1,6 +1,7 @@
 """The attention kernels against the eager reference (CPU, fp32): the blocked kernel (causal, packed,
 left-padded, grouped-query, forward and backward), the variable-length layout flash_attn_unpadded gets,
-the kernel choice, and training batches that go without a mask."""
+the kernel choice (the fused CPU kernel's own parity tests: tests/unit/ops/test_fused_attention.py), and
+training batches that go without a mask."""
 
 from __future__ import annotations
 
@@ -146,6 +147,39 @@ def test_kernel_choice():
         choose_kernel("causal", "fast", False, False)
 
 
+def test_fused_cpu_kernel_is_chosen_when_the_op_set_carries_it():
+    for kind in ("causal", "segments"):
+        for seq in (1, DENSE_MAX_SEQ, 8 * DENSE_MAX_SEQ, None):
+            assert choose_kernel(kind, "auto", False, False, seq_len=seq, fused_cpu=True)[0] == "cpu_fused"
+        assert choose_kernel(kind, "flash", False, False, fused_cpu=True)[0] == "cpu_fused"
+        # an explicit sdpa or eager, half precision on a CPU, a GPU, a static graph: not the fused kernel
+        assert choose_kernel(kind, "sdpa", False, False, fused_cpu=True)[0].startswith("sdpa")
+        assert choose_kernel(kind, "eager", False, False, fused_cpu=True)[0] == "eager"
+        assert choose_kernel(kind, "auto", True, False, fused_cpu=True)[0] == "blocked"
+        assert choose_kernel(kind, "auto", False, True, fused_cpu=True)[0] == "blocked"
+        assert choose_kernel(kind, "auto", False, False, static=True, fused_cpu=True)[0].startswith("sdpa")
+    assert choose_kernel("bias", "auto", False, False, fused_cpu=True)[0] == "sdpa_mask"
+    assert "cpu_fused" in LINEAR_KERNELS
+
+
+@pytest.mark.parametrize("layout", [None, "packed"], ids=["causal", "packed"])
+def test_attend_runs_the_op_sets_fused_kernel(layout):
+    calls = []
+
+    def core(q, k, v, segment_ids=None):
+        calls.append(segment_ids)
+        return blocked_attention(q, k, v, segment_ids)
+
+    q, k, v = _qkv(2, 37, 4, 2, seed=5)
+    seg = None if layout is None else paddle.to_tensor(np.array(SEGMENTS["packed"]), dtype="int64")
+    got = attend(q, k, v, seg, "auto", training=True, cpu_kernel=core)
+    np.testing.assert_allclose(got.numpy(), _reference(q, k, v, seg).numpy(), atol=2e-6)
+    assert len(calls) == 1 and (calls[0] is None) == (layout is None)
+    # an additive bias (KV-cache decoding: fewer queries than keys) does not go to it
+    attend(q[:, -3:], k, v, None, "auto", cpu_kernel=core)
+    assert len(calls) == 1
+
+
 def test_short_sequences_on_cpu_take_matmul_softmax_long_ones_the_blocked_kernel():
     short, long = DENSE_MAX_SEQ, DENSE_MAX_SEQ + 1
     assert choose_kernel("causal", "auto", False, False, seq_len=short)[0] == "sdpa_causal"
@@ -186,13 +220,15 @@ def test_attend_dispatches_by_length_and_both_paths_are_exact(layout, monkeypatc
 
 
 def test_memory_planner_plans_the_kernel_training_runs():
+    from bmtrain_cli.config.env import find_cxx
     from bmtrain_cli.plan.activations import _keeps_scores, attention_kernel
     from bmtrain_cli.plan.devices import get_device
     from bmtrain_cli.plan.workload import Layout, Workload
 
     cpu = get_device("cpu")
+    # kernels: paddle (no fused CPU attention): the length rule between sdpa and the blocked kernel
     for seq, kernel in ((DENSE_MAX_SEQ, "sdpa_causal"), (4 * DENSE_MAX_SEQ, "blocked")):
-        w = Workload(arch=TINY, seq_len=seq, global_batch=2)
+        w = Workload(arch=TINY, seq_len=seq, global_batch=2, kernels="paddle")
         assert (
             attention_kernel(w, cpu, Layout())
             == kernel
@@ -200,6 +236,12 @@ def test_memory_planner_plans_the_kernel_training_runs():
         )
         # the short one keeps its [b, heads, s, s] probabilities in the plan; the long one is linear
         assert _keeps_scores(kernel, cpu) == (seq == DENSE_MAX_SEQ)
+    # kernels: auto/custom with a compiler: the fused CPU kernel at every length, no score matrix kept
+    for kernels in ("auto", "custom"):
+        w = Workload(arch=TINY, seq_len=DENSE_MAX_SEQ, global_batch=2, kernels=kernels)
+        expected = "cpu_fused" if find_cxx() is not None else "sdpa_causal"
+        assert attention_kernel(w, cpu, Layout()) == expected
+    assert not _keeps_scores("cpu_fused", cpu)
 
 
 def test_training_mask_kind():
@@ -231,8 +273,9 @@ def test_right_padded_batches_go_without_a_mask():
 @pytest.mark.parametrize("recompute", ["none", "full", "attention"])
 @pytest.mark.parametrize("rows", [[[9], [14]], [[5, 7], [3, 4, 2]]], ids=["right_padded", "packed"])
 def test_training_loss_and_gradients_equal_the_masked_reference(rows, recompute):
-    """A training step as the trainer runs it (to_tensors: no mask for right-padded rows; the blocked
-    kernel) gives the loss, count and gradients of the eager kernel with the full segment mask."""
+    """A training step as the trainer runs it (to_tensors: no mask for right-padded rows; kernels auto,
+    so the fused CPU kernel where the extension builds) gives the loss, count and gradients of the eager
+    kernel with the full segment mask."""
     batch = _batch(rows)
     results = []
     for impl, tensors in (

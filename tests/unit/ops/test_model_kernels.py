@@ -1,4 +1,5 @@
-"""The same tiny model trained a few steps with kernels custom and reference: same losses and gradients.
+"""The same tiny model trained a few steps with kernels custom and reference: same losses and gradients
+(custom includes the fused CPU attention core, reference Paddle's sdpa).
 
 Tolerances: losses rtol 1e-5 per step; gradients max abs error <= 1e-5 * max(1, max |reference grad|).
 """
@@ -13,6 +14,7 @@ import pytest
 
 from bmtrain_cli.models import build
 from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.ops import fused_attention
 
 ARCH = ModelArch(
     family="llama",
@@ -71,13 +73,20 @@ def _train(arch: ModelArch, kernels: str, steps: int = 3, recompute: str = "none
     ],
     ids=["llama-gqa", "qwen3-qknorm-tied", "recompute-full", "recompute-attention"],
 )
-def test_custom_matches_reference_training(ext, variant):
+def test_custom_matches_reference_training(ext, variant, monkeypatch):
     variant = dict(variant)
     recompute = variant.pop("recompute", "none")
     arch = dataclasses.replace(ARCH, **variant)
+    fused_calls = []
+    apply = fused_attention._FusedAttention.apply
+    monkeypatch.setattr(
+        fused_attention._FusedAttention, "apply", lambda *a: fused_calls.append(1) or apply(*a)
+    )
     m_ref, l_ref, g_ref, names_ref = _train(arch, "reference", recompute=recompute)
+    assert not fused_calls and m_ref.ops.attention is None  # reference: Paddle's sdpa
     m_cus, l_cus, g_cus, names_cus = _train(arch, "custom", recompute=recompute)
     assert set(m_cus.ops.sources.values()) == {"custom"} and m_ref.ops.name == "reference"
+    assert fused_calls  # custom on a CPU: the fused attention core (packed rows, padding: segment ids)
     np.testing.assert_allclose(l_cus, l_ref, rtol=1e-5)
     assert l_ref[-1] < l_ref[0]  # it trains
     assert len(g_ref) == len(g_cus) == len(names_ref)

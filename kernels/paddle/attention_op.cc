@@ -1,0 +1,131 @@
+// Paddle custom operators over bmt_cpu_attention_fwd / _bwd (kernels/cpu/attention_cpu.cc): the fused
+// causal attention core on a CPU, in the model's layout q [b, s, h, d], k/v [b, s, hk, d], with optional
+// int64 segment ids [b, s].
+//
+// bmt_attention_fwd returns the output and the per-query log-sum-exp [b, h, s]; bmt_attention_bwd takes
+// them back with the output's gradient and returns the gradients of q, k and v. Autograd is the PyLayer of
+// bmtrain_cli/ops/attention_cpu.py (which also keeps its own copy of the segment ids). The checks raise a
+// Python error naming the op and the problem; the Python wrapper checks first with a clearer message.
+#include <vector>
+
+#include "bmt_kernels.h"
+#include "paddle/extension.h"
+
+namespace {
+
+int float_code(const paddle::Tensor& t, const char* op, const char* name) {
+  PD_CHECK(t.is_cpu(), op, ": ", name, " must be on the CPU (the fused attention is a CPU kernel)");
+  PD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  if (t.dtype() == paddle::DataType::FLOAT32) return BMT_F32;
+  PD_CHECK(t.dtype() == paddle::DataType::FLOAT64, op, ": ", name, " must be float32 or float64");
+  return BMT_F64;
+}
+
+void check_like(const paddle::Tensor& ref, const paddle::Tensor& t, const std::vector<int64_t>& shape,
+                const char* op, const char* name) {
+  float_code(t, op, name);
+  PD_CHECK(t.dtype() == ref.dtype(), op, ": ", name, " must have the dtype of q");
+  PD_CHECK(t.shape() == shape, op, ": ", name, " has the wrong shape");
+}
+
+struct Dims {
+  int64_t b, s, h, hk, d;
+};
+
+// q [b, s, h, d], k and v [b, s, hk, d] with hk dividing h; segment ids int64 [b, s] when given.
+Dims check_inputs(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
+                  const paddle::optional<paddle::Tensor>& seg, const char* op) {
+  float_code(q, op, "q");
+  PD_CHECK(q.shape().size() == 4 && k.shape().size() == 4, op, ": q and k must be [batch, seq, heads, head_dim]");
+  const Dims n{q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2], q.shape()[3]};
+  PD_CHECK(n.hk > 0 && n.h % n.hk == 0, op, ": the kv heads must divide the query heads");
+  check_like(q, k, {n.b, n.s, n.hk, n.d}, op, "k");
+  check_like(q, v, {n.b, n.s, n.hk, n.d}, op, "v");
+  if (seg) {
+    PD_CHECK(seg->dtype() == paddle::DataType::INT64, op, ": segment ids must be int64");
+    PD_CHECK(seg->is_cpu() && seg->is_contiguous(), op, ": segment ids must be contiguous on the CPU");
+    PD_CHECK(seg->shape() == std::vector<int64_t>({n.b, n.s}), op, ": segment ids must be [batch, seq]");
+  }
+  return n;
+}
+
+const int64_t* seg_data(const paddle::optional<paddle::Tensor>& seg) {
+  return seg ? seg->data<int64_t>() : nullptr;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> AttentionForward(const paddle::Tensor& q, const paddle::Tensor& k,
+                                             const paddle::Tensor& v, const paddle::optional<paddle::Tensor>& seg,
+                                             double scale) {
+  const char* op = "bmt_attention_fwd";
+  const Dims n = check_inputs(q, k, v, seg, op);
+  auto out = paddle::empty(q.shape(), q.dtype(), q.place());
+  auto lse = paddle::empty({n.b, n.h, n.s}, q.dtype(), q.place());
+  const int st = bmt_cpu_attention_fwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(seg),
+                                       out.data(), lse.data(), n.b, n.s, n.h, n.hk, n.d, scale);
+  PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
+  return {out, lse};
+}
+
+std::vector<paddle::Tensor> AttentionBackward(const paddle::Tensor& q, const paddle::Tensor& k,
+                                              const paddle::Tensor& v, const paddle::optional<paddle::Tensor>& seg,
+                                              const paddle::Tensor& out, const paddle::Tensor& lse,
+                                              const paddle::Tensor& dout, double scale) {
+  const char* op = "bmt_attention_bwd";
+  const Dims n = check_inputs(q, k, v, seg, op);
+  check_like(q, out, q.shape(), op, "out");
+  check_like(q, dout, q.shape(), op, "the output's gradient");
+  check_like(q, lse, {n.b, n.h, n.s}, op, "lse");
+  auto dq = paddle::empty(q.shape(), q.dtype(), q.place());
+  auto dk = paddle::empty(k.shape(), k.dtype(), k.place());
+  auto dv = paddle::empty(v.shape(), v.dtype(), v.place());
+  const int st = bmt_cpu_attention_bwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(seg),
+                                       out.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), n.b,
+                                       n.s, n.h, n.hk, n.d, scale);
+  PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
+  return {dq, dk, dv};
+}
+
+std::vector<std::vector<int64_t>> AttentionInferShape(const std::vector<int64_t>& q, const std::vector<int64_t>&,
+                                                      const std::vector<int64_t>&,
+                                                      const paddle::optional<std::vector<int64_t>>&) {
+  return {q, {q[0], q[2], q[1]}};
+}
+
+std::vector<paddle::DataType> AttentionInferDtype(const paddle::DataType& q, const paddle::DataType&,
+                                                  const paddle::DataType&,
+                                                  const paddle::optional<paddle::DataType>&) {
+  return {q, q};
+}
+
+PD_BUILD_OP(bmt_attention_fwd)
+    .Inputs({"Q", "K", "V", paddle::Optional("Seg")})
+    .Outputs({"Out", "Lse"})
+    .Attrs({"scale: double"})
+    .SetKernelFn(PD_KERNEL(AttentionForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AttentionInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AttentionInferDtype));
+
+std::vector<std::vector<int64_t>> AttentionGradInferShape(
+    const std::vector<int64_t>& q, const std::vector<int64_t>& k, const std::vector<int64_t>& v,
+    const paddle::optional<std::vector<int64_t>>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&) {
+  return {q, k, v};
+}
+
+std::vector<paddle::DataType> AttentionGradInferDtype(const paddle::DataType& q, const paddle::DataType&,
+                                                      const paddle::DataType&,
+                                                      const paddle::optional<paddle::DataType>&,
+                                                      const paddle::DataType&, const paddle::DataType&,
+                                                      const paddle::DataType&) {
+  return {q, q, q};
+}
+
+PD_BUILD_OP(bmt_attention_bwd)
+    .Inputs({"Q", "K", "V", paddle::Optional("Seg"), "Out", "Lse", "DOut"})
+    .Outputs({"DQ", "DK", "DV"})
+    .Attrs({"scale: double"})
+    .SetKernelFn(PD_KERNEL(AttentionBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AttentionGradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AttentionGradInferDtype));

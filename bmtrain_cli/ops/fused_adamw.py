@@ -1,16 +1,18 @@
-"""The fused CPU AdamW update (kernels/cpu/adamw_cpu.cc) behind a checked wrapper.
+"""The multi-tensor fused CPU AdamW update (kernels/cpu/adamw_cpu.cc) behind a checked wrapper.
 
-Layers: the launcher ``bmt_cpu_adamw`` (C ABI, one OpenMP pass over param/grad/moment1/moment2) <- the
-Paddle operator ``bmt_adamw_`` (kernels/paddle/adamw_op.cc: place, dtype, size and contiguity checks, in
-place) <- :func:`adamw_` here (Python-side checks with a clear ValueError, the step's scalars from the
-learning rate and the bias corrections). train/cpu_adamw.CpuAdamW calls it, and falls back to the same
-formula in Paddle's elementwise ops when :func:`unavailable_reason` says the kernel cannot be built.
+Layers: the launcher ``bmt_cpu_adamw_multi`` (C ABI: one OpenMP region over chunks of every tensor of the
+list, the gradient read times a scale factor, each tensor's bias corrections from its own beta powers, which
+it advances) <- the Paddle operator ``bmt_adamw_multi_`` (kernels/paddle/adamw_op.cc: list lengths, place,
+dtype, size and contiguity checks, in place) <- :func:`adamw_multi_` here (Python-side checks with a clear
+ValueError). train/cpu_adamw.CpuAdamW calls it once per group of parameters that share learning rate,
+weight decay and dtype, and falls back to the same formula in Paddle's elementwise ops when
+:func:`unavailable_reason` says the kernel cannot be built.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import paddle
 
@@ -28,48 +30,67 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def adamw_(
-    param: paddle.Tensor,
-    grad: paddle.Tensor,
-    moment1: paddle.Tensor,
-    moment2: paddle.Tensor,
+def adamw_multi_(
+    params: Sequence[paddle.Tensor],
+    grads: Sequence[paddle.Tensor],
+    moment1: Sequence[paddle.Tensor],
+    moment2: Sequence[paddle.Tensor],
+    beta1_pow: Sequence[paddle.Tensor],
+    beta2_pow: Sequence[paddle.Tensor],
     *,
     lr: float,
     beta1: float,
     beta2: float,
     epsilon: float,
     weight_decay: float,
-    beta1_pow: float,
-    beta2_pow: float,
+    grad_scale: float = 1.0,
 ) -> None:
-    """One AdamW step of ``param`` in place (Paddle's AdamW formula, decoupled decay):
+    """One AdamW step of every parameter in place (Paddle's AdamW formula, decoupled decay), in one call:
 
-    p *= 1 - lr wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-    p -= lr sqrt(1-b2^t) / (1-b1^t) * m / (sqrt(v) + eps sqrt(1-b2^t)), with b^t = ``beta*_pow``.
+    g = grad_scale * grad; p *= 1 - lr wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    p -= lr sqrt(1-b2^t) / (1-b1^t) * m / (sqrt(v) + eps sqrt(1-b2^t)), with b^t the parameter's
+    ``beta*_pow`` (one-element tensors of its dtype), which then become b^(t+1). The gradients are read,
+    not written. ``grad_scale`` folds a global-norm clip factor into the update.
     """
-    if param.dtype not in _FLOATS:
-        raise ValueError(f"fused adamw: the parameter is {param.dtype}; the CPU kernel takes float32/float64")
-    for name, t in (("grad", grad), ("moment1", moment1), ("moment2", moment2)):
-        if t.dtype != param.dtype or t.shape != param.shape:
-            raise ValueError(
-                f"fused adamw: {name} is {t.dtype} {list(t.shape)}, the parameter {param.dtype} {list(param.shape)}"
-            )
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and 0.0 <= beta1_pow < 1.0 and 0.0 <= beta2_pow < 1.0):
+    n = len(params)
+    if n == 0:
+        raise ValueError("fused adamw: no parameters")
+    for name, seq in (("grads", grads), ("moment1", moment1), ("moment2", moment2)):
+        if len(seq) != n:
+            raise ValueError(f"fused adamw: {len(seq)} {name} for {n} parameters")
+    for name, seq in (("beta1_pow", beta1_pow), ("beta2_pow", beta2_pow)):
+        if len(seq) != n:
+            raise ValueError(f"fused adamw: {len(seq)} {name} for {n} parameters")
+    dtype = params[0].dtype
+    if dtype not in _FLOATS:
+        raise ValueError(f"fused adamw: the parameters are {dtype}; the CPU kernel takes float32/float64")
+    for i, p in enumerate(params):
+        shape = p.shape
+        for name, t in (("param", p), ("grad", grads[i]), ("moment1", moment1[i]), ("moment2", moment2[i])):
+            if t.dtype != dtype or t.shape != shape:
+                raise ValueError(
+                    f"fused adamw: {name} {i} is {t.dtype} {list(t.shape)}, parameter {i} {dtype} {list(shape)}"
+                )
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"fused adamw: betas must lie in [0, 1), got beta1={beta1}, beta2={beta2}")
+    if not (math.isfinite(lr) and math.isfinite(grad_scale) and grad_scale >= 0.0):
         raise ValueError(
-            f"fused adamw: betas and their powers must lie in [0, 1), got beta1={beta1}, "
-            f"beta2={beta2}, beta1_pow={beta1_pow}, beta2_pow={beta2_pow}"
+            f"fused adamw: lr must be finite and grad_scale finite and >= 0, got {lr}, {grad_scale}"
         )
-    if not grad.is_contiguous():
-        grad = grad.contiguous()
-    correction2 = math.sqrt(1.0 - beta2_pow)
-    load_extension().bmt_adamw_(
-        param.detach(),  # same memory; Paddle refuses in-place custom ops on a leaf that needs a gradient
-        grad,
-        moment1,
-        moment2,
-        1.0 - lr * weight_decay,
+    contiguous: List[paddle.Tensor] = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    load_extension().bmt_adamw_multi_(
+        [
+            p.detach() for p in params
+        ],  # same memory; Paddle refuses in-place custom ops on a leaf that needs a gradient
+        contiguous,
+        list(moment1),
+        list(moment2),
+        list(beta1_pow),
+        list(beta2_pow),
+        lr,
+        weight_decay,
         beta1,
         beta2,
-        lr * correction2 / (1.0 - beta1_pow),
-        epsilon * correction2,
+        epsilon,
+        grad_scale,
     )

@@ -50,7 +50,7 @@ def build_optimizer(
 ) -> Any:
     """AdamW over the trainable parameters. ``grad_clip`` attaches Paddle's global-norm clip to the
     optimizer (used under tensor/pipeline parallel, where fleet turns it into a cross-rank clip);
-    otherwise the trainer clips with :func:`clip_grads_` before ``step()``. ``offload`` keeps the
+    otherwise the trainer clips with :func:`clip_for_step` before ``step()``. ``offload`` keeps the
     optimizer state in host memory (train/offload.py). On the CPU (and for offloaded states) the update is
     train/cpu_adamw.CpuAdamW: Paddle's CPU adamw kernel slows every later matmul 3-4x with 2+ threads."""
     params = [p for _, p in trainable_parameters(model)]
@@ -110,15 +110,40 @@ def global_grad_norm(params: Sequence[paddle.Tensor]) -> float:
     return 0.0 if norm is None else float(norm)
 
 
-def clip_grads_(params: Sequence[paddle.Tensor], max_norm: float, total_norm: float) -> float:
-    """Scale gradients in place so their global norm is at most ``max_norm``; returns the factor."""
+def clip_factor(max_norm: float, total_norm: float) -> float:
+    """The factor that brings the global gradient norm to at most ``max_norm`` (1.0 when it already is, when
+    clipping is off or when the norm is not finite)."""
     if not max_norm or max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
         return 1.0
-    factor = max_norm / (total_norm + 1e-6)
-    with paddle.no_grad():
-        for g in grads_of(params):
-            g.scale_(factor)
+    return max_norm / (total_norm + 1e-6)
+
+
+def clip_grads_(params: Sequence[paddle.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the factor."""
+    factor = clip_factor(max_norm, total_norm)
+    if factor != 1.0:
+        with paddle.no_grad():
+            for g in grads_of(params):
+                g.scale_(factor)
     return factor
+
+
+def clip_for_step(
+    optimizer: Any, params: Sequence[paddle.Tensor], max_norm: float, total_norm: float
+) -> float:
+    """Clip the gradients that ``optimizer.step()`` is about to use; returns the factor. A CpuAdamW takes the
+    factor for its next step (train/cpu_adamw.py: the fused kernel folds it into its read of the gradient,
+    which saves a pass over every gradient); any other optimizer (Paddle's AdamW on a GPU, the offload
+    wrapper, fleet's wrappers) gets its gradients scaled in place by :func:`clip_grads_`. The gradients
+    must not be read again before that step."""
+    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+
+    if type(optimizer) is CpuAdamW:  # exactly ours: a wrapper that forwards attributes does not step it
+        factor = clip_factor(max_norm, total_norm)
+        if factor != 1.0:
+            optimizer.set_grad_scale(factor)
+        return factor
+    return clip_grads_(params, max_norm, total_norm)
 
 
 def check_precision_supported(precision: str, has_gpu: bool) -> None:

@@ -73,7 +73,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
     import paddle
 
-    from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
+    from bmtrain_cli.train.optim import clip_for_step, grad_norm_tensor
 
     ctx, optim = parts.ctx, parts.optim
     if ctx.pp_degree > 1:
@@ -107,8 +107,8 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     grad_norm = float(host[1]) if norm_t is not None else 0.0
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     max_norm = parts.config.train.max_grad_norm
-    if finite and optim.own_clip and max_norm:
-        clip_grads_(parts.model.params, max_norm, grad_norm)
+    if finite and optim.own_clip and max_norm:  # a CpuAdamW folds the clip into its update
+        clip_for_step(step_opt, parts.model.params, max_norm, grad_norm)
     applied = precision.step(step_opt, finite)
     if not optim.own_clip:
         grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside step()

@@ -12,9 +12,11 @@
 //   softmax_xent: logits [rows, vocab] (fp32/fp64), labels [rows] int64; loss [rows] (0 where ignored);
 //               dlogits (optional) = softmax(logits) - onehot(label), 0 on ignored rows. Labels outside
 //               [0, vocab) other than ignore_index give BMT_ERR_LABEL.
-//   adamw:      param, grad, moment1, moment2 [n], updated in place (kernels/cpu/adamw_cpu.cc):
-//               m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p = p * decay - step * m / (sqrt(v) + eps_hat)
-//               with decay = 1 - lr wd, step = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+//   adamw_multi: count tensors, one dtype; per tensor t: param, grad, moment1, moment2 [sizes[t]] and its
+//               beta powers b1^t, b2^t (one element each), updated in place (kernels/cpu/adamw_cpu.cc):
+//               g = grad_scale * grad; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//               p = p (1 - lr wd) - lr sqrt(1-b2^t) / (1-b1^t) * m / (sqrt(v) + eps sqrt(1-b2^t)),
+//               then b1^t *= b1, b2^t *= b2. A power outside [0, 1) gives BMT_ERR_VALUE before any write.
 //   sum_squares: count tensors ptrs[t] of sizes[t] elements, one dtype; *out = sum of every x^2 (in double)
 //               (kernels/cpu/grad_norm_cpu.cc: the global gradient norm)
 //   attention:  q [b, s, h, d], k, v [b, s, hk, d] (hk divides h; query head j uses kv head j / (h / hk)),
@@ -31,7 +33,14 @@ extern "C" {
 #endif
 
 enum bmt_dtype { BMT_F32 = 0, BMT_F16 = 1, BMT_BF16 = 2, BMT_F64 = 3 };
-enum bmt_status { BMT_OK = 0, BMT_ERR_DTYPE = 1, BMT_ERR_SHAPE = 2, BMT_ERR_LABEL = 3, BMT_ERR_CUDA = 4 };
+enum bmt_status {
+  BMT_OK = 0,
+  BMT_ERR_DTYPE = 1,
+  BMT_ERR_SHAPE = 2,
+  BMT_ERR_LABEL = 3,
+  BMT_ERR_CUDA = 4,
+  BMT_ERR_VALUE = 5
+};
 
 /* ---- CPU (kernels/cpu/fused_cpu.cc): dtypes BMT_F32, BMT_F64; parallel over rows with OpenMP ---- */
 int bmt_cpu_rms_norm_fwd(int dtype, const void* x, const void* w, void* y, float* rstd, int64_t rows,
@@ -49,8 +58,10 @@ int bmt_cpu_swiglu_bwd(int dtype, const void* gate, const void* up, const void* 
 /* dlogits may be NULL (loss only). */
 int bmt_cpu_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
                          int64_t rows, int64_t vocab, int64_t ignore_index);
-int bmt_cpu_adamw(int dtype, void* param, const void* grad, void* moment1, void* moment2, int64_t n, double decay,
-                  double beta1, double beta2, double step, double eps_hat);
+int bmt_cpu_adamw_multi(int dtype, int64_t count, void* const* params, const void* const* grads,
+                        void* const* moment1, void* const* moment2, void* const* beta1_pow, void* const* beta2_pow,
+                        const int64_t* sizes, double lr, double weight_decay, double beta1, double beta2,
+                        double epsilon, double grad_scale);
 int bmt_cpu_sum_squares(int dtype, const void* const* ptrs, const int64_t* sizes, int64_t count, double* out);
 int bmt_cpu_attention_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
                           void* out, void* lse, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,

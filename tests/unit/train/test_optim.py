@@ -12,6 +12,7 @@ from bmtrain_cli.train.optim import (
     Precision,
     build_optimizer,
     check_precision_supported,
+    clip_for_step,
     clip_grads_,
     decay_names,
     global_grad_norm,
@@ -58,6 +59,26 @@ def test_global_norm_in_fp32_and_clip():
     assert factor == pytest.approx(0.25, rel=1e-4)
     assert global_grad_norm(params) == pytest.approx(expected / 4, rel=1e-4)
     assert clip_grads_(params, 1e9, norm) == 1.0
+
+
+def test_clip_for_step_folds_into_cpu_adamw_and_scales_for_the_others():
+    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+
+    paddle.seed(0)
+    m = Tiny()
+    m(paddle.randn([3, 4])).sum().backward()
+    params = list(m.parameters())
+    grads = [p.grad.numpy().copy() for p in params]
+    norm = global_grad_norm(params)
+    ours = CpuAdamW(0.1, parameters=params)
+    assert clip_for_step(ours, params, norm / 2, norm) == pytest.approx(0.5, rel=1e-4)
+    assert ours._grad_scale == pytest.approx(0.5, rel=1e-4)  # taken by the next step
+    for g, p in zip(grads, params):
+        np.testing.assert_array_equal(p.grad.numpy(), g)  # the gradients are left as they are
+    plain = paddle.optimizer.AdamW(0.1, parameters=params)
+    assert clip_for_step(plain, params, norm / 2, norm) == pytest.approx(0.5, rel=1e-4)
+    for g, p in zip(grads, params):
+        np.testing.assert_allclose(p.grad.numpy(), g * 0.5, rtol=1e-4)
 
 
 def test_non_finite_gradient_is_detected_and_skipped():

@@ -97,7 +97,7 @@ def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     host_memory.apply(host)  # as train/setup.py does on a CPU (train_config.host_memory)
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
-    from bmtrain_cli.train.optim import build_optimizer, clip_grads_, grad_norm_tensor
+    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
     from bmtrain_cli.train.static import compile_loss_sum
 
     paddle.seed(0)
@@ -126,7 +126,7 @@ def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
 
     def update():
         norm = float(grad_norm_tensor(params))  # the trainer brings the norm to the host once per step
-        clip_grads_(params, CLIP, norm)
+        clip_for_step(opt, params, CLIP, norm)  # CpuAdamW folds the clip into its update, as in train/step.py
         opt.step()
         opt.clear_grad()
 

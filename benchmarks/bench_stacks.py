@@ -30,6 +30,10 @@ and backward are the compiled programs). MFU = tokens/s x training FLOPs per tok
 measured in the same run (a 2048^3 matmul, best of 5, in Paddle and in torch; the higher one).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_stacks.py [--rounds 2] [--shapes toy,real] [--stacks ...]
+        [--shape NAME=layers,hidden,heads,kv_heads,ffn,vocab,seq,batch,tied]
+
+``--shape`` (repeatable) adds a shape of your own to the run, e.g. ``--shape q05=24,896,14,2,4864,151936,
+256,1,1`` (Qwen2.5-0.5B's layout; tied 1/0); ``--shapes`` then picks among all of them (default: every shape).
 """
 
 from __future__ import annotations
@@ -378,12 +382,44 @@ def report(runs: dict, peaks: Dict[str, float], errors: Dict[str, str], shapes, 
     return out
 
 
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "tied")
+
+
+def parse_shape(spec: str) -> Tuple[str, dict]:
+    """``NAME=layers,hidden,heads,kv_heads,ffn,vocab,seq,batch,tied`` -> (name, shape)."""
+    name, _, values = spec.partition("=")
+    parts = values.split(",")
+    if not name or len(parts) != len(SHAPE_FIELDS) or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--shape {spec!r}: expected NAME={','.join(SHAPE_FIELDS)} (integers; tied 0 or 1)")
+    shape = dict(zip(SHAPE_FIELDS, (int(p) for p in parts)), warmup=2, steps=3)
+    shape["tied"] = bool(shape["tied"])
+    if shape["hidden"] % shape["heads"] or shape["heads"] % shape["kv_heads"]:
+        raise SystemExit(f"--shape {spec!r}: heads must divide hidden and kv_heads must divide heads")
+    return name, shape
+
+
+def _shape_env() -> None:
+    """Shapes given on the driver's command line reach the workers through the environment."""
+    for spec in filter(None, os.environ.get("BENCH_STACKS_SHAPES", "").split(";")):
+        name, shape = parse_shape(spec)
+        SHAPES[name] = shape
+
+
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
-        print("RESULT " + json.dumps(worker(sys.argv[2], sys.argv[3])), flush=True)
+    argv = sys.argv
+    if "--shape" in argv:
+        specs = [argv[i + 1] for i, a in enumerate(argv) if a == "--shape"]
+        for spec in specs:
+            parse_shape(spec)  # refuse a bad spec before anything runs
+        os.environ["BENCH_STACKS_SHAPES"] = ";".join(specs)
+    _shape_env()
+    if len(argv) >= 4 and argv[1] == "--worker":
+        print("RESULT " + json.dumps(worker(argv[2], argv[3])), flush=True)
     else:
-        argv = sys.argv
         n = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
-        sh = tuple(argv[argv.index("--shapes") + 1].split(",")) if "--shapes" in argv else ("toy", "real")
+        sh = tuple(argv[argv.index("--shapes") + 1].split(",")) if "--shapes" in argv else tuple(SHAPES)
         st = tuple(argv[argv.index("--stacks") + 1].split(",")) if "--stacks" in argv else STACKS
+        unknown = [x for x in sh if x not in SHAPES]
+        if unknown:
+            raise SystemExit(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
         main(n, sh, st)

@@ -62,9 +62,14 @@ LR, CLIP = 1e-4, 1.0
 # ---------------------------------------------------------------- workers (run in subprocesses)
 def _timed(phases: Dict[str, Callable[[], object]], shape: dict) -> dict:
     """Run warmup + steps steps of the phases in order; medians of each phase over the timed steps."""
+    import resource
+
     per: Dict[str, List[float]] = {k: [] for k in phases}
     losses = []
+    usage = None
     for i in range(shape["warmup"] + shape["steps"]):
+        if i == shape["warmup"]:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         for name, fn in phases.items():
             t0 = time.perf_counter()
             out = fn()
@@ -77,9 +82,15 @@ def _timed(phases: Dict[str, Callable[[], object]], shape: dict) -> dict:
     res = {f"{k}_s": statistics.median(v) for k, v in per.items()}
     res.update(step_s=step, tokens_per_sec=shape["batch"] * shape["seq"] / step, first_loss=losses[0])
     res["last_loss"] = losses[-1]
-    import resource
-
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    n = shape["steps"]
+    # page faults and kernel/user CPU per timed step: they do not depend on the machine's load
+    res.update(
+        peak_rss_mb=end.ru_maxrss / 1024,
+        page_faults_per_step=(end.ru_minflt - usage.ru_minflt) / n,
+        sys_s_per_step=(end.ru_stime - usage.ru_stime) / n,
+        user_s_per_step=(end.ru_utime - usage.ru_utime) / n,
+    )
     return res
 
 
@@ -377,6 +388,14 @@ def report(runs: dict, peaks: Dict[str, float], errors: Dict[str, str], shapes, 
             out[f"{shape}/{s}"] = dict(
                 r, mfu=mfu, all_tokens_per_sec=[x["tokens_per_sec"] for x in runs[(shape, s)]]
             )
+        print(
+            "per timed step: "
+            + "; ".join(
+                f"{s} {r['page_faults_per_step']:.0f} page faults, {r['sys_s_per_step']:.2f} s kernel / "
+                f"{r['user_s_per_step']:.2f} s user CPU"
+                for s, r in best.items()
+            )
+        )
     for k, e in errors.items():
         print(f"{k}: FAILED: {e}")
     return out

@@ -46,9 +46,12 @@ def rotary(
 
 
 def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
-    from paddle.incubate.nn.functional import swiglu as _swiglu
-
-    return _swiglu(gate, up)
+    # paddle.nn.functional.swiglu where Paddle has it (3.3 deprecates the incubate one, with a warning that
+    # reached users of `kernels: auto`, whose CPU timing tries this op)
+    fn = getattr(F, "swiglu", None)
+    if fn is None:
+        from paddle.incubate.nn.functional import swiglu as fn
+    return fn(gate, up)
 
 
 def cross_entropy_sum(

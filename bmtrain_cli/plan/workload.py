@@ -133,9 +133,14 @@ class Workload:
             facts = data_facts(config, need_vocab=arch is None, need_longest=wants_longest)
         if arch is None:
             arch = arch_from_model_config(m, allow_known=True)
-            # a fresh model takes its tokenizer's vocabulary
+            # a fresh model takes its tokenizer's vocabulary, or model_config.vocab_size when set (the
+            # trainer's rule, config/checks.fresh_vocab_size)
             if facts.vocab_size and not m.model_name_or_path:
-                arch = replace(arch, vocab_size=facts.vocab_size)
+                from bmtrain_cli.config.checks import fresh_vocab_size
+
+                arch = replace(
+                    arch, vocab_size=fresh_vocab_size(m.vocab_size, facts.vocab_size, "the tokenizer")
+                )
         if seq_len is None:
             seq_len = facts.longest or m.max_seq_len
         targets = lora_targets(arch, t.lora_target_modules)

@@ -53,6 +53,16 @@ def test_demo_data_gives_the_demo_tokenizer_vocabulary_and_the_longest_sample(wr
     assert w.seq_len == facts.longest and w.arch.vocab_size == tok.vocab_size
 
 
+def test_a_configured_vocab_size_above_the_tokenizers_is_the_one_planned(write_yaml, tmp_path) -> None:
+    # what the trainer builds (config/checks.fresh_vocab_size): model_config.vocab_size when set; the plan
+    # used the tokenizer's and left the 49152 x 576 embedding of a SmolLM2-shaped config out (-23%)
+    text = BASE.format(seq=64, out=tmp_path / "out", batching="max_length", data="  demo_data: reverse")
+    tok_vocab = Workload.from_config(load_config(write_yaml(text)).config).arch.vocab_size
+    padded = text.replace("model_config:\n", "model_config:\n  vocab_size: 5000\n")
+    w = Workload.from_config(load_config(write_yaml(padded)).config)
+    assert tok_vocab < 5000 and w.arch.vocab_size == 5000
+
+
 def test_longest_follows_the_data_and_is_capped_at_max_seq_len(write_yaml, tmp_path) -> None:
     data = tmp_path / "d.jsonl"
     rows = [{"input": "a " * n, "output": "b " * n} for n in (2, 5, 40)]

@@ -72,7 +72,9 @@ def _need_float(name: str, op: str, t: paddle.Tensor) -> None:
         )
 
 
-def _contig(t: paddle.Tensor) -> paddle.Tensor:
+def contiguous(t: paddle.Tensor) -> paddle.Tensor:
+    """``t`` laid out densely, as the C++ launchers read it (a copy only when it is strided); the one
+    definition for every wrapper of ops/ over our kernels."""
     if _traced():  # a static program's values are dense (and have no is_contiguous)
         return t
     return t if t.is_contiguous() else t.contiguous()
@@ -87,7 +89,7 @@ def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tens
         )
     if weight.dtype != x.dtype:
         weight = weight.astype(x.dtype)
-    y, _ = _ext().bmt_rms_norm(_contig(x), _contig(weight), float(eps))
+    y, _ = _ext().bmt_rms_norm(contiguous(x), contiguous(weight), float(eps))
     return y
 
 
@@ -116,7 +118,9 @@ def rotary(
         k = k.astype(q.dtype)
     if cos.dtype != q.dtype:
         cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
-    qo, ko = _ext().bmt_rotary(_contig(q), _contig(k), _contig(cos), _contig(sin), q.shape[2], k.shape[2])
+    qo, ko = _ext().bmt_rotary(
+        contiguous(q), contiguous(k), contiguous(cos), contiguous(sin), q.shape[2], k.shape[2]
+    )
     return qo, ko
 
 
@@ -127,7 +131,7 @@ def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
         raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have the same shape")
     if up.dtype != gate.dtype:
         up = up.astype(gate.dtype)
-    return _ext().bmt_swiglu(_contig(gate), _contig(up))
+    return _ext().bmt_swiglu(contiguous(gate), contiguous(up))
 
 
 def _check_labels(op: str, labels: paddle.Tensor, rows: int) -> paddle.Tensor:
@@ -136,7 +140,7 @@ def _check_labels(op: str, labels: paddle.Tensor, rows: int) -> paddle.Tensor:
         raise ValueError(f"{op}: {labels.shape[0]} labels for {rows} rows")
     if labels.dtype != paddle.int64:
         labels = labels.astype("int64")
-    return _contig(labels)
+    return contiguous(labels)
 
 
 def _logits_dtype(t: paddle.Tensor) -> paddle.dtype:
@@ -147,7 +151,7 @@ class _CrossEntropySum(PyLayer):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
         lf = logits.astype(_logits_dtype(logits))
-        loss, dlogits = _ext().bmt_softmax_xent(_contig(lf), labels, int(ignore_index))
+        loss, dlogits = _ext().bmt_softmax_xent(contiguous(lf), labels, int(ignore_index))
         ctx.save_for_backward(dlogits)
         ctx.in_dtype = logits.dtype
         return loss.sum().astype("float32")  # the count is computed outside: no mark_non_differentiable
@@ -168,7 +172,7 @@ def cross_entropy_sum(
     if paddle.is_grad_enabled() and not logits.stop_gradient:
         count = (labels != ignore_index).astype("float32").sum()
         return _CrossEntropySum.apply(logits, labels, ignore_index), count
-    lf = _contig(logits.astype(_logits_dtype(logits)))
+    lf = contiguous(logits.astype(_logits_dtype(logits)))
     loss = _ext().bmt_softmax_xent_loss(lf, labels, int(ignore_index))
     return loss.sum().astype("float32"), (labels != ignore_index).astype("float32").sum()
 
@@ -249,7 +253,7 @@ def linear_cross_entropy(
     labels = _check_labels(op, labels, hidden.shape[0])
     if weight.dtype != hidden.dtype:
         weight = weight.astype(hidden.dtype)
-    hidden, weight = _contig(hidden), _contig(weight)
+    hidden, weight = contiguous(hidden), contiguous(weight)
     if _traced():
         # The chunk loop writes the gradients in place inside a PyLayer, which a static program cannot
         # express (to_static turns add_/setitem into copies): whole logits + the fused softmax-xent instead.

@@ -12,11 +12,12 @@ weight decay and dtype, and falls back to the same formula in Paddle's elementwi
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import paddle
 
 from bmtrain_cli.ops.build import KernelBuildError, load_extension
+from bmtrain_cli.ops.custom import contiguous
 
 _FLOATS = (paddle.float32, paddle.float64)
 
@@ -77,12 +78,10 @@ def adamw_multi_(
         raise ValueError(
             f"fused adamw: lr must be finite and grad_scale finite and >= 0, got {lr}, {grad_scale}"
         )
-    contiguous: List[paddle.Tensor] = [g if g.is_contiguous() else g.contiguous() for g in grads]
     load_extension().bmt_adamw_multi_(
-        [
-            p.detach() for p in params
-        ],  # same memory; Paddle refuses in-place custom ops on a leaf that needs a gradient
-        contiguous,
+        # detach: the same memory; Paddle refuses in-place custom ops on a leaf that needs a gradient
+        [p.detach() for p in params],
+        [contiguous(g) for g in grads],
         list(moment1),
         list(moment2),
         list(beta1_pow),

@@ -18,12 +18,9 @@ import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.ops.build import load_extension
+from bmtrain_cli.ops.custom import contiguous
 
 _DTYPES = (paddle.float32, paddle.float64)
-
-
-def _contig(t: paddle.Tensor) -> paddle.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
 
 
 class _FusedAttention(PyLayer):
@@ -47,7 +44,7 @@ class _FusedAttention(PyLayer):
     @staticmethod
     def backward(ctx: Any, dout: paddle.Tensor) -> Tuple[Optional[paddle.Tensor], ...]:
         q, k, v, out, lse, seg = ctx.saved_tensor()
-        dq, dk, dv = load_extension().bmt_attention_bwd(q, k, v, seg, out, lse, _contig(dout), ctx.scale)
+        dq, dk, dv = load_extension().bmt_attention_bwd(q, k, v, seg, out, lse, contiguous(dout), ctx.scale)
         return (dq, dk, dv) if seg is None else (dq, dk, dv, None)
 
 
@@ -92,8 +89,8 @@ def fused_attention(
     Raises ValueError for a wrong shape, dtype or device."""
     _check(q, k, v, segment_ids)
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
-    seg = None if segment_ids is None else _contig(segment_ids.astype("int64"))
-    q, k, v = _contig(q), _contig(k), _contig(v)
+    seg = None if segment_ids is None else contiguous(segment_ids.astype("int64"))
+    q, k, v = contiguous(q), contiguous(k), contiguous(v)
     if paddle.is_grad_enabled() and not (q.stop_gradient and k.stop_gradient and v.stop_gradient):
         return _FusedAttention.apply(q, k, v, seg, scale)
     return load_extension().bmt_attention_fwd(q, k, v, seg, scale)[0]

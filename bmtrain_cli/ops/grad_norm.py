@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import paddle
 
 from bmtrain_cli.ops.build import KernelBuildError, load_extension
+from bmtrain_cli.ops.custom import contiguous
 
 _KERNEL_DTYPES = (paddle.float32, paddle.float64)
 
@@ -34,7 +35,7 @@ def sum_squares(tensors: Sequence[paddle.Tensor]) -> Tuple[Optional[paddle.Tenso
     rest: List[paddle.Tensor] = []
     for t in tensors:
         if t.place.is_cpu_place() and t.dtype in groups:
-            groups[t.dtype].append(t if t.is_contiguous() else t.contiguous())
+            groups[t.dtype].append(contiguous(t))
         else:
             rest.append(t)
     ext = load_extension()

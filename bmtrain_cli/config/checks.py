@@ -9,11 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
-from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
+from bmtrain_cli.models.arch import (
+    LORA_PROJECTIONS,
+    ModelArch,
+    arch_from_model_config,
+    arch_problems,
+    arch_projections,
+)
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -104,6 +111,8 @@ def check_config(  # noqa: C901
             f"{exc} (architecture checks skipped)",
         )
     if arch is not None:
+        for key, message in arch_problems(arch):
+            err(f"model_config.{key}", message)
         tp = p.tensor_parallel
         if arch.num_attention_heads % tp:
             err(
@@ -275,8 +284,10 @@ def check_config(  # noqa: C901
             f"warmup_steps ({t.warmup_steps}) must be shorter than training (max_steps {t.max_steps})",
             f"use fewer warmup steps, e.g. {max(0, t.max_steps // 10)}",
         )
-    if t.min_lr > t.learning_rate:
-        err("train_config.min_lr", f"min_lr ({t.min_lr}) exceeds learning_rate ({t.learning_rate})")
+    peak_lr = peak_learning_rate(t.learning_rate, t.scale_lr, t.global_batch_size or per_pass)
+    for message in schedule_problems(t.min_lr, peak_lr, t.lr_scheduler):
+        hint = "scale_lr: true multiplies learning_rate by global_batch / 256; lower min_lr to match"
+        err("train_config.min_lr", message, hint if t.scale_lr else "lower min_lr")
 
     # --- precision
     if t.precision != "fp32":

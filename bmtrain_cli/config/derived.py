@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 from bmtrain_cli.config.schema import Config
 
 LR_SCALING_BASE_BATCH = 256
+
+
+def peak_learning_rate(learning_rate: float, scale_lr: bool, global_batch: int) -> float:
+    """The learning rate the schedule peaks at: ``learning_rate``, or with the linear scaling rule
+    ``learning_rate x global_batch / 256``."""
+    return learning_rate * global_batch / LR_SCALING_BASE_BATCH if scale_lr else learning_rate
+
+
+def schedule_problems(min_lr: float, peak_lr: float, lr_scheduler: str) -> List[str]:
+    """What the learning-rate schedule refuses (validate-config reports the same before a run)."""
+    if lr_scheduler != "constant" and min_lr > peak_lr:
+        return [
+            f"min_lr ({min_lr:g}) exceeds the peak learning_rate ({peak_lr:g}): the {lr_scheduler} schedule "
+            "cannot decay from the peak to a higher floor"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -27,7 +44,7 @@ def derive(config: Config) -> Derived:
     per_pass = tr.micro_batch_size * data_ranks
     global_batch = tr.global_batch_size or per_pass
     accum = max(1, global_batch // per_pass)
-    lr = tr.learning_rate * global_batch / LR_SCALING_BASE_BATCH if tr.scale_lr else tr.learning_rate
+    lr = peak_learning_rate(tr.learning_rate, tr.scale_lr, global_batch)
     return Derived(
         world_size=par.world_size,
         data_ranks=data_ranks,

@@ -59,6 +59,43 @@ class ModelArch:
         return self.attention_bias and self.family in ("llama", "qwen3")
 
 
+@dataclass(frozen=True)
+class ArchRule:
+    """A rule the model builder enforces on an architecture. ``validate-config`` runs the same rules first
+    (config/checks.py), so a config the builder would refuse never reaches a rank. ``example`` holds
+    model_config values that break the rule (tests derive their cases from it)."""
+
+    field: str  # the model_config key to blame
+    broken: Any  # ModelArch -> bool
+    message: Any  # ModelArch -> str
+    example: Dict[str, Any]
+
+
+ARCH_RULES: Tuple[ArchRule, ...] = (
+    ArchRule(
+        "num_key_value_heads",
+        lambda a: a.num_attention_heads % a.num_key_value_heads != 0,
+        lambda a: (
+            f"num_attention_heads ({a.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({a.num_key_value_heads}): each key/value head serves a whole group of "
+            "query heads"
+        ),
+        {"num_attention_heads": 4, "num_key_value_heads": 3},
+    ),
+    ArchRule(
+        "position_embedding",
+        lambda a: a.position_embedding not in ("rope", "alibi"),
+        lambda a: f"position_embedding {a.position_embedding!r} is not rope or alibi",
+        {"family": "baichuan", "position_embedding": "learned"},
+    ),
+)
+
+
+def arch_problems(arch: ModelArch) -> Tuple[Tuple[str, str], ...]:
+    """(model_config key, message) for every ARCH_RULES rule the architecture breaks."""
+    return tuple((r.field, r.message(arch)) for r in ARCH_RULES if r.broken(arch))
+
+
 FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "llama": {},
     "mistral": {},

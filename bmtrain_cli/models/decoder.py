@@ -26,7 +26,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.models.arch import ModelArch, arch_problems
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
@@ -230,13 +230,8 @@ class CausalLM(nn.Layer):
             raise UserError(
                 f"attention_implementation {attention_implementation!r} is not one of {IMPLEMENTATIONS}"
             )
-        if arch.num_attention_heads % arch.num_key_value_heads:
-            raise UserError(
-                f"num_attention_heads ({arch.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({arch.num_key_value_heads})"
-            )
-        if arch.position_embedding not in ("rope", "alibi"):
-            raise UserError(f"position_embedding {arch.position_embedding!r} is not rope or alibi")
+        for key, message in arch_problems(arch):
+            raise UserError(f"model_config.{key}: {message}")
         self.arch = arch
         self.factory = factory if factory is not None else PlainFactory()
         self.ops = select(kernels, shapes=OpShapes.of(arch))

@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict
 
+from bmtrain_cli.config.derived import schedule_problems
+from bmtrain_cli.errors import UserError
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -59,7 +62,9 @@ def warmup_steps_for(warmup_steps: int, warmup_ratio: float, total_steps: int) -
 
 def build_schedule(train_cfg: Any, peak_lr: float, total_steps: int) -> Schedule:
     """Schedule of a train_config section; ``peak_lr`` is derived.learning_rate (linear scaling applied)."""
-    min_lr = min(train_cfg.min_lr, peak_lr) if train_cfg.lr_scheduler != "constant" else peak_lr
+    for message in schedule_problems(train_cfg.min_lr, peak_lr, train_cfg.lr_scheduler):
+        raise UserError(f"train_config.min_lr: {message}")
+    min_lr = train_cfg.min_lr if train_cfg.lr_scheduler != "constant" else peak_lr
     return Schedule(
         peak_lr=peak_lr,
         total_steps=total_steps,

@@ -21,6 +21,7 @@ from bmtrain_cli.models.arch import (
     arch_problems,
     arch_projections,
 )
+from bmtrain_cli.models.families import family
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -156,7 +157,10 @@ def check_config(  # noqa: C901
                 f"max_seq_len ({m.max_seq_len}) exceeds max_position_embeddings ({arch.max_position_embeddings})",
                 "the model was not trained on positions this long; consider rope_scaling",
             )
-        if arch.hidden_size != arch.num_attention_heads * arch.head_dim and arch.family != "qwen3":
+        if (
+            arch.hidden_size != arch.num_attention_heads * arch.head_dim
+            and not family(arch.family).free_head_dim
+        ):
             if m.head_dim is None and not m.model_name_or_path:
                 err(
                     "model_config.hidden_size",

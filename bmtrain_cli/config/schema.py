@@ -11,7 +11,9 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_orig
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "baichuan"]
+from bmtrain_cli.models.families import FAMILY_NAMES
+
+Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # one choice per module in models/families/
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 

@@ -10,15 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
-
-# Hugging Face model_type -> our family
-MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mistral": "mistral",
-    "baichuan": "baichuan",
-}
+from bmtrain_cli.models.families import FAMILIES, MODEL_TYPES, family
 
 
 @dataclass(frozen=True)
@@ -37,6 +29,7 @@ class ModelArch:
     rope_theta: float = 10000.0
     rope_scaling: Optional[Dict[str, Any]] = None
     rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or a GELU (GeGLU)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
@@ -55,8 +48,8 @@ class ModelArch:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Hugging Face's LLaMA and Qwen3 put ``attention_bias`` on o_proj too; Qwen2 does not."""
-        return self.attention_bias and self.family in ("llama", "qwen3")
+        """Whether ``attention_bias`` covers o_proj too (the family says: LLaMA and Qwen3 yes, Qwen2 no)."""
+        return self.attention_bias and family(self.family).o_proj_bias
 
 
 @dataclass(frozen=True)
@@ -84,9 +77,12 @@ ARCH_RULES: Tuple[ArchRule, ...] = (
     ),
     ArchRule(
         "position_embedding",
-        lambda a: a.position_embedding not in ("rope", "alibi"),
-        lambda a: f"position_embedding {a.position_embedding!r} is not rope or alibi",
-        {"family": "baichuan", "position_embedding": "learned"},
+        lambda a: a.position_embedding not in family(a.family).positions,
+        lambda a: (
+            f"position_embedding {a.position_embedding!r} is not supported by the {a.family} family "
+            f"({' or '.join(family(a.family).positions)})"
+        ),
+        {"family": "llama", "position_embedding": "alibi"},
     ),
 )
 
@@ -95,14 +91,6 @@ def arch_problems(arch: ModelArch) -> Tuple[Tuple[str, str], ...]:
     """(model_config key, message) for every ARCH_RULES rule the architecture breaks."""
     return tuple((r.field, r.message(arch)) for r in ARCH_RULES if r.broken(arch))
 
-
-FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"attention_bias": True, "rope_theta": 1000000.0},
-    "qwen3": {"qk_norm": True, "rope_theta": 1000000.0},
-    "baichuan": {"fused_qkv": True},
-}
 
 _ARCH_FIELDS = (
     "hidden_size",
@@ -116,6 +104,7 @@ _ARCH_FIELDS = (
     "rope_theta",
     "rope_scaling",
     "rms_norm_eps",
+    "hidden_act",
     "tie_word_embeddings",
     "attention_bias",
     "position_embedding",
@@ -130,14 +119,8 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
     if getattr(model_cfg, "model_name_or_path", None):
         base = read_hf_config(model_cfg.model_name_or_path, allow_known=allow_known)
     else:
-        base = replace(ModelArch(family=model_cfg.family), **FAMILY_DEFAULTS[model_cfg.family])
+        base = replace(ModelArch(family=model_cfg.family), **family(model_cfg.family).defaults)
     updates = {k: getattr(model_cfg, k) for k in _ARCH_FIELDS if getattr(model_cfg, k, None) is not None}
-    if (
-        "position_embedding" in updates
-        and base.family != "baichuan"
-        and updates["position_embedding"] == "alibi"
-    ):
-        raise UserError("model_config.position_embedding: alibi is only supported for the baichuan family")
     arch = replace(base, **updates)
     if (
         "num_attention_heads" in updates
@@ -165,78 +148,68 @@ def _rope(cfg: Dict[str, Any]) -> tuple:
     return float(theta), scaling
 
 
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
+# config.json keys every family reads (beyond the ModelArch fields of the same name)
+_SHARED_KEYS = (
+    "model_type",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+)
+
+
 def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> ModelArch:
-    """Parse a Hugging Face config.json dict."""
+    """Parse a Hugging Face config.json dict: the shared keys here, the family's own in its module."""
     model_type = cfg.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(
             f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
         )
-    family = MODEL_TYPES[model_type]
+    fam = FAMILIES[MODEL_TYPES[model_type]]
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = _rope(cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UserError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in HIDDEN_ACTS:
+            raise UserError(f"{source}: hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         if cfg.get("mlp_bias"):
             raise UserError(f"{source}: mlp_bias=true is not supported")
         if cfg.get("use_sliding_window"):
             raise UserError(f"{source}: use_sliding_window=true (per-layer sliding windows) is not supported")
-        position = cfg.get("position_embedding")
-        if family == "baichuan" and position is None:
-            # Baichuan/Baichuan2-13B use ALiBi and have no rope settings; the 7B models use RoPE.
-            position = "alibi" if hidden == 5120 and "rope_theta" not in cfg else "rope"
-        known = set(_ARCH_FIELDS) | {
-            "model_type",
-            "rope_parameters",
-            "bos_token_id",
-            "eos_token_id",
-            "pad_token_id",
-            "architectures",
-            "torch_dtype",
-            "dtype",
-            "transformers_version",
-            "qk_norm",
-            "fused_qkv",
-            "norm_head",
-        }
-        if family == "mistral":
-            known.add("sliding_window")
-        vocab = int(cfg["vocab_size"])
-        return ModelArch(
-            family=family,
+        known = set(_ARCH_FIELDS) | set(_SHARED_KEYS) | set(fam.known_keys)
+        shared = dict(
+            family=fam.name,
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=vocab,
+            vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(
                 cfg.get("max_position_embeddings", cfg.get("model_max_length", 4096))
             ),
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=act,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
-            fused_qkv=family == "baichuan",
-            position_embedding=position or "rope",
-            sliding_window=(
-                int(cfg["sliding_window"]) if family == "mistral" and cfg.get("sliding_window") else None
-            ),
-            # Baichuan 2 (vocab 125696, z_loss_weight in its config) normalises the LM head rows.
-            norm_head=bool(
-                cfg.get("norm_head", family == "baichuan" and ("z_loss_weight" in cfg or vocab == 125696))
-            ),
+            attention_bias=bool(cfg.get("attention_bias", fam.default("attention_bias", False))),
+            qk_norm=bool(fam.default("qk_norm", False)),
+            fused_qkv=bool(fam.default("fused_qkv", False)),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             extra={k: v for k, v in cfg.items() if k not in known},
         )
+        return ModelArch(**{**shared, **fam.read_hf(cfg)})
     except KeyError as exc:
         raise UserError(f"{source}: missing required key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
@@ -336,21 +309,12 @@ def read_hf_config(path: str, allow_known: bool = False) -> ModelArch:
     return arch_from_hf_dict(cfg, str(cfg_file))
 
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "baichuan": "BaichuanForCausalLM",
-}
-
-
 def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
     """The config.json of a checkpoint with this architecture (keys transformers 4.x and 5.x read).
     Unknown keys read from the original config.json are written back unchanged."""
     cfg: Dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch.family]],
-        "model_type": arch.family,
+        "architectures": [family(arch.family).hf_architecture],
+        "model_type": family(arch.family).model_types[0],
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
         "num_hidden_layers": arch.num_hidden_layers,
@@ -360,7 +324,7 @@ def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
         "vocab_size": arch.vocab_size,
         "max_position_embeddings": arch.max_position_embeddings,
         "rms_norm_eps": arch.rms_norm_eps,
-        "hidden_act": "silu",
+        "hidden_act": arch.hidden_act,
         "tie_word_embeddings": arch.tie_word_embeddings,
         "initializer_range": arch.initializer_range,
         "bos_token_id": arch.bos_token_id,
@@ -368,17 +332,14 @@ def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
         "pad_token_id": arch.pad_token_id,
         "torch_dtype": dtype,
     }
-    if arch.family in ("llama", "qwen3") or arch.attention_bias != (arch.family == "qwen2"):
+    if arch.attention_bias != family(arch.family).default("attention_bias", False):
         cfg["attention_bias"] = arch.attention_bias
     if arch.position_embedding == "rope":
         cfg["rope_theta"] = arch.rope_theta
         cfg["rope_scaling"] = dict(arch.rope_scaling) if arch.rope_scaling else None
     else:
         cfg["position_embedding"] = arch.position_embedding
-    if arch.family == "mistral":
-        cfg["sliding_window"] = arch.sliding_window
-    if arch.family == "baichuan":
-        cfg["norm_head"] = arch.norm_head
+    cfg.update(family(arch.family).write_hf(arch))
     for k, v in arch.extra.items():
         cfg.setdefault(k, v)
     return cfg

@@ -156,9 +156,14 @@ class MLP(nn.Layer):
         self.up_proj = factory.linear(h, f, False, tp="column")
         self.down_proj = factory.linear(f, h, False, tp="row")
         self.ops = ops
+        self.act = arch.hidden_act
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act == "silu":  # SwiGLU, through the fused kernels
+            return self.down_proj(self.ops.swiglu(gate, up))
+        # GeGLU: gelu (erf) or gelu_pytorch_tanh (the tanh approximation)
+        return self.down_proj(F.gelu(gate, approximate=self.act == "gelu_pytorch_tanh") * up)
 
 
 class DecoderLayer(nn.Layer):

@@ -82,7 +82,7 @@ def _check_gloo_groups(config: Any) -> None:
     """The CPU build's gloo cannot connect a group of 3+ ranks that is not the whole world (the same
     refusal as validate-config / bmtrain run, config/checks.py)."""
     from bmtrain_cli.config.checks import cpu_gloo_subgroups
-    from bmtrain_cli.config.env import paddle_has_gpu
+    from bmtrain_cli.machine import paddle_has_gpu
 
     par = config.parallel
     if par.world_size > 2 and not paddle_has_gpu():
@@ -155,7 +155,7 @@ def init_distributed_mode() -> DistributedMode:
     world size, devices, degrees, Paddle build) and return it."""
     import paddle
 
-    from bmtrain_cli.config.env import gpu_available
+    from bmtrain_cli.machine import gpu_available
 
     ctx = _CTX if _CTX is not None else init_distributed()
     par = ctx.config.parallel

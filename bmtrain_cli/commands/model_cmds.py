@@ -30,7 +30,7 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
     from bmtrain_cli.models import load_pretrained
 
     if dtype in ("bfloat16", "float16"):
-        from bmtrain_cli.config.env import paddle_has_gpu
+        from bmtrain_cli.machine import paddle_has_gpu
 
         if not paddle_has_gpu(import_paddle=True):
             raise UserError(

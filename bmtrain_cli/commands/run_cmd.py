@@ -96,8 +96,8 @@ def register(app: typer.Typer) -> None:
         ),
         dry_run: bool = typer.Option(False, "--dry_run", help="Print the launch command and exit."),
     ) -> None:
-        from bmtrain_cli.config.env import paddle_has_gpu
         from bmtrain_cli.config.load import load_config
+        from bmtrain_cli.machine import paddle_has_gpu
         from bmtrain_cli.parallel.launch import plan_launch, run_plan
 
         extra = list(ctx.args)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
-from bmtrain_cli.config.env import paddle_has_gpu
 from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
+from bmtrain_cli.machine import paddle_has_gpu
 from bmtrain_cli.models.arch import (
     LORA_PROJECTIONS,
     ModelArch,

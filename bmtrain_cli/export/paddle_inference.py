@@ -18,9 +18,9 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import paddle
 
-from bmtrain_cli.config.env import gpu_available
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.export.meta import META_FILE, read_export_meta
+from bmtrain_cli.machine import gpu_available
 
 MODEL_PREFIX = "model"
 INPUT_NAME = "input_ids"

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import paddle
 
-from bmtrain_cli.config.env import gpu_available
+from bmtrain_cli.machine import gpu_available
 
 QMAX = 127
 SCALE_SUFFIX = "weight_scale"

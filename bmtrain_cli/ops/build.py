@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Optional, Tuple
 
-from bmtrain_cli.config.env import find_cxx
+from bmtrain_cli.machine import find_cxx
 
 
 def _kernels_dir() -> Path:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional
 
-from bmtrain_cli.config.env import gpu_available
+from bmtrain_cli.machine import gpu_available
 
 _APPLIED = False
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from bmtrain_cli.config.env import find_cxx
+from bmtrain_cli.machine import find_cxx
 from bmtrain_cli.models.arch import (
     LORA_PROJECTIONS,
     ModelArch,

@@ -170,7 +170,7 @@ def detect_device() -> Device:
     """The device this process trains on: the current GPU (its name and total memory) or the CPU."""
     import paddle
 
-    from bmtrain_cli.config.env import gpu_available
+    from bmtrain_cli.machine import gpu_available
 
     if gpu_available():
         props = paddle.device.cuda.get_device_properties()

@@ -264,7 +264,7 @@ def estimate(
     Paddle: an 80 GB A100-class GPU; else the CPU). ``arch`` and ``seq_len`` override the architecture
     and the longest batch (the trainer passes what it built and what its loader holds); otherwise they
     are read as the trainer will read them (:mod:`bmtrain_cli.plan.data_facts`)."""
-    from bmtrain_cli.config.env import paddle_has_gpu
+    from bmtrain_cli.machine import paddle_has_gpu
     from bmtrain_cli.plan.devices import get_device
 
     if device is None:
@@ -346,7 +346,7 @@ def check_weights_fit(est: Optional[MemoryEstimate]) -> None:
 def default_device(config: Any) -> Device:
     """The device a plan assumes when none is named: a GPU (A100-80GB) for multi-device or mixed-precision
     configs or a GPU build of Paddle, else this machine's CPU. Does not import Paddle."""
-    from bmtrain_cli.config.env import paddle_has_gpu
+    from bmtrain_cli.machine import paddle_has_gpu
     from bmtrain_cli.plan.devices import get_device
 
     gpu = config.parallel.world_size > 1 or config.train.precision != "fp32" or paddle_has_gpu()

@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 import numpy as np
 import paddle
 
-from bmtrain_cli.config.env import gpu_available
+from bmtrain_cli.machine import gpu_available
 
 
 def rng_state() -> Dict[str, Any]:

@@ -18,9 +18,9 @@ from bmtrain_cli.checkpoint_layout import (
     step_dirs,
 )
 from bmtrain_cli.config.derived import Derived, derive
-from bmtrain_cli.config.env import gpu_available
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.machine import gpu_available
 
 # Files and folders a run writes into output_dir (and --overwrite removes; nothing else is touched).
 RUN_OUTPUTS = ("checkpoints", "logs", "metrics.jsonl", "summary.json", "loss_curve.png", "rejected.jsonl")

@@ -220,7 +220,7 @@ def test_attend_dispatches_by_length_and_both_paths_are_exact(layout, monkeypatc
 
 
 def test_memory_planner_plans_the_kernel_training_runs():
-    from bmtrain_cli.config.env import find_cxx
+    from bmtrain_cli.machine import find_cxx
     from bmtrain_cli.plan.activations import _keeps_scores, attention_kernel
     from bmtrain_cli.plan.devices import get_device
     from bmtrain_cli.plan.workload import Layout, Workload

@@ -170,7 +170,7 @@ def test_command_errors(model_dir, tmp_path):
 
 
 def test_half_precision_on_cpu_is_a_clear_error(model_dir):
-    from bmtrain_cli.config.env import paddle_has_gpu
+    from bmtrain_cli.machine import paddle_has_gpu
 
     if paddle_has_gpu(import_paddle=True):
         pytest.skip("a GPU is present: half precision is allowed")

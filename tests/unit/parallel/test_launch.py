@@ -175,7 +175,7 @@ def test_failure_summary_names_a_killed_rank(tmp_path):
 
 
 def test_run_refuses_what_the_ranks_would_refuse_before_launching(tmp_path, monkeypatch):
-    import bmtrain_cli.config.env as env
+    import bmtrain_cli.machine as env
 
     monkeypatch.setattr(env, "paddle_has_gpu", lambda: False)
     monkeypatch.setattr("bmtrain_cli.config.checks.paddle_has_gpu", lambda: False)

@@ -16,10 +16,18 @@ def export(
     ),
     output: str = typer.Option(..., "--output", "-o", help="Directory to write the export into."),
     fmt: Optional[str] = typer.Option(
-        None, "--format", "-f", help="paddle-inference (default) or hf; with --no-merge: the PEFT layout."
+        None,
+        "--format",
+        "-f",
+        help="paddle-inference (default), hf, or gguf (llama.cpp/Ollama: model.gguf + Modelfile); with "
+        "--no-merge: the PEFT layout.",
     ),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", "-q", help="int8: weight-only INT8, per-output-channel symmetric scales."
+        None,
+        "--quantize",
+        "-q",
+        help="int8: weight-only INT8, per-output-channel symmetric scales. With --format gguf: f16 "
+        "(default), bf16, q8_0 or q4_0.",
     ),
     eval_data: Optional[str] = typer.Option(
         None,
@@ -41,7 +49,7 @@ def export(
         200, "--max-eval-records", min=1, help="Records used for eval loss."
     ),
 ) -> None:
-    """Export a checkpoint for serving (Paddle Inference) or for the Hugging Face ecosystem."""
+    """Export a checkpoint for serving (Paddle Inference), the Hugging Face ecosystem or llama.cpp/Ollama (GGUF)."""
     from bmtrain_cli.export.pipeline import describe, export_checkpoint
 
     result = export_checkpoint(

@@ -35,6 +35,13 @@ def export(
         "--eval-data",
         help="Held-out JSONL to measure the eval-loss change of --quantize (default: the run's eval data).",
     ),
+    template: str = typer.Option(
+        "auto",
+        "--template",
+        help="The prompt template the run trained with, when the tokenizer has no chat template: encodes "
+        "--eval_data and, with --format gguf, becomes the Ollama Modelfile's TEMPLATE (auto: the "
+        "tokenizer's chat template, else plain).",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     merge: bool = typer.Option(
         True,
@@ -61,6 +68,7 @@ def export(
         overwrite=overwrite,
         quantize_embeddings=quantize_embeddings,
         max_eval_records=max_eval_records,
+        template=template,
         merge=merge,
         log=lambda m: typer.echo(m, err=True),
     )

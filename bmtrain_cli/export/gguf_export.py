@@ -297,6 +297,9 @@ def write_gguf_export(
         else Path(ckpt).name
     )
     summary = write_gguf(model, tokenizer, Path(out_dir), quantize, name=name)
+    from bmtrain_cli.data.templates import get_template
+
+    get_template(template, tokenizer)  # UserError naming the choices for an unknown --template
     builtin = template if template not in ("auto", "tokenizer") else None
     write_modelfile(Path(out_dir), GGUF_FILE, tokenizer, builtin, model.arch.max_position_embeddings)
     write_tokenizer(tokenizer, Path(out_dir))

@@ -1,9 +1,9 @@
 """The Ollama ``Modelfile`` written beside ``model.gguf``: FROM, a TEMPLATE in Ollama's Go-template syntax
 when the chat format is one we recognise, the stop tokens and PARAMETER lines.
 
-Recognised: a Jinja chat template in the ChatML shape (``<|im_start|>``, Qwen's) or the LLaMA 3 shape
-(``<|start_header_id|>``), and the project's built-in templates (plain, alpaca, chatml, qwen, llama2,
-baichuan) when the tokenizer has no chat template of its own. Anything else gets a comment saying the
+Recognised: the project's built-in templates (plain, alpaca, chatml, qwen, llama2, baichuan) when
+``--template`` names one, else a Jinja chat template in the ChatML shape (``<|im_start|>``, Qwen's) or the
+LLaMA 3 shape (``<|start_header_id|>``); a tokenizer without a chat template gets plain. Anything else gets a comment saying the
 template could not be translated, so Ollama uses the chat template embedded in the GGUF.
 """
 
@@ -47,9 +47,9 @@ _BUILTIN = {
 def translate_template(
     chat_template: Optional[str], builtin: Optional[str]
 ) -> Tuple[Optional[str], List[str], Optional[str]]:
-    """(Ollama TEMPLATE or None, stop strings, default system prompt) for a Jinja chat template, or, when
-    there is none, for the built-in template ``builtin`` (None: plain, what the project uses then)."""
-    if chat_template:
+    """(Ollama TEMPLATE or None, stop strings, default system prompt) for the built-in template ``builtin``
+    when one is named, else for the Jinja chat template, else for plain (what the project uses then)."""
+    if builtin is None and chat_template:
         if "<|im_start|>" in chat_template and "<|im_end|>" in chat_template:
             system = (
                 "You are a helpful assistant." if "You are a helpful assistant." in chat_template else None

@@ -253,6 +253,8 @@ def test_modelfile_templates():
     assert "TEMPLATE" not in odd and "could not be translated" in odd and "embedded in the GGUF" in odd
     builtin = modelfile_text("model.gguf", None, "llama2", "</s>", 64)
     assert "[INST] {{ if .System }}<<SYS>>" in builtin and 'PARAMETER stop """[INST]"""' in builtin
+    named = modelfile_text("model.gguf", CHATML, "alpaca", "</s>", 64)  # --template wins over the tokenizer's
+    assert "### Instruction:" in named and "im_start" not in named and "SYSTEM" in named
     plain = modelfile_text("model.gguf", None, None, "</s>", 64)
     assert 'TEMPLATE """{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}"""' in plain
 

@@ -259,6 +259,19 @@ def test_modelfile_templates():
     assert 'TEMPLATE """{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}"""' in plain
 
 
+def test_quantize_and_template_errors(sp_run, tmp_path):
+    with pytest.raises(UserError, match="q8_0"):
+        _export(sp_run, tmp_path / "a", "int8")
+    with pytest.raises(UserError, match="llama2"):
+        _export(sp_run, tmp_path / "b", template="lama2")
+    assert not (tmp_path / "b").exists()
+    from bmtrain_cli.export.pipeline import export_checkpoint
+
+    with pytest.raises(UserError, match="int8"):
+        export_checkpoint(str(sp_run), str(tmp_path / "c"), fmt="hf", quantize="q8_0", log=lambda m: None)
+
+
+@pytest.mark.slow
 def test_cli_gguf_and_quantize_errors(sp_run, tmp_path):
     base = [sys.executable, "-m", "bmtrain_cli", "export", "-c", str(sp_run)]
     r = subprocess.run(

@@ -157,27 +157,24 @@ def gguf_vocab(tok: Any, vocab_size: int) -> GGUFVocab:
 
 
 def add_vocab(writer: Any, vocab: GGUFVocab) -> None:
-    """Write ``vocab`` as tokenizer.ggml.* (and tokenizer.chat_template) through a gguf.GGUFWriter."""
+    """Write ``vocab`` as tokenizer.ggml.* (and tokenizer.chat_template) through a gguf.GGUFWriter; the
+    optional entries only when set."""
     writer.add_tokenizer_model(vocab.model)
-    if vocab.pre:
-        writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.token_types)
-    if vocab.scores is not None:
-        writer.add_token_scores(vocab.scores)
-    if vocab.merges:
-        writer.add_token_merges(vocab.merges)
-    for value, add in (
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_eos_token(vocab.add_eos)
+    optional = (
+        (vocab.pre, writer.add_tokenizer_pre),
+        (vocab.scores, writer.add_token_scores),
+        (vocab.merges or None, writer.add_token_merges),
         (vocab.bos_id, writer.add_bos_token_id),
         (vocab.eos_id, writer.add_eos_token_id),
         (vocab.pad_id, writer.add_pad_token_id),
         (vocab.unk_id, writer.add_unk_token_id),
-    ):
+        (vocab.add_space_prefix, writer.add_add_space_prefix),
+        (vocab.chat_template or None, writer.add_chat_template),
+    )
+    for value, add in optional:
         if value is not None:
-            add(int(value))
-    writer.add_add_bos_token(vocab.add_bos)
-    writer.add_add_eos_token(vocab.add_eos)
-    if vocab.add_space_prefix is not None:
-        writer.add_add_space_prefix(vocab.add_space_prefix)
-    if vocab.chat_template:
-        writer.add_chat_template(vocab.chat_template)
+            add(value)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import model_yaml
+from tests.unit.export.conftest import make_checkpoint
 from tests.unit.export.gguf_models import TEXTS, family_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,9 @@ CASES = {
     "qwen3": dict(family="qwen3", tokenizer="bpe", head_dim=128),
     "llama_tied": dict(family="llama", tie=True),
 }
+MAX_NEW_TOKENS = 6
 EXPECTED_TYPE = {
+    "demo": "llama",
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
@@ -82,6 +85,17 @@ def _lora_run(root: Path) -> Path:
     return root / "run"
 
 
+def _demo_prompts(run: Path) -> list:
+    """Token ids of the first held-out demo prompts, as the model saw them in training (BOS + prompt)."""
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(str(run / "checkpoints" / "step-60"))
+    records = [
+        json.loads(line) for line in (run.parent / "data" / "heldout.jsonl").read_text().splitlines()[:8]
+    ]
+    return [[tok.bos_id] * tok.add_bos + tok.encode(r["input"]) for r in records]
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     py = _reference_python()
@@ -93,6 +107,9 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_ref")
     runs = {name: family_checkpoint(root / name, **kw) for name, kw in CASES.items()}
     runs["lora"] = _lora_run(root / "lora")
+    runs["demo"] = make_checkpoint(
+        root / "demo"
+    )  # the export tests' checkpoint (60 steps), for greedy decoding
     out = {}
     for name, run in runs.items():
         logits = load_for_inference(str(run), kernels="reference").logits(IDS)
@@ -101,6 +118,9 @@ def exports(tmp_path_factory):
             export_checkpoint(str(run), str(d), fmt="gguf", quantize=q, log=lambda m: None)
             np.save(d / "ids.npy", IDS)
             (d / "texts.json").write_text(json.dumps(TEXTS, ensure_ascii=False), encoding="utf-8")
+            if name == "demo":
+                spec = {"prompts": _demo_prompts(run), "max_new_tokens": MAX_NEW_TOKENS}
+                (d / "prompts.json").write_text(json.dumps(spec), encoding="utf-8")
             out[(name, q)] = (d, logits)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="")
     r = subprocess.run(
@@ -115,7 +135,7 @@ def exports(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quantize", list(TOLERANCE))
-@pytest.mark.parametrize("name", [*CASES, "lora"])
+@pytest.mark.parametrize("name", [*CASES, "lora", "demo"])
 def test_transformers_reads_our_gguf(exports, name, quantize):
     from bmtrain_cli.data.tokenizers import load_tokenizer
 
@@ -132,3 +152,22 @@ def test_transformers_reads_our_gguf(exports, name, quantize):
     assert ref["ids"] == [tok.encode(t) for t in TEXTS]
     assert ref["eos_token"] == tok.eos_token
     assert ref["chat_template"] == tok.chat_template
+
+
+def test_greedy_generation_matches(exports):
+    """transformers' greedy continuation of held-out demo prompts from the f16 GGUF is ours token for
+    token; from q8_0 it is reported (and must agree on most prompts)."""
+    from bmtrain_cli.export.loading import generate_static, load_for_inference
+
+    d, _ = exports[("demo", "f16")]
+    spec = json.loads((d / "prompts.json").read_text())
+    model = load_for_inference(str(d.parent.parent / "demo" / "run"), kernels="reference")
+    eos = model.tokenizer.eos_id
+    ours = generate_static(model, spec["prompts"], max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+    assert json.loads((d / "ref.json").read_text())["greedy"] == ours
+    q8 = json.loads((exports[("demo", "q8_0")][0] / "ref.json").read_text())["greedy"]
+    same = sum(a == b for a, b in zip(q8, ours))
+    print(
+        f"q8_0 greedy: {same}/{len(ours)} prompts identical to ours; answers {[model.tokenizer.decode(o) for o in ours]}"
+    )
+    assert same >= len(ours) - 2

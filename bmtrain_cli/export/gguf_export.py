@@ -19,6 +19,7 @@ Tensor names come from gguf's own map (``gguf.get_tensor_name_map``) applied to 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -222,6 +223,7 @@ def write_gguf(
     from bmtrain_cli.export.gguf_vocab import add_vocab, gguf_vocab
 
     gguf = import_gguf()
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # its per-file INFO lines
     quantize = (quantize or DEFAULT_GGUF_QUANTIZE).lower()
     if quantize not in GGUF_QUANTIZE:
         raise UserError(
@@ -271,10 +273,10 @@ def gguf_tokenizer(tokenizer: Any, ckpt: Path) -> Any:
     sp_file = Path(ckpt) / "tokenizer.model"
     if getattr(tokenizer, "kind", None) != "hf" or not sp_file.is_file():
         return tokenizer
-    from bmtrain_cli.export.gguf_vocab import gguf_vocab
+    from bmtrain_cli.export.gguf_vocab import bpe_vocab
 
     try:
-        gguf_vocab(tokenizer, 1 << 62)
+        bpe_vocab(tokenizer)
         return tokenizer
     except UserError:
         from bmtrain_cli.data.tokenizers import load_tokenizer

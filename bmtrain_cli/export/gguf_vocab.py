@@ -122,7 +122,8 @@ def _bpe_pre_type(regexes: List[str]) -> str:
     )
 
 
-def _bpe_vocab(tok: Any) -> GGUFVocab:
+def bpe_vocab(tok: Any) -> GGUFVocab:
+    """The vocabulary of a byte-level BPE tokenizer.json; UserError for any other tokenizer.json."""
     data = json.loads(tok._model_bytes().decode("utf-8"))
     model = data.get("model") or {}
     regexes, byte_level = _pre_tokenizer(data.get("pre_tokenizer"))
@@ -148,7 +149,7 @@ def _bpe_vocab(tok: Any) -> GGUFVocab:
 
 def gguf_vocab(tok: Any, vocab_size: int) -> GGUFVocab:
     """The tokenizer's GGUF vocabulary, padded to the model's ``vocab_size`` rows."""
-    vocab = _sentencepiece_vocab(tok) if tok.kind == "sentencepiece" else _bpe_vocab(tok)
+    vocab = _sentencepiece_vocab(tok) if tok.kind == "sentencepiece" else bpe_vocab(tok)
     vocab.bos_id, vocab.eos_id, vocab.pad_id = tok.bos_id, tok.eos_id, tok.pad_id
     vocab.add_bos, vocab.add_eos = bool(tok.add_bos), bool(tok.add_eos)
     vocab.chat_template = tok.chat_template

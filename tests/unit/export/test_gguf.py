@@ -294,3 +294,27 @@ def test_cli_gguf_and_quantize_errors(sp_run, tmp_path):
         "tokenizer.model",
         "tokenizer_config.json",
     ]
+
+
+def test_sentencepiece_model_is_used_beside_a_non_byte_level_tokenizer_json(sp_run, tmp_path):
+    """A converted LLaMA 2 / Mistral checkpoint: a Metaspace tokenizer.json (what load_tokenizer picks)
+    and the tokenizer.model llama.cpp reads; without the .model file the export says what to add."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    run = tmp_path / "run"
+    shutil.copytree(sp_run, run)
+    ckpt = run / "checkpoints" / "step-2"
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(
+        ["hello world"] * 10, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"])
+    )
+    tok.save(str(ckpt / "tokenizer.json"))
+    _export(run, tmp_path / "g")
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
+    assert field_value(reader, "tokenizer.ggml.model") == "llama"
+    (ckpt / "tokenizer.model").unlink()
+    with pytest.raises(UserError, match="tokenizer.model"):
+        _export(run, tmp_path / "h")

@@ -318,3 +318,19 @@ def test_sentencepiece_model_is_used_beside_a_non_byte_level_tokenizer_json(sp_r
     (ckpt / "tokenizer.model").unlink()
     with pytest.raises(UserError, match="tokenizer.model"):
         _export(run, tmp_path / "h")
+
+
+def test_baichuan_file_metadata(sp_run, tmp_path):
+    """Baichuan (RoPE) through the writer; no GGUF reader here runs it (transformers has no Baichuan GGUF
+    support), so the file is checked with gguf.GGUFReader only."""
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.export.gguf_export import write_gguf
+
+    tok = load_tokenizer(str(sp_run / "checkpoints" / "step-2"))
+    summary = write_gguf(_tiny("baichuan", vocab_size=tok.vocab_size), tok, tmp_path, "q8_0")
+    reader = gguf.GGUFReader(str(summary.path))
+    assert field_value(reader, "general.architecture") == "baichuan"
+    assert field_value(reader, "baichuan.attention.head_count") == 4
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "output.weight"} <= names
+    assert not any("W_pack" in n or "attn_qkv" in n for n in names)

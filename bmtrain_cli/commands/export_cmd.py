@@ -16,16 +16,31 @@ def export(
     ),
     output: str = typer.Option(..., "--output", "-o", help="Directory to write the export into."),
     fmt: Optional[str] = typer.Option(
-        None, "--format", "-f", help="paddle-inference (default) or hf; with --no-merge: the PEFT layout."
+        None,
+        "--format",
+        "-f",
+        help="paddle-inference (default), hf, or gguf (llama.cpp/Ollama: model.gguf + Modelfile); with "
+        "--no-merge: the PEFT layout.",
     ),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", "-q", help="int8: weight-only INT8, per-output-channel symmetric scales."
+        None,
+        "--quantize",
+        "-q",
+        help="int8: weight-only INT8, per-output-channel symmetric scales. With --format gguf: f16 "
+        "(default), bf16, q8_0 or q4_0.",
     ),
     eval_data: Optional[str] = typer.Option(
         None,
         "--eval_data",
         "--eval-data",
         help="Held-out JSONL to measure the eval-loss change of --quantize (default: the run's eval data).",
+    ),
+    template: str = typer.Option(
+        "auto",
+        "--template",
+        help="The prompt template the run trained with, when the tokenizer has no chat template: encodes "
+        "--eval_data and, with --format gguf, becomes the Ollama Modelfile's TEMPLATE (auto: the "
+        "tokenizer's chat template, else plain).",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     merge: bool = typer.Option(
@@ -41,7 +56,7 @@ def export(
         200, "--max-eval-records", min=1, help="Records used for eval loss."
     ),
 ) -> None:
-    """Export a checkpoint for serving (Paddle Inference) or for the Hugging Face ecosystem."""
+    """Export a checkpoint for serving (Paddle Inference), the Hugging Face ecosystem or llama.cpp/Ollama (GGUF)."""
     from bmtrain_cli.export.pipeline import describe, export_checkpoint
 
     result = export_checkpoint(
@@ -53,6 +68,7 @@ def export(
         overwrite=overwrite,
         quantize_embeddings=quantize_embeddings,
         max_eval_records=max_eval_records,
+        template=template,
         merge=merge,
         log=lambda m: typer.echo(m, err=True),
     )

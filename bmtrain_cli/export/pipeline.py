@@ -13,8 +13,8 @@ from bmtrain_cli.checkpoint_layout import CHECKPOINTS_DIR, LATEST, STATE_FILE, a
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.export.meta import ExportResult, write_export_meta
 
-FORMATS = ("paddle-inference", "hf")
-QUANTIZE = ("int8",)
+FORMATS = ("paddle-inference", "hf", "gguf")
+QUANTIZE = ("int8",)  # paddle-inference and hf; gguf takes gguf_export.GGUF_QUANTIZE
 _ALIASES = {"paddle_inference": "paddle-inference", "paddle": "paddle-inference", "huggingface": "hf"}
 
 
@@ -78,6 +78,8 @@ def _eval_data_from_run(ckpt: Path) -> Optional[str]:
 def _weight_bytes(out: Path, fmt: str) -> int:
     if fmt == "paddle-inference":
         return sum(f.stat().st_size for f in out.glob("*.pdiparams"))
+    if fmt == "gguf":
+        return sum(f.stat().st_size for f in out.glob("*.gguf"))
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
@@ -91,6 +93,15 @@ def _format_and_quantize(
             "--format paddle-inference and --quantize need merged weights: drop --no-merge"
         )
     fmt = normalize_format(fmt or "paddle-inference")
+    if fmt == "gguf":
+        from bmtrain_cli.export.gguf_export import DEFAULT_GGUF_QUANTIZE, GGUF_QUANTIZE
+
+        q = (quantize or DEFAULT_GGUF_QUANTIZE).lower()
+        if q not in GGUF_QUANTIZE:
+            raise UserError(
+                f"unknown --quantize {quantize!r} for --format gguf; supported: {', '.join(GGUF_QUANTIZE)}"
+            )
+        return fmt, q
     if quantize is not None and quantize.lower() not in QUANTIZE:
         raise UserError(f"unknown --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
     return fmt, (quantize.lower() if quantize else None)
@@ -105,8 +116,9 @@ def _write_format(
     source_config: Dict[str, Any],
     ckpt: Path,
     quantize: Optional[str],
+    template: str = "auto",
 ) -> None:
-    """The model in ``fmt`` (paddle-inference or hf) with its config.json and tokenizer, into ``tmp``."""
+    """The model in ``fmt`` (paddle-inference, hf or gguf) with its config and tokenizer, into ``tmp``."""
     if fmt == "paddle-inference":
         from bmtrain_cli.export.hf import write_tokenizer
         from bmtrain_cli.export.paddle_inference import export_paddle_inference
@@ -119,6 +131,10 @@ def _write_format(
             cfg["quantization_config"] = quantization_config(report)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         write_tokenizer(tokenizer, tmp)
+    elif fmt == "gguf":
+        from bmtrain_cli.export.gguf_export import write_gguf_export
+
+        write_gguf_export(model, tokenizer, tmp, ckpt, quantize, template)
     else:
         from bmtrain_cli.export.hf import export_hf
 
@@ -154,7 +170,7 @@ def export_checkpoint(
         return export_adapters(ckpt, out, log=log)
     if eval_data is not None and not Path(eval_data).is_file():
         raise UserError(f"--eval_data {eval_data} does not exist")
-    if eval_data is None and quantize:
+    if eval_data is None and quantize and fmt != "gguf":
         eval_data = _eval_data_from_run(ckpt)
 
     import paddle
@@ -176,7 +192,7 @@ def export_checkpoint(
             return model(paddle.to_tensor(ids)).astype("float32").numpy()
 
     report = None
-    if quantize:
+    if quantize and fmt != "gguf":  # GGUF types are applied by its writer
         samples = None
         if eval_data:
             from bmtrain_cli.data.encode import encode_eval_file
@@ -192,7 +208,7 @@ def export_checkpoint(
 
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
-        _write_format(tmp, fmt, model, tokenizer, report, source_config, ckpt, quantize)
+        _write_format(tmp, fmt, model, tokenizer, report, source_config, ckpt, quantize, template)
         result.export_weight_bytes = _weight_bytes(tmp, fmt)
         write_export_meta(
             tmp, {"format": fmt, "source": str(ckpt), "quantization": quantize, "report": result.to_dict()}
@@ -209,6 +225,10 @@ def describe(result: ExportResult) -> List[str]:
         f"weights: {result.export_weight_bytes / 2**20:.2f} MiB on disk vs {result.fp32_bytes / 2**20:.2f} MiB "
         f"in fp32: size ratio {result.size_ratio:.3f}x",
     ]
+    if result.format == "gguf":
+        from bmtrain_cli.export.gguf_export import describe_gguf
+
+        return lines + describe_gguf(result.output)
     if result.quantize:
         lines.append(
             f"quantised to int8 (per-output-channel symmetric scales): {len(result.quantized_linear)} linear "

@@ -79,7 +79,8 @@ def family_checkpoint(
     from bmtrain_cli.data.encode import encode_eval_file
     from bmtrain_cli.data.tokenizers import load_tokenizer
     from bmtrain_cli.models import build, save_pretrained
-    from bmtrain_cli.models.arch import FAMILY_DEFAULTS, ModelArch
+    from bmtrain_cli.models.arch import ModelArch
+    from bmtrain_cli.models.families import family as family_of
 
     paddle.seed(0)
     data = root / "data"
@@ -102,7 +103,7 @@ def family_checkpoint(
         tie_word_embeddings=tie,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
-        **FAMILY_DEFAULTS[family],
+        **family_of(family).defaults,
     )
     model = build(replace(arch, **arch_updates), kernels="reference")
     _train(model, encode_eval_file(train, tok, max_records=400), steps)

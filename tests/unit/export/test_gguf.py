@@ -21,7 +21,8 @@ def _tiny(family, **kw):
     import paddle
 
     from bmtrain_cli.models import build
-    from bmtrain_cli.models.arch import FAMILY_DEFAULTS, ModelArch
+    from bmtrain_cli.models.arch import ModelArch
+    from bmtrain_cli.models.families import family as family_of
 
     paddle.seed(0)
     arch = ModelArch(
@@ -33,7 +34,7 @@ def _tiny(family, **kw):
         num_key_value_heads=2,
         head_dim=8,
         vocab_size=64,
-        **FAMILY_DEFAULTS[family],
+        **family_of(family).defaults,
     )
     return build(replace(arch, **kw), kernels="reference")
 

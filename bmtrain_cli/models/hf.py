@@ -103,16 +103,16 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
     """Copy Hugging Face-layout tensors (name -> array) into ``model``."""
     arch = model.arch
     tensors = dict(tensors)
+    params = model.state_dict()
     # Fused W_pack in the checkpoint but separate q/k/v in the model (tensor parallel): split it.
     for name in [n for n in tensors if n.endswith("self_attn.W_pack.weight")]:
         prefix = name[: -len("W_pack.weight")]
-        if prefix + "q_proj.weight" not in tensors:
+        if name not in params and prefix + "q_proj.weight" not in tensors:
             parts = np.split(tensors.pop(name), np.cumsum(_qkv_sizes(arch))[:-1], axis=0)
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
                 tensors[f"{prefix}{proj}.weight"] = part
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    params = model.state_dict()
     missing = [n for n in params if n not in tensors]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -197,3 +197,14 @@ def test_truncated_weights_are_a_clear_error(tmp_path):
     weights.write_bytes(data[:-100])
     with pytest.raises(UserError, match="truncated"):
         load_pretrained(d)
+
+
+def test_a_fused_w_pack_checkpoint_reloads_into_the_fused_model(tmp_path):
+    """Baichuan keeps W_pack fused on one device: a saved checkpoint loads back unsplit, same logits."""
+    paddle.seed(0)
+    m = build(replace(TINY, family="baichuan", fused_qkv=True, num_key_value_heads=TINY.num_attention_heads))
+    m.eval()
+    save_pretrained(m, tmp_path)
+    again = load_pretrained(tmp_path)
+    assert any(n.endswith("W_pack.weight") for n in again.state_dict())
+    np.testing.assert_array_equal(again(_ids()).numpy(), m(_ids()).numpy())

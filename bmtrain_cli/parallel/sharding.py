@@ -37,6 +37,38 @@ def group_sharded_arguments(config: Config) -> Dict[str, Any]:
     }
 
 
+def scaler_kind(tp_degree: int, pp_degree: int, sharding_degree: int, sharding_stage: int) -> str:
+    """How the fp16 loss scaler is wrapped for a layout (as PaddleFormers' trainer does):
+
+    * ``group_sharded``: sharding stage 2/3; group_sharded_parallel(scaler=...) returns Paddle's
+      GroupShardedScaler, whose unscale reads the sharded optimizer's slices and all-reduces found_inf;
+    * ``distributed``: tensor or pipeline parallel, or sharding stage 1: fleet.distributed_scaler, whose
+      unscale all-reduces found_inf (MAX) over all ranks, so every rank skips the same overflowing step
+      (without it each rank decides on its own shard and replicated weights drift apart);
+    * ``plain``: one process or plain data parallel (gradients are summed before unscale_, so found_inf
+      is already the same on every rank; fleet.distributed_scaler leaves DATA_PARALLEL unchanged too).
+    """
+    if sharding_degree > 1 and sharding_stage in (2, 3):
+        return "group_sharded"
+    if tp_degree > 1 or pp_degree > 1 or sharding_degree > 1:
+        return "distributed"
+    return "plain"
+
+
+def wrap_scaler(scaler: Any, ctx: ParallelCtx) -> Any:
+    """The layout's scaler (see :func:`scaler_kind`); group-sharded layouts get theirs from
+    :func:`group_sharded`. None stays None (no fp16)."""
+    if scaler is None or ctx.world_size <= 1 or ctx.config is None:
+        return scaler
+    par = ctx.config.parallel
+    kind = scaler_kind(ctx.tp_degree, ctx.pp_degree, par.sharding_parallel, par.sharding_stage)
+    if kind != "distributed":
+        return scaler
+    from paddle.distributed import fleet
+
+    return fleet.distributed_scaler(scaler)
+
+
 def apply_sharding_strategy(strategy: Any, config: Config) -> None:
     """Sharding options in fleet's DistributedStrategy (stage 1 is driven by hybrid_configs alone)."""
     par = config.parallel
@@ -105,8 +137,9 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
     return GradSumOptimizer(fleet_optimizer, ctx, recorder)
 
 
-def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx) -> Tuple[Any, Any]:
-    """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds)."""
+def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = None) -> Tuple[Any, Any, Any]:
+    """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds):
+    (model, optimizer, scaler); an fp16 ``scaler`` comes back as Paddle's GroupShardedScaler."""
     if ctx.on_cpu:
         par = ctx.config.parallel
         raise UserError(
@@ -119,5 +152,5 @@ def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx) -> Tuple[Any, An
 
     kwargs = group_sharded_arguments(ctx.config)
     group = ctx.hcg.get_sharding_parallel_group() if ctx.hcg is not None else None
-    model, optimizer, _ = group_sharded_parallel(model, optimizer, group=group, **kwargs)
-    return model, GradSumOptimizer(optimizer, ctx)
+    model, optimizer, scaler = group_sharded_parallel(model, optimizer, scaler=scaler, group=group, **kwargs)
+    return model, GradSumOptimizer(optimizer, ctx), scaler

@@ -231,9 +231,12 @@ def build_model_and_optimizer(
         from bmtrain_cli.models.decoder import LossSum
 
         # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
-        sharded, stepper = ctx.wrap_model_and_optimizer(LossSum(wrapped), base)
+        sharded, stepper, scaler = ctx.wrap_model_and_optimizer(LossSum(wrapped), base, precision.scaler)
+        precision.scaler = scaler  # Paddle's GroupShardedScaler (fp16), or None
     else:
         stepper = ctx.wrap_optimizer(base) if distributed else base
+        if distributed:
+            precision.scaler = ctx.wrap_scaler(precision.scaler)
     model_parts = ModelParts(
         raw=raw,
         wrapped=wrapped,

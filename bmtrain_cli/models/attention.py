@@ -21,9 +21,10 @@ ops/fused_attention.py over kernels/cpu/attention_cpu.cc: causal or segment ids,
 keeps only the per-query log-sum-exp and recomputes the probabilities in the backward, so memory grows
 linearly with the sequence; used on a CPU whenever the model's op set carries it, i.e. ``kernels``
 custom or auto with the extension built), ``blocked`` (exact attention one query block at a time in
-Paddle ops with a custom backward, also linear in memory; every device and dtype: GPU fp32, and on a CPU
-without the fused kernel above ``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
-scaled_dot_product_attention without / with an additive mask) and ``eager`` (matmul + softmax in fp32).
+Paddle ops with a custom backward, also linear in memory: on a CPU without the fused kernel above
+``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's scaled_dot_product_attention without
+/ with an additive mask; on a GPU in fp32, on GPUs older than compute capability 8.0, for head_dim > 256
+and for FA3 calls with training=False, Paddle's sdpa picks its own flash / memory-efficient / math kernel) and ``eager`` (matmul + softmax in fp32).
 K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, cpu_fused, sdpa
 and blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
 ``model_config.kernels: reference`` (and ``paddle``) keep the pure-Paddle kernels.
@@ -272,6 +273,33 @@ def _on_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and "gpu" in str(paddle.get_device())
 
 
+_CAPABILITY: List[Tuple[int, int]] = []
+
+
+def gpu_capability() -> Tuple[int, int]:
+    """The current GPU's compute capability (read once per process)."""
+    if not _CAPABILITY:
+        major, minor = paddle.device.cuda.get_device_capability()
+        _CAPABILITY.append((int(major), int(minor)))
+    return _CAPABILITY[0]
+
+
+def flash_version(flags: Any) -> int:
+    """The flash-attention version Paddle's flash_attention runs for these flag values (as it decides:
+    FLAGS_cudnn_deterministic forces 2, else FLAGS_flash_attn_version)."""
+    if flags.get("FLAGS_cudnn_deterministic"):
+        return 2
+    return int(flags.get("FLAGS_flash_attn_version", 2) or 2)
+
+
+def _gpu_flash_version() -> int:
+    try:
+        flags = paddle.get_flags(["FLAGS_flash_attn_version", "FLAGS_cudnn_deterministic"])
+    except ValueError:  # a build without the FA3 flag
+        return 2
+    return flash_version(flags)
+
+
 def mask_kind(mask: Optional[paddle.Tensor]) -> str:
     """'causal' (None), 'segments' (int [b, s] segment ids) or 'bias' (additive float mask)."""
     if mask is None:
@@ -308,8 +336,19 @@ def attend(
         mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
     half = q.dtype in (paddle.float16, paddle.bfloat16)
     static = not paddle.in_dynamic_mode()
+    on_gpu = _on_gpu()
     kernel, _ = choose_kernel(
-        kind, implementation, half, _on_gpu(), static, None if static else k.shape[1], cpu_kernel is not None
+        kind,
+        implementation,
+        half,
+        on_gpu,
+        static,
+        None if static else k.shape[1],
+        cpu_kernel is not None,
+        capability=gpu_capability() if on_gpu else None,
+        head_dim=q.shape[-1],
+        fa_version=_gpu_flash_version() if on_gpu and half else 2,
+        training=training,
     )
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "cpu_fused":

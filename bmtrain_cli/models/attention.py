@@ -43,7 +43,9 @@ from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, IMPLEMENTATIONS
 __all__ = [
     "IMPLEMENTATIONS",
     "AttentionCore",
+    "SegmentIds",
     "attend",
+    "batch_segments",
     "blocked_attention",
     "build_bias",
     "cu_seqlens",
@@ -300,8 +302,42 @@ def _gpu_flash_version() -> int:
     return flash_version(flags)
 
 
-def mask_kind(mask: Optional[paddle.Tensor]) -> str:
-    """'causal' (None), 'segments' (int [b, s] segment ids) or 'bias' (additive float mask)."""
+class SegmentIds:
+    """The int64 segment ids [b, s] of one batch and their cu_seqlens, computed at most once however
+    many layers ask (``paddle.nonzero`` syncs the device with the host): the model builds one per batch
+    at its entry on a GPU (:func:`batch_segments`) and every layer, recomputed forwards included (fleet's
+    recompute passes non-tensor arguments through as they are), reads the same offsets."""
+
+    ndim = 2
+
+    def __init__(self, ids: paddle.Tensor) -> None:
+        self.ids = ids
+        self._cu: Optional[paddle.Tensor] = None
+        self.computed = 0  # how many times the offsets were computed (0 or 1)
+
+    def cu_seqlens(self) -> paddle.Tensor:
+        if self._cu is None:
+            self._cu = cu_seqlens(self.ids)
+            self.computed += 1
+        return self._cu
+
+
+def batch_segments(mask: paddle.Tensor, on_gpu: Optional[bool] = None) -> Any:
+    """What the layers get for the attention mask's segment ids: a :class:`SegmentIds` on a GPU in
+    dynamic mode (where flash_varlen needs the offsets), the int64 tensor elsewhere. Memoised on
+    ``mask`` so that the layers of a pipeline stage, which each receive the same mask tensor, share one."""
+    gpu = _on_gpu() if on_gpu is None else on_gpu
+    if not gpu or not paddle.in_dynamic_mode():
+        return mask.astype("int64")
+    held = getattr(mask, "_bmt_segments", None)
+    if held is None:
+        held = SegmentIds(mask.astype("int64"))
+        mask._bmt_segments = held
+    return held
+
+
+def mask_kind(mask: Any) -> str:
+    """'causal' (None), 'segments' (int [b, s] segment ids, or SegmentIds) or 'bias' (additive float mask)."""
     if mask is None:
         return "causal"
     return "segments" if mask.ndim == 2 else "bias"
@@ -322,15 +358,18 @@ def attend(
     q: paddle.Tensor,
     k: paddle.Tensor,
     v: paddle.Tensor,
-    mask: Optional[paddle.Tensor],
+    mask: Any,
     implementation: str = "auto",
     training: bool = False,
     cpu_kernel: Optional[AttentionCore] = None,
 ) -> paddle.Tensor:
     """Attention of q [b, sq, heads, d] over k/v [b, sk, kv_heads, d] (kv_heads divides heads; K/V are
     not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
-    [b, s], or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
+    [b, s] (or a :class:`SegmentIds` holding them with their offsets), or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
     the model's op set (``OpSet.attention``; None where our kernels are not in use)."""
+    held = mask if isinstance(mask, SegmentIds) else None
+    if held is not None:
+        mask = held.ids
     kind = mask_kind(mask)
     if kind == "causal" and q.shape[1] != k.shape[1]:
         mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
@@ -361,7 +400,7 @@ def attend(
         from paddle.nn.functional.flash_attention import flash_attn_unpadded
 
         b, s, h, d = q.shape
-        cu = cu_seqlens(mask)
+        cu = held.cu_seqlens() if held is not None else cu_seqlens(mask)
         out, _ = flash_attn_unpadded(
             q.reshape([b * s, h, d]),
             k.reshape([b * s, k.shape[2], d]),

@@ -388,6 +388,7 @@ def setup(
     if rt.resume_from is not None:
         state = restore(rt.resume_from, ctx, console, data, model, optim)
     claim_output_dir(rt, ctx, data, model, console)
+    memory.training_starts()  # GPU: the reported peak is the training peak, not loading's
     metrics = MetricsWriter(
         rt.output_dir,
         total_steps=rt.total_steps,

@@ -86,10 +86,15 @@ class GradSumOptimizer:
     is the sum (the context's gradient convention). ``grad_norm()`` is the global norm that fleet's clip
     measured in the last step (parallel/grad_norm.py)."""
 
-    def __init__(self, inner: Any, ctx: ParallelCtx, recorder: Any = None) -> None:
+    def __init__(
+        self, inner: Any, ctx: ParallelCtx, recorder: Any = None, factor: Optional[float] = None
+    ) -> None:
         self._inner = inner
         self._ctx = ctx
         self._recorder = recorder
+        # the rescaling of the reduced gradients (default: the data-rank count); 1.0 under sharding
+        # stage 2/3, whose gradients are scaled through the loss instead (see backward_factor)
+        self._factor = float(ctx.data_world) if factor is None else float(factor)
 
     def grad_norm(self) -> Optional[float]:
         """None when nothing was measured (no recorder, or the step's clip did not run)."""
@@ -108,7 +113,7 @@ class GradSumOptimizer:
     def step(self) -> None:
         import paddle
 
-        factor = float(self._ctx.data_world)
+        factor = self._factor
         if factor != 1.0:
             with paddle.no_grad():
                 for p in self._scaled_parameters():
@@ -118,6 +123,23 @@ class GradSumOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def backward_factor(ctx: ParallelCtx) -> float:
+    """What the trainer multiplies each micro-batch's loss by before backward so that the reduced gradients
+    are the sum over data ranks: the data-rank count under sharding stage 2/3, else 1.
+
+    Paddle's group-sharded stages reduce gradients inside backward (averaging: scale 1/nranks, then
+    reduce) and then move them where ``p.grad`` no longer reaches: stage 2 frees the gradients a rank
+    does not own and, with offload, moves the owned ones into host accumulators; stage 3 keeps each
+    rank's slice in ``param.bw_storage`` and hands it to the optimizer only inside step()
+    (``_update_params_slice``). Rescaling ``p.grad`` before step() (as for fleet's optimizers) therefore
+    misses the offloaded and the sliced gradients, which would step with the mean, not the sum. Scaling
+    the loss before the reductions reaches every gradient alike, since the reductions are linear."""
+    config = ctx.config
+    if ctx.world_size > 1 and config is not None and uses_group_sharded(config):
+        return float(ctx.data_world)
+    return 1.0
 
 
 def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
@@ -153,4 +175,5 @@ def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = No
     kwargs = group_sharded_arguments(ctx.config)
     group = ctx.hcg.get_sharding_parallel_group() if ctx.hcg is not None else None
     model, optimizer, scaler = group_sharded_parallel(model, optimizer, scaler=scaler, group=group, **kwargs)
-    return model, GradSumOptimizer(optimizer, ctx), scaler
+    # the sum over data ranks comes from the loss (backward_factor): the reduced gradients are not rescaled
+    return model, GradSumOptimizer(optimizer, ctx, factor=1.0), scaler

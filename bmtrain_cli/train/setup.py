@@ -237,6 +237,8 @@ def build_model_and_optimizer(
         stepper = ctx.wrap_optimizer(base) if distributed else base
         if distributed:
             precision.scaler = ctx.wrap_scaler(precision.scaler)
+    from bmtrain_cli.parallel.sharding import backward_factor
+
     model_parts = ModelParts(
         raw=raw,
         wrapped=wrapped,
@@ -252,6 +254,7 @@ def build_model_and_optimizer(
         own_clip=not fleet_clip,
         loss_fn=loss_fn,
         sharded=sharded,
+        backward_factor=backward_factor(ctx),
     )
     return model_parts, optim
 

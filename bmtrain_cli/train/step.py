@@ -84,13 +84,14 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     objective = parts.preference if parts.preference is not None else TokenLoss(optim.loss_fn, ctx)
     total_count, total_tokens = objective.begin_step(micro)
     denom = max(total_count, 1.0)
+    grad_denom = denom / optim.backward_factor  # sharding stage 2/3: the sum over ranks via the loss
     lr = parts.schedule(step)
     optim.stepper.set_lr(lr)
     loss_acc = None
     for b in micro:
         with precision.autocast():
             loss_sum, _ = objective.loss_sum(parts.model.wrapped, b)
-        precision.backward(loss_sum / denom)
+        precision.backward(loss_sum / grad_denom)
         loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
     step_opt = optim.stepper
     if optim.own_clip and distributed and hasattr(step_opt, "reduce_gradients"):

@@ -150,3 +150,36 @@ def test_found_inf_reads_bools_and_tensors():
     assert not p.overflowed()
     p.scaler = types.SimpleNamespace(_cache_found_inf=paddle.to_tensor([True]))
     assert p.overflowed()
+
+
+def test_group_sharded_sums_through_the_loss_not_by_rescaling_grads():
+    """Stage 2/3: Paddle moves reduced gradients out of p.grad (freed, offloaded, or sliced into
+    bw_storage), so the sum over data ranks comes from the loss (backward_factor), and the wrapper leaves
+    p.grad alone; other layouts keep rescaling the reduced p.grad."""
+    st2 = ParallelContext(
+        world_size=4, data_world=4, config=_cfg({"sharding_parallel": 4, "sharding_stage": 2})
+    )
+    st1 = ParallelContext(
+        world_size=4, data_world=4, config=_cfg({"sharding_parallel": 4, "sharding_stage": 1})
+    )
+    assert sharding.backward_factor(st2) == 4.0 and sharding.backward_factor(st1) == 1.0
+    assert sharding.backward_factor(ParallelContext()) == 1.0
+
+    class Inner:
+        def __init__(self, params):
+            self._parameter_list = params
+            self.stepped = False
+
+        def step(self):
+            self.stepped = True
+
+    def grads_after(factor):
+        p = paddle.create_parameter([2], "float32")
+        (p * paddle.to_tensor([1.0, 2.0])).sum().backward()
+        inner = Inner([p])
+        sharding.GradSumOptimizer(inner, st2, factor=factor).step()
+        assert inner.stepped
+        return p.grad.numpy().tolist()
+
+    assert grads_after(1.0) == [1.0, 2.0]  # group-sharded: untouched
+    assert grads_after(None) == [4.0, 8.0]  # fleet's optimizers: rescaled by the data-rank count

@@ -32,7 +32,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "kernels"
 CU_SOURCES = [KERNELS / "cuda" / "fused_cuda.cu"]
-ARCHS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+ARCHS = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90,code=compute_90",  # PTX: newer GPUs compile it at the first launch
+]
 F32, F16, BF16 = 0, 1, 2
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # max abs error / max(1, max |ref|)

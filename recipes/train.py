@@ -79,6 +79,9 @@ def train(parts: Parts, state: TrainState, on_step: Optional[OnStep] = None) -> 
                     )
             else:
                 state.consecutive_nonfinite = 0
+                if not out.applied:  # fp16: the loss scaler found inf/nan gradients and skipped the update
+                    state.skipped_steps += 1
+                    parts.metrics.log_event(state.step, "loss_scale_overflow", loss=out.loss)
                 recent = (recent + [out.loss])[-max(10, t.logging_steps) :]
                 state.history["recent_losses"] = recent
                 state.history["tokens_per_sec"] = meter.throughput[-1]

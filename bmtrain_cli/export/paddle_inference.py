@@ -127,10 +127,29 @@ def check_sizes(export_dir: Path, files: Dict[str, Path]) -> None:
             )
 
 
+def predictor_device_id(device_id: Optional[int] = None, device: Optional[str] = None) -> int:
+    """The GPU the predictor runs on: ``device_id`` when given, else the one Paddle's current device
+    names (``gpu:3`` -> 3; ``paddle.set_device`` or FLAGS_selected_gpus under the launcher), else 0."""
+    if device_id is not None:
+        return int(device_id)
+    if device is None:
+        import paddle
+
+        device = str(paddle.get_device())
+    name, _, index = device.partition(":")
+    return int(index) if name == "gpu" and index.isdigit() else 0
+
+
 class Predictor:
     """A paddle.inference predictor over an export directory: ``logits(input_ids) -> np.ndarray``."""
 
-    def __init__(self, export_dir: str, use_gpu: Optional[bool] = None, threads: int = 1):
+    def __init__(
+        self,
+        export_dir: str,
+        use_gpu: Optional[bool] = None,
+        threads: int = 1,
+        device_id: Optional[int] = None,
+    ):
         from paddle import inference
 
         files = model_files(Path(export_dir))
@@ -139,7 +158,7 @@ class Predictor:
         if use_gpu is None:
             use_gpu = gpu_available()
         if use_gpu:
-            config.enable_use_gpu(256, 0)
+            config.enable_use_gpu(256, predictor_device_id(device_id))
         else:
             config.disable_gpu()
             config.set_cpu_math_library_num_threads(threads)

@@ -21,9 +21,10 @@ ops/fused_attention.py over kernels/cpu/attention_cpu.cc: causal or segment ids,
 keeps only the per-query log-sum-exp and recomputes the probabilities in the backward, so memory grows
 linearly with the sequence; used on a CPU whenever the model's op set carries it, i.e. ``kernels``
 custom or auto with the extension built), ``blocked`` (exact attention one query block at a time in
-Paddle ops with a custom backward, also linear in memory; every device and dtype: GPU fp32, and on a CPU
-without the fused kernel above ``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's
-scaled_dot_product_attention without / with an additive mask) and ``eager`` (matmul + softmax in fp32).
+Paddle ops with a custom backward, also linear in memory: on a CPU without the fused kernel above
+``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's scaled_dot_product_attention without
+/ with an additive mask; on a GPU in fp32, on GPUs older than compute capability 8.0, for head_dim > 256
+and for FA3 calls with training=False, Paddle's sdpa picks its own flash / memory-efficient / math kernel) and ``eager`` (matmul + softmax in fp32).
 K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, cpu_fused, sdpa
 and blocked take fewer KV heads than query heads as they are; only the eager reference repeats them.
 ``model_config.kernels: reference`` (and ``paddle``) keep the pure-Paddle kernels.
@@ -42,7 +43,9 @@ from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, IMPLEMENTATIONS
 __all__ = [
     "IMPLEMENTATIONS",
     "AttentionCore",
+    "SegmentIds",
     "attend",
+    "batch_segments",
     "blocked_attention",
     "build_bias",
     "cu_seqlens",
@@ -272,8 +275,69 @@ def _on_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and "gpu" in str(paddle.get_device())
 
 
-def mask_kind(mask: Optional[paddle.Tensor]) -> str:
-    """'causal' (None), 'segments' (int [b, s] segment ids) or 'bias' (additive float mask)."""
+_CAPABILITY: List[Tuple[int, int]] = []
+
+
+def gpu_capability() -> Tuple[int, int]:
+    """The current GPU's compute capability (read once per process)."""
+    if not _CAPABILITY:
+        major, minor = paddle.device.cuda.get_device_capability()
+        _CAPABILITY.append((int(major), int(minor)))
+    return _CAPABILITY[0]
+
+
+def flash_version(flags: Any) -> int:
+    """The flash-attention version Paddle's flash_attention runs for these flag values (as it decides:
+    FLAGS_cudnn_deterministic forces 2, else FLAGS_flash_attn_version)."""
+    if flags.get("FLAGS_cudnn_deterministic"):
+        return 2
+    return int(flags.get("FLAGS_flash_attn_version", 2) or 2)
+
+
+def _gpu_flash_version() -> int:
+    try:
+        flags = paddle.get_flags(["FLAGS_flash_attn_version", "FLAGS_cudnn_deterministic"])
+    except ValueError:  # a build without the FA3 flag
+        return 2
+    return flash_version(flags)
+
+
+class SegmentIds:
+    """The int64 segment ids [b, s] of one batch and their cu_seqlens, computed at most once however
+    many layers ask (``paddle.nonzero`` syncs the device with the host): the model builds one per batch
+    at its entry on a GPU (:func:`batch_segments`) and every layer, recomputed forwards included (fleet's
+    recompute passes non-tensor arguments through as they are), reads the same offsets."""
+
+    ndim = 2
+
+    def __init__(self, ids: paddle.Tensor) -> None:
+        self.ids = ids
+        self._cu: Optional[paddle.Tensor] = None
+        self.computed = 0  # how many times the offsets were computed (0 or 1)
+
+    def cu_seqlens(self) -> paddle.Tensor:
+        if self._cu is None:
+            self._cu = cu_seqlens(self.ids)
+            self.computed += 1
+        return self._cu
+
+
+def batch_segments(mask: paddle.Tensor, on_gpu: Optional[bool] = None) -> Any:
+    """What the layers get for the attention mask's segment ids: a :class:`SegmentIds` on a GPU in
+    dynamic mode (where flash_varlen needs the offsets), the int64 tensor elsewhere. Memoised on
+    ``mask`` so that the layers of a pipeline stage, which each receive the same mask tensor, share one."""
+    gpu = _on_gpu() if on_gpu is None else on_gpu
+    if not gpu or not paddle.in_dynamic_mode():
+        return mask.astype("int64")
+    held = getattr(mask, "_bmt_segments", None)
+    if held is None:
+        held = SegmentIds(mask.astype("int64"))
+        mask._bmt_segments = held
+    return held
+
+
+def mask_kind(mask: Any) -> str:
+    """'causal' (None), 'segments' (int [b, s] segment ids, or SegmentIds) or 'bias' (additive float mask)."""
     if mask is None:
         return "causal"
     return "segments" if mask.ndim == 2 else "bias"
@@ -294,22 +358,36 @@ def attend(
     q: paddle.Tensor,
     k: paddle.Tensor,
     v: paddle.Tensor,
-    mask: Optional[paddle.Tensor],
+    mask: Any,
     implementation: str = "auto",
     training: bool = False,
     cpu_kernel: Optional[AttentionCore] = None,
 ) -> paddle.Tensor:
     """Attention of q [b, sq, heads, d] over k/v [b, sk, kv_heads, d] (kv_heads divides heads; K/V are
     not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
-    [b, s], or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
+    [b, s] (or a :class:`SegmentIds` holding them with their offsets), or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
     the model's op set (``OpSet.attention``; None where our kernels are not in use)."""
+    held = mask if isinstance(mask, SegmentIds) else None
+    if held is not None:
+        mask = held.ids
     kind = mask_kind(mask)
     if kind == "causal" and q.shape[1] != k.shape[1]:
         mask, kind = build_bias(None, None, q.shape[1], k.shape[1], k.shape[1] - q.shape[1], q.dtype), "bias"
     half = q.dtype in (paddle.float16, paddle.bfloat16)
     static = not paddle.in_dynamic_mode()
+    on_gpu = _on_gpu()
     kernel, _ = choose_kernel(
-        kind, implementation, half, _on_gpu(), static, None if static else k.shape[1], cpu_kernel is not None
+        kind,
+        implementation,
+        half,
+        on_gpu,
+        static,
+        None if static else k.shape[1],
+        cpu_kernel is not None,
+        capability=gpu_capability() if on_gpu else None,
+        head_dim=q.shape[-1],
+        fa_version=_gpu_flash_version() if on_gpu and half else 2,
+        training=training,
     )
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "cpu_fused":
@@ -322,7 +400,7 @@ def attend(
         from paddle.nn.functional.flash_attention import flash_attn_unpadded
 
         b, s, h, d = q.shape
-        cu = cu_seqlens(mask)
+        cu = held.cu_seqlens() if held is not None else cu_seqlens(mask)
         out, _ = flash_attn_unpadded(
             q.reshape([b * s, h, d]),
             k.reshape([b * s, k.shape[2], d]),

@@ -26,6 +26,32 @@ ATTENTION_BLOCK = 128
 DENSE_MAX_SEQ = 256
 
 
+# Paddle's flash kernels need an Ampere or newer GPU; above this head size flash_attention quietly takes
+# the memory-efficient kernel, which ignores ``causal`` (nn/functional/flash_attention._select_sdp_cuda)
+FLASH_MIN_CAPABILITY = (8, 0)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def flash_refusal(
+    capability: Optional[Tuple[int, int]],
+    head_dim: Optional[int],
+    fa_version: int = 2,
+    training: bool = True,
+    varlen: bool = False,
+) -> Optional[str]:
+    """Why Paddle's flash kernel cannot take this call on a GPU in half precision (None: it can).
+    ``capability`` None and ``head_dim`` None mean unknown (the memory planner): taken as fit.
+    ``fa_version`` is FLAGS_flash_attn_version: FA3's flash_attention asserts on ``training=False``
+    (evaluation, generation, the DPO reference), which flash_attn_unpadded (always FA2) does not."""
+    if capability is not None and tuple(capability) < FLASH_MIN_CAPABILITY:
+        return f"compute capability {capability[0]}.{capability[1]} < 8.0 has no flash attention"
+    if head_dim is not None and head_dim > FLASH_MAX_HEAD_DIM:
+        return f"head_dim {head_dim} > {FLASH_MAX_HEAD_DIM}: Paddle's flash_attention would drop causal"
+    if fa_version == 3 and not training and not varlen:
+        return "FLAGS_flash_attn_version=3 refuses training=False"
+    return None
+
+
 def choose_kernel(
     kind: str,
     implementation: str,
@@ -34,13 +60,19 @@ def choose_kernel(
     static: bool = False,
     seq_len: Optional[int] = None,
     fused_cpu: bool = False,
+    capability: Optional[Tuple[int, int]] = None,
+    head_dim: Optional[int] = None,
+    fa_version: int = 2,
+    training: bool = True,
 ) -> Tuple[str, str]:
     """(kernel, why) for a mask kind, the configured ``attention_implementation``, the compute dtype
     (half: fp16/bf16), the device, whether a static graph with unknown sizes is being built, the
     sequence length (None: unknown, taken as long) and whether the fused CPU kernel is available (the
-    model's op set carries it: our kernels built, ``kernels`` custom or auto). The model passes the length
-    of the batch it attends over and the memory planner the configured ``max_seq_len``, the longest a
-    batch gets."""
+    model's op set carries it: our kernels built, ``kernels`` custom or auto). On a GPU, the compute
+    ``capability``, the ``head_dim``, FLAGS_flash_attn_version and whether the call trains decide whether
+    a flash kernel may run (:func:`flash_refusal`); where none may, and in fp32, Paddle's sdpa runs (one
+    kernel on a GPU: its own flash / memory-efficient / math choice). The model passes the length of the
+    batch it attends over and the memory planner the configured ``max_seq_len``, the longest a batch gets."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})"
@@ -50,31 +82,50 @@ def choose_kernel(
     if kind == "bias":
         return "sdpa_mask", "an additive mask is needed (KV cache, sliding window or ALiBi)"
     if implementation == "sdpa":
-        if kind == "causal":
-            return "sdpa_causal", "attention_implementation: sdpa; right-padded rows need no mask"
-        return "sdpa_mask", "attention_implementation: sdpa; segment ids become an additive [b, 1, s, s] mask"
-    if on_gpu and half and kind == "causal":
+        return _sdpa(kind, "attention_implementation: sdpa")
+    if on_gpu:
+        return _gpu_kernel(kind, half, static, capability, head_dim, fa_version, training)
+    if static:
+        # the blocked kernel loops over query blocks, by sizes a graph of unknown length does not have
+        return _sdpa(kind, "static graph of unknown length: Paddle's sdpa")
+    rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
+    if fused_cpu and not half:
+        return "cpu_fused", f"CPU: fused C++ attention kernel, memory linear in the sequence length; {rows}"
+    if not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
+        return _sdpa(
+            kind,
+            f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel",
+        )
+    return "blocked", f"CPU: exact blocked attention, memory linear in the sequence length; {rows}"
+
+
+def _sdpa(kind: str, why: str) -> Tuple[str, str]:
+    if kind == "causal":
+        return "sdpa_causal", f"{why}; right-padded rows need no mask"
+    return "sdpa_mask", f"{why}; segment ids become an additive [b, 1, s, s] mask"
+
+
+def _gpu_kernel(
+    kind: str,
+    half: bool,
+    static: bool,
+    capability: Optional[Tuple[int, int]],
+    head_dim: Optional[int],
+    fa_version: int,
+    training: bool,
+) -> Tuple[str, str]:
+    if not half:
+        return _sdpa(kind, "GPU fp32: Paddle's scaled_dot_product_attention (one kernel)")
+    varlen = kind != "causal"
+    refusal = flash_refusal(capability, head_dim, fa_version, training, varlen)
+    if refusal is not None:
+        return _sdpa(kind, f"GPU half precision, {refusal}: Paddle's sdpa")
+    if kind == "causal":
         return "flash", "GPU half precision; right-padded rows need no mask"
     if static:
-        # the blocked kernel loops over query blocks, and the variable-length kernel lays the rows end to
-        # end, both by sizes a graph of unknown length does not have
-        if kind == "causal":
-            return "sdpa_causal", "static graph of unknown length: Paddle's sdpa, causal"
-        return "sdpa_mask", "static graph of unknown length: Paddle's sdpa with a mask from the segment ids"
-    if on_gpu and half:
-        return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
-    rows = "right-padded rows need no mask" if kind == "causal" else "segment ids masked block by block"
-    if fused_cpu and not on_gpu and not half:
-        return "cpu_fused", f"CPU: fused C++ attention kernel, memory linear in the sequence length; {rows}"
-    if not on_gpu and not half and seq_len is not None and seq_len <= DENSE_MAX_SEQ:
-        short = (
-            f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel"
-        )
-        if kind == "causal":
-            return "sdpa_causal", f"{short}; right-padded rows need no mask"
-        return "sdpa_mask", f"{short}; segment ids become an additive [b, 1, s, s] mask"
-    where = "GPU fp32" if on_gpu else "CPU"
-    return "blocked", f"{where}: exact blocked attention, memory linear in the sequence length; {rows}"
+        # the variable-length kernel lays the rows end to end, by sizes a graph of unknown length lacks
+        return _sdpa(kind, "static graph of unknown length: Paddle's sdpa")
+    return "flash_varlen", "GPU half precision; packed rows as variable-length sequences (cu_seqlens)"
 
 
 def training_mask_kind(arch: Any, seq_len: int, packed: bool, pipeline: bool = False) -> str:

@@ -27,7 +27,7 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch, arch_problems
-from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, build_bias
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, batch_segments, build_bias
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
@@ -358,7 +358,8 @@ class CausalLM(nn.Layer):
         if window is not None and past + s <= window:
             window = None  # the window cannot bite: keep the plain causal fast path
         if past == 0 and window is None and self.alibi is None:
-            return None if attention_mask is None else attention_mask.astype("int64")
+            # segment ids, with their cu_seqlens computed once per batch on a GPU (not in every layer)
+            return None if attention_mask is None else batch_segments(attention_mask)
         seg_q = seg_k = None
         if attention_mask is not None:
             seg_k = attention_mask.astype("int64")

@@ -82,6 +82,16 @@ def _custom_ops(device: str) -> Dict[str, Callable]:
     return {n: getattr(custom, n) for n in OP_NAMES}
 
 
+def _launch_checked(ours: Dict[str, Callable], ref: Dict[str, Callable]) -> Dict[str, Callable]:
+    """``auto`` on a GPU: only the kernels that launch and agree with the reference once (ops/launch_check.py)."""
+    from bmtrain_cli.ops.launch_check import fallback_line, launch_checked, run_check
+
+    kept, failed = launch_checked(ours, ref, run_check)
+    if failed:
+        warnings.warn(fallback_line(failed), KernelFallbackWarning, stacklevel=3)
+    return kept
+
+
 def _compose(name: str, layers: list) -> OpSet:
     chosen: Dict[str, Callable] = {}
     sources: Dict[str, str] = {}
@@ -163,6 +173,8 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
                     KernelFallbackWarning,
                     stacklevel=2,
                 )
+        if ours and device.startswith("gpu"):
+            ours = _launch_checked(ours, ref)
         layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
         opset = _measured(shapes, layers) if measure else _compose("auto", layers)
     if ours and device.startswith("cpu"):

@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.machine import find_cxx
 
@@ -65,7 +65,62 @@ def link_flags() -> List[str]:
     return ["-fopenmp"]
 
 
-CUDA_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+CUDA_FLAGS = ["-O3"]
+# without PADDLE_CUDA_ARCH_LIST and without a visible GPU: Ampere and Hopper machine code, plus Hopper
+# PTX that the driver compiles for newer GPUs (Blackwell) at the first launch
+DEFAULT_CUDA_ARCHS = ("8.0", "9.0+PTX")
+
+
+def cuda_arch_list(env_value: Optional[str], capabilities: Sequence[Tuple[int, int]]) -> List[str]:
+    """The architectures to build for, in PADDLE_CUDA_ARCH_LIST's notation ("8.0", "9.0+PTX"), as Paddle's
+    own cpp_extension decides: the variable when set (";" or spaces between entries), else each visible
+    GPU's compute capability with PTX on the newest, else :data:`DEFAULT_CUDA_ARCHS`."""
+    if env_value and env_value.strip():
+        return [a for a in env_value.replace(" ", ";").split(";") if a]
+    found = sorted(
+        {f"{major}.{minor}" for major, minor in capabilities}, key=lambda a: tuple(map(int, a.split(".")))
+    )
+    if not found:
+        return list(DEFAULT_CUDA_ARCHS)
+    found[-1] += "+PTX"
+    return found
+
+
+def cuda_arch_flags(archs: Sequence[str]) -> List[str]:
+    """nvcc -gencode flags: machine code for each architecture, and PTX for those marked "+PTX"."""
+    flags: List[str] = []
+    for arch in archs:
+        version = arch.split("+")[0]
+        major, _, minor = version.partition(".")
+        if not (major.isdigit() and (minor or "0").isdigit()):
+            raise KernelBuildError(
+                f"PADDLE_CUDA_ARCH_LIST: {arch!r} is not an architecture like 8.0 or 9.0+PTX"
+            )
+        num = f"{major}{minor or '0'}"
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def _visible_capabilities() -> List[Tuple[int, int]]:
+    try:
+        import paddle
+
+        if not paddle.is_compiled_with_cuda():
+            return []
+        return [
+            tuple(paddle.device.cuda.get_device_capability(i))
+            for i in range(paddle.device.cuda.device_count())
+        ]
+    except (ImportError, RuntimeError, ValueError, AttributeError):
+        return []
+
+
+def cuda_flags() -> List[str]:
+    """CUDA_FLAGS with this machine's architectures (PADDLE_CUDA_ARCH_LIST, else the visible GPUs)."""
+    archs = cuda_arch_list(os.environ.get("PADDLE_CUDA_ARCH_LIST"), _visible_capabilities())
+    return CUDA_FLAGS + cuda_arch_flags(archs)
 
 
 class KernelBuildError(RuntimeError):
@@ -112,7 +167,7 @@ def plan() -> Tuple[List[str], List[str], List[str], bool]:
     if with_cuda:
         sources += [str(KERNELS_DIR / s) for s in CUDA_SOURCES]
         cxx.append("-DBMT_WITH_CUDA")
-        cuda = list(CUDA_FLAGS)
+        cuda = cuda_flags()
     return sources, cxx, cuda, with_cuda
 
 
@@ -233,7 +288,15 @@ def compile_cuda_launchers(out_dir: Optional[Path] = None) -> Path:
     out_dir = out_dir or cache_root() / "cuda-launchers"
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / "libbmt_cuda.so"
-    cmd = [nvcc, *CUDA_FLAGS, "-std=c++17", "-Xcompiler", "-fPIC", "-shared", f"-I{KERNELS_DIR / 'include'}"]
+    cmd = [
+        nvcc,
+        *cuda_flags(),
+        "-std=c++17",
+        "-Xcompiler",
+        "-fPIC",
+        "-shared",
+        f"-I{KERNELS_DIR / 'include'}",
+    ]
     cmd += [str(KERNELS_DIR / s) for s in CUDA_SOURCES] + ["-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -250,7 +313,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sources, cxx, cuda, with_cuda = plan()
     print(f"kernels: {KERNELS_DIR}")
     print(f"cache:   {cache_root() / build_key(sources, cxx, cuda)}")
-    print("targets: CPU (C++/OpenMP)" + (" + CUDA (sm_80, sm_90)" if with_cuda else ""))
+    archs = " ".join(f.split("code=")[1] for f in cuda if f.startswith("-gencode"))
+    print("targets: CPU (C++/OpenMP)" + (f" + CUDA ({archs})" if with_cuda else ""))
     if not with_cuda:
         nvcc = find_nvcc()
         why = "Paddle is a CPU build" if nvcc else "nvcc not found"

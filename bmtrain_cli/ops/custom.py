@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import paddle
 from paddle.autograd import PyLayer
 
+from bmtrain_cli.models.loss_chunks import chunk_tokens as lm_chunk_tokens
 from bmtrain_cli.ops.build import load_extension
 
 try:  # True while paddle.jit.to_static's SOT translator simulates the code (Paddle >= 3.0)
@@ -29,8 +30,6 @@ except ImportError:  # pragma: no cover - older Paddle: only the AST translator,
 
 # ``ignore_index: int = -100`` below is labels.IGNORE_INDEX spelled out: paddle.jit.to_static(full_graph=True)
 # cannot resolve a module constant in a signature.
-# Logits elements per chunk of the fused linear + cross-entropy (fp32: 32 MiB).
-CHUNK_ELEMENTS = 1 << 23
 _FLOATS = (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
 
 
@@ -177,8 +176,9 @@ def cross_entropy_sum(
     return loss.sum().astype("float32"), (labels != ignore_index).astype("float32").sum()
 
 
-def _chunks(n: int, vocab: int, chunk_tokens: Optional[int]):
-    step = chunk_tokens or max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def _chunks(n: int, vocab: int, chunk_tokens: Optional[int], on_gpu: bool = False):
+    """(lo, hi) token ranges of the fused LM-head loss (models/loss_chunks.chunk_tokens)."""
+    step = chunk_tokens or lm_chunk_tokens(vocab, n, on_gpu)
     for lo in range(0, n, step):
         yield lo, min(n, lo + step)
 
@@ -191,10 +191,13 @@ class _LinearCrossEntropy(PyLayer):
         n = hidden.shape[0]
         vocab = weight.shape[0] if transpose_weight else weight.shape[1]
         acc = _logits_dtype(hidden)
+        # the weight gradient accumulates in fp32 for fp32/fp64 weights, in the weight's own dtype for
+        # fp16/bf16 (where it lands anyway): no fp32 [vocab, hidden] buffer per forward on a GPU
+        w_acc = acc if weight.dtype in (paddle.float32, paddle.float64) else weight.dtype
         total = paddle.zeros([], dtype=acc)
         dh = paddle.empty_like(hidden) if need_h else None
         dw = None  # the first chunk's weight gradient, then the later chunks added in place
-        for lo, hi in _chunks(n, vocab, chunk_tokens):
+        for lo, hi in _chunks(n, vocab, chunk_tokens, not hidden.place.is_cpu_place()):
             h = hidden[lo:hi]
             logits = paddle.matmul(h, weight, transpose_y=transpose_weight).astype(acc)
             loss, dlogits = ext.bmt_softmax_xent(logits, labels[lo:hi], int(ignore_index))
@@ -207,10 +210,10 @@ class _LinearCrossEntropy(PyLayer):
                 part = (
                     paddle.matmul(dl, h, transpose_x=True) if transpose_weight else paddle.matmul(h, dl, True)
                 )
-                dw = part.astype(acc) if dw is None else dw.add_(part.astype(acc))  # astype: no copy in fp32
+                dw = part.astype(w_acc) if dw is None else dw.add_(part.astype(w_acc))  # astype: no copy
                 del part
         if need_w and dw is None:  # no tokens at all
-            dw = paddle.zeros(weight.shape, dtype=acc)
+            dw = paddle.zeros(weight.shape, dtype=w_acc)
         count = (labels != ignore_index).astype("float32").sum()
         ctx.mark_non_differentiable(count)
         ctx.save_for_backward(dh, dw)
@@ -265,7 +268,7 @@ def linear_cross_entropy(
     vocab = weight.shape[0] if transpose_weight else weight.shape[1]
     acc = _logits_dtype(hidden)
     total = paddle.zeros([], dtype=acc)
-    for lo, hi in _chunks(hidden.shape[0], vocab, chunk_tokens):
+    for lo, hi in _chunks(hidden.shape[0], vocab, chunk_tokens, not hidden.place.is_cpu_place()):
         logits = paddle.matmul(hidden[lo:hi], weight, transpose_y=transpose_weight).astype(acc)
         total = total + ext.bmt_softmax_xent_loss(logits, labels[lo:hi], int(ignore_index)).sum()
     return total.astype("float32"), (labels != ignore_index).astype("float32").sum()

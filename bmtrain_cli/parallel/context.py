@@ -218,15 +218,23 @@ class ParallelContext:
         self._compressor = make_compressor(self.config.parallel if self.config else None)
         return DataParallelOptimizer(optimizer, self)
 
-    def wrap_model_and_optimizer(self, model: Any, optimizer: Any) -> Any:
-        """(model, optimizer) for this layout; needed for sharding stage 2/3, which wraps both together.
+    def wrap_model_and_optimizer(self, model: Any, optimizer: Any, scaler: Any = None) -> Any:
+        """(model, optimizer, scaler) for this layout; needed for sharding stage 2/3, which wraps all three
+        together (the fp16 scaler becomes Paddle's GroupShardedScaler).
 
         Call after wrap_model with the optimizer built over the wrapped model's parameters."""
         if self.world_size > 1 and self.config is not None and uses_group_sharded(self.config):
             from bmtrain_cli.parallel.sharding import group_sharded
 
-            return group_sharded(model, optimizer, self)
-        return model, self.wrap_optimizer(optimizer)
+            return group_sharded(model, optimizer, self, scaler)
+        return model, self.wrap_optimizer(optimizer), self.wrap_scaler(scaler)
+
+    def wrap_scaler(self, scaler: Any) -> Any:
+        """The fp16 loss scaler for this layout: fleet.distributed_scaler under tensor/pipeline parallel
+        and sharding stage 1, unchanged otherwise (parallel/sharding.scaler_kind)."""
+        from bmtrain_cli.parallel.sharding import wrap_scaler
+
+        return wrap_scaler(scaler, self)
 
     def mark_progress(self) -> None:
         """Tell the fault watchdog that training advanced (called by the collectives here)."""

@@ -450,9 +450,10 @@ def pipeline_train_step(
     optimizer: Any,
     lr_scheduler: Any = None,
     objective: Optional[PipelineObjective] = None,
+    scaler: Any = None,
 ) -> Tuple[float, float]:
     """Forward+backward of all micro-batches (1F1B) and one optimizer step (the token loss, or
-    ``objective``'s). Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
+    ``objective``'s; ``scaler``: the fp16 loss scaler). Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
     ctx.mark_progress()
     length = ctx.config.model.max_seq_len if ctx.config is not None else None
     if objective is None:
@@ -470,7 +471,9 @@ def pipeline_train_step(
 
     if isinstance(optimizer, GradSumOptimizer):
         optimizer = optimizer._inner  # train_batch insists on fleet's own optimizer class
-    model.train_batch([inputs, target], optimizer, lr_scheduler)
+    # fp16: train_batch scales each micro-batch's loss and steps through scaler.step/update (the scaler
+    # is fleet.distributed_scaler's, so found_inf is decided over all ranks)
+    model.train_batch([inputs, target], optimizer, lr_scheduler, scaler=scaler)
     local = float(sum(float(s) for s in loss_fn.sums)) if loss_fn.sums else 0.0
     total = ctx.all_reduce_sum(from_last_stage(ctx, local))
     ctx.mark_progress()

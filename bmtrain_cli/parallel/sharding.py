@@ -37,6 +37,38 @@ def group_sharded_arguments(config: Config) -> Dict[str, Any]:
     }
 
 
+def scaler_kind(tp_degree: int, pp_degree: int, sharding_degree: int, sharding_stage: int) -> str:
+    """How the fp16 loss scaler is wrapped for a layout (as PaddleFormers' trainer does):
+
+    * ``group_sharded``: sharding stage 2/3; group_sharded_parallel(scaler=...) returns Paddle's
+      GroupShardedScaler, whose unscale reads the sharded optimizer's slices and all-reduces found_inf;
+    * ``distributed``: tensor or pipeline parallel, or sharding stage 1: fleet.distributed_scaler, whose
+      unscale all-reduces found_inf (MAX) over all ranks, so every rank skips the same overflowing step
+      (without it each rank decides on its own shard and replicated weights drift apart);
+    * ``plain``: one process or plain data parallel (gradients are summed before unscale_, so found_inf
+      is already the same on every rank; fleet.distributed_scaler leaves DATA_PARALLEL unchanged too).
+    """
+    if sharding_degree > 1 and sharding_stage in (2, 3):
+        return "group_sharded"
+    if tp_degree > 1 or pp_degree > 1 or sharding_degree > 1:
+        return "distributed"
+    return "plain"
+
+
+def wrap_scaler(scaler: Any, ctx: ParallelCtx) -> Any:
+    """The layout's scaler (see :func:`scaler_kind`); group-sharded layouts get theirs from
+    :func:`group_sharded`. None stays None (no fp16)."""
+    if scaler is None or ctx.world_size <= 1 or ctx.config is None:
+        return scaler
+    par = ctx.config.parallel
+    kind = scaler_kind(ctx.tp_degree, ctx.pp_degree, par.sharding_parallel, par.sharding_stage)
+    if kind != "distributed":
+        return scaler
+    from paddle.distributed import fleet
+
+    return fleet.distributed_scaler(scaler)
+
+
 def apply_sharding_strategy(strategy: Any, config: Config) -> None:
     """Sharding options in fleet's DistributedStrategy (stage 1 is driven by hybrid_configs alone)."""
     par = config.parallel
@@ -54,10 +86,15 @@ class GradSumOptimizer:
     is the sum (the context's gradient convention). ``grad_norm()`` is the global norm that fleet's clip
     measured in the last step (parallel/grad_norm.py)."""
 
-    def __init__(self, inner: Any, ctx: ParallelCtx, recorder: Any = None) -> None:
+    def __init__(
+        self, inner: Any, ctx: ParallelCtx, recorder: Any = None, factor: Optional[float] = None
+    ) -> None:
         self._inner = inner
         self._ctx = ctx
         self._recorder = recorder
+        # the rescaling of the reduced gradients (default: the data-rank count); 1.0 under sharding
+        # stage 2/3, whose gradients are scaled through the loss instead (see backward_factor)
+        self._factor = float(ctx.data_world) if factor is None else float(factor)
 
     def grad_norm(self) -> Optional[float]:
         """None when nothing was measured (no recorder, or the step's clip did not run)."""
@@ -76,7 +113,7 @@ class GradSumOptimizer:
     def step(self) -> None:
         import paddle
 
-        factor = float(self._ctx.data_world)
+        factor = self._factor
         if factor != 1.0:
             with paddle.no_grad():
                 for p in self._scaled_parameters():
@@ -86,6 +123,23 @@ class GradSumOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def backward_factor(ctx: ParallelCtx) -> float:
+    """What the trainer multiplies each micro-batch's loss by before backward so that the reduced gradients
+    are the sum over data ranks: the data-rank count under sharding stage 2/3, else 1.
+
+    Paddle's group-sharded stages reduce gradients inside backward (averaging: scale 1/nranks, then
+    reduce) and then move them where ``p.grad`` no longer reaches: stage 2 frees the gradients a rank
+    does not own and, with offload, moves the owned ones into host accumulators; stage 3 keeps each
+    rank's slice in ``param.bw_storage`` and hands it to the optimizer only inside step()
+    (``_update_params_slice``). Rescaling ``p.grad`` before step() (as for fleet's optimizers) therefore
+    misses the offloaded and the sliced gradients, which would step with the mean, not the sum. Scaling
+    the loss before the reductions reaches every gradient alike, since the reductions are linear."""
+    config = ctx.config
+    if ctx.world_size > 1 and config is not None and uses_group_sharded(config):
+        return float(ctx.data_world)
+    return 1.0
 
 
 def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
@@ -105,8 +159,9 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
     return GradSumOptimizer(fleet_optimizer, ctx, recorder)
 
 
-def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx) -> Tuple[Any, Any]:
-    """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds)."""
+def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = None) -> Tuple[Any, Any, Any]:
+    """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds):
+    (model, optimizer, scaler); an fp16 ``scaler`` comes back as Paddle's GroupShardedScaler."""
     if ctx.on_cpu:
         par = ctx.config.parallel
         raise UserError(
@@ -119,5 +174,6 @@ def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx) -> Tuple[Any, An
 
     kwargs = group_sharded_arguments(ctx.config)
     group = ctx.hcg.get_sharding_parallel_group() if ctx.hcg is not None else None
-    model, optimizer, _ = group_sharded_parallel(model, optimizer, group=group, **kwargs)
-    return model, GradSumOptimizer(optimizer, ctx)
+    model, optimizer, scaler = group_sharded_parallel(model, optimizer, scaler=scaler, group=group, **kwargs)
+    # the sum over data ranks comes from the loss (backward_factor): the reduced gradients are not rescaled
+    return model, GradSumOptimizer(optimizer, ctx, factor=1.0), scaler

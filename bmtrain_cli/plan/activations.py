@@ -12,8 +12,9 @@ from bmtrain_cli.models.arch import (
     lora_parameters_per_layer,
 )
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
+from bmtrain_cli.models.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
-from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, CE_CHUNK_ELEMENTS, Layout, Workload
+from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
 
 # ----------------------------------------------------------------------------------------------
 # parameter accounting
@@ -212,15 +213,17 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
         logits = n * vocab
         return int(final + n * h * e + logits * 4), int(logits * (e + 4))
     if layout.tp == 1 and w.kernels != "reference":
-        # fused linear + cross-entropy in chunks: keeps d(hidden) and d(weight) (fp32 accumulators);
-        # transient: a contiguous copy of the hidden states, a chunk's logits and their gradient, and
-        # the chunk's weight-gradient part
-        kept = final + n * h * 4 + head_elems * 4
-        chunk = min(n * vocab, max(vocab, (CE_CHUNK_ELEMENTS // vocab) * vocab))
-        transient = 2 * chunk * 4 + head_elems * 4 + n * h * e
+        # fused linear + cross-entropy in chunks (ops/custom.py, models/loss_chunks.chunk_tokens): keeps
+        # d(hidden) and d(weight) (the weight's accumulator is fp32 for fp32 weights, the compute dtype for
+        # fp16/bf16); transient: a contiguous copy of the hidden states, a chunk's fp32 logits and their
+        # gradient, and the chunk's weight-gradient part
+        w_acc = 4 if e >= 4 else e
+        kept = final + n * h * 4 + head_elems * w_acc
+        chunk = chunk_tokens(vocab, n, device.kind != "cpu") * vocab
+        transient = 2 * chunk * 4 + head_elems * w_acc + n * h * e
         if w.finetuning == "lora":
-            kept -= head_elems * 4
-            transient -= head_elems * 4
+            kept -= head_elems * w_acc
+            transient -= head_elems * w_acc
         return int(kept), int(transient)
     # materialised logits (vocab-parallel cross-entropy, or the reference ops): logits, fp32 softmax,
     # and their gradient

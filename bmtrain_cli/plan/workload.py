@@ -18,8 +18,6 @@ from bmtrain_cli.preference.reference_kind import NO_REFERENCE, reference_kind
 CPU_RUNTIME_BYTES = 512 << 20
 # --- GPU allocator headroom for the fit check (auto_growth fragmentation)
 GPU_FRAGMENTATION = 0.05
-# Chunk of the fused linear + cross-entropy (bmtrain_cli/ops/custom.py CHUNK_ELEMENTS)
-CE_CHUNK_ELEMENTS = 1 << 23
 DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
 # score-sized [b, heads, block, s] fp32 temporaries alive at once in the blocked attention's backward:
 # the probabilities, the gradient of the probabilities and the intermediate products of the score gradient

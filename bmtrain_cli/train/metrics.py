@@ -83,6 +83,16 @@ class MemoryMeter:
             self._host_baseline = int(self._host.host_memory_stat_current_value("Allocated", 0))
             self._host.host_memory_stat_reset_peak_value("Allocated", 0)
 
+    def training_starts(self) -> None:
+        """Call once the model is built and its weights (and a resumed checkpoint) are loaded: on a GPU the
+        allocator's peak is reset, so that the reported peak is the training peak (the weights, gradients,
+        optimizer state and activations the planner predicts), not the transient copies of loading. The
+        CPU figure keeps its measured meaning (peak since the model started to be built)."""
+        if self.on_gpu:
+            import paddle
+
+            paddle.device.cuda.reset_max_memory_allocated()
+
     @property
     def source(self) -> str:
         if self.on_gpu:

@@ -5,7 +5,9 @@ gradients and the activations.
 :class:`OffloadOptimizer` wraps a stock Paddle optimizer (AdamW by default) built over host copies of
 the trainable parameters. Each ``step()`` copies the device gradients to the host, runs the stock
 update on the host copies (so the arithmetic is Paddle's own optimizer kernel, not a re-implementation),
-and writes the updated weights back to the device in the model's dtype. On a CPU-only machine the
+and writes the updated weights back to the device in the model's dtype. On a GPU the copies of a step go
+through pinned buffers and are all issued before the step waits once (:class:`Transfers`), so the copy
+engine overlaps them; the weights are cast to the model's dtype on the host before they travel. On a CPU-only machine the
 "device" is the CPU itself and exactly the same code path runs (the copies are then host-to-host).
 
 It has the interface the trainer uses from ``paddle.optimizer.Optimizer``: ``step()``,
@@ -44,6 +46,45 @@ def host_device() -> Iterator[None]:
 def _to_place(tensor: paddle.Tensor, place: Any) -> paddle.Tensor:
     """A copy of ``tensor`` on ``place`` (always a copy, also when the place is the same)."""
     return tensor._copy_to(place, True)
+
+
+def uses_pinned_staging(place: Any) -> bool:
+    """Whether transfers between ``place`` and the host go through pinned (page-locked) buffers: only for
+    a GPU place (the copy engine can then run them asynchronously, all of a step's tensors at once)."""
+    return bool(getattr(place, "is_gpu_place", lambda: False)())
+
+
+class Transfers:
+    """A step's device <-> host copies. On a GPU every copy is issued without waiting, through pinned
+    memory, and the step waits once (:meth:`wait`) instead of once per tensor through pageable memory;
+    on a CPU they are the plain blocking copies. Pinned buffers are kept until :meth:`wait` returns."""
+
+    def __init__(self, device_place: Any) -> None:
+        self.device_place = device_place
+        self.pinned = uses_pinned_staging(device_place)
+        self._keep: List[paddle.Tensor] = []
+
+    def to_host(self, tensor: paddle.Tensor, host_place: Any) -> Callable[[], paddle.Tensor]:
+        """Start copying ``tensor`` to the host; the returned function gives the host tensor (after wait)."""
+        if not self.pinned:
+            out = _to_place(tensor, host_place)
+            return lambda: out
+        staged = tensor._copy_to(paddle.CUDAPinnedPlace(), False)  # device -> pinned, asynchronous
+        self._keep.append(staged)
+        return lambda: _to_place(staged, host_place)  # pinned -> pageable host: a memcpy, after wait()
+
+    def to_device(self, host_tensor: paddle.Tensor, place: Any) -> paddle.Tensor:
+        """Start copying a host tensor to ``place``; use the result after :meth:`wait` (or in stream order)."""
+        if not self.pinned:
+            return _to_place(host_tensor, place)
+        staged = host_tensor._copy_to(paddle.CUDAPinnedPlace(), True)  # pageable -> pinned: a memcpy
+        self._keep.append(staged)
+        return staged._copy_to(place, False)  # pinned -> device, asynchronous
+
+    def wait(self) -> None:
+        if self.pinned:
+            paddle.device.synchronize()
+        self._keep.clear()
 
 
 class OffloadOptimizer:
@@ -110,24 +151,36 @@ class OffloadOptimizer:
 
     @paddle.no_grad()
     def _write_back(self) -> None:
+        moves = Transfers(self._parameter_list[0].place)
         for i, (p, host) in enumerate(zip(self._parameter_list, self._host)):
             master = self._device_master[i]
             if master is not None:
-                master.set_value(_to_place(host, master.place))
-            p.set_value(_to_place(host.astype(p.dtype), p.place))
+                master.set_value(moves.to_device(host, master.place))
+            with host_device():  # cast on the host: half the bytes cross the bus for fp16/bf16 weights
+                low = host.astype(p.dtype)
+            p.set_value(moves.to_device(low, p.place))
+        moves.wait()
 
     # ------------------------------------------------------------------ optimizer interface
     @paddle.no_grad()
     def step(self) -> None:
+        moves = Transfers(self._parameter_list[0].place)
+        grads: List[Any] = []
+        masters: List[Any] = []
         for i, (p, host) in enumerate(zip(self._parameter_list, self._host)):
             grad = p.grad
+            master = self._device_master[i]
+            # every copy is started before any is waited for (on a GPU: asynchronous, through pinned memory)
+            grads.append(None if grad is None else moves.to_host(grad.astype("float32"), host.place))
+            masters.append(None if grad is None or master is None else moves.to_host(master, host.place))
+        moves.wait()
+        for host, grad, master in zip(self._host, grads, masters):
             if grad is None:
                 host.clear_gradient(False)
                 continue
-            host.grad = _to_place(grad.astype("float32"), host.place)
-            master = self._device_master[i]
-            if master is not None:  # master kept on the device: stage it for the host update
-                host.set_value(_to_place(master, host.place))
+            host.grad = grad()
+            if master is not None:  # master kept on the device: staged for the host update
+                host.set_value(master())
         with host_device():
             self._inner.step()
         self._write_back()

@@ -234,6 +234,11 @@ class Precision:
             optimizer.step()
         return finite
 
+    def overflowed(self) -> bool:
+        """Whether the fp16 scaler found inf/nan gradients in the step just taken (it skipped the update
+        and lowered the scale); False without a scaler."""
+        return self.scaler is not None and found_inf(getattr(self.scaler, "_cache_found_inf", None))
+
     @property
     def loss_scale(self) -> Optional[float]:
         if self.scaler is None:
@@ -251,6 +256,16 @@ class Precision:
                 k: np.asarray(v, dtype="float32") if isinstance(v, list) else v for k, v in state.items()
             }
             self.scaler.load_state_dict(restored)
+
+
+def found_inf(flag: Any) -> bool:
+    """GradScaler's ``_cache_found_inf`` after step(): a bool, a bool/int tensor (when the optimizer took
+    found_inf as an auxiliary variable) or None (no step yet)."""
+    if flag is None:
+        return False
+    if isinstance(flag, paddle.Tensor):
+        return bool(flag.astype("int32").reshape([-1])[0].item())
+    return bool(flag)
 
 
 def _plain(value: Any) -> Any:

@@ -59,6 +59,7 @@ class OptimParts:
     own_clip: bool  # False when fleet's hybrid clip measures and clips inside step()
     loss_fn: Optional[Callable[..., Any]]  # loss_sum of the training model (None under pipeline parallel)
     sharded: Optional[Any] = None  # sharding stage 2/3: the wrapper that also computes the loss
+    backward_factor: float = 1.0  # loss multiplier before backward (parallel/sharding.backward_factor)
 
 
 @dataclass(frozen=True)

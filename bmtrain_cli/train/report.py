@@ -66,6 +66,11 @@ def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
     pipeline = parts.ctx.pp_degree > 1
     kind = training_mask_kind(arch, m.max_seq_len, t.batching == "packed", pipeline)
     precision = parts.optim.precision
+    capability = None
+    if rt.has_gpu:
+        from bmtrain_cli.models.attention import gpu_capability
+
+        capability = gpu_capability()
     kernel, why = choose_kernel(
         kind,
         m.attention_implementation,
@@ -73,6 +78,8 @@ def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
         rt.has_gpu,
         seq_len=m.max_seq_len,
         fused_cpu=parts.model.raw.ops.attention is not None,
+        capability=capability,
+        head_dim=arch.head_dim,
     )
     return [first, parts.data.report["line"], f"attention: {kernel} ({why})"]
 

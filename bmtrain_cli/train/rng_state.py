@@ -4,7 +4,7 @@ that a resumed run draws the same numbers as an uninterrupted one)."""
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import paddle
@@ -13,19 +13,30 @@ from bmtrain_cli.machine import gpu_available
 
 
 def rng_state() -> Dict[str, Any]:
-    """Python, numpy and Paddle generator states as JSON-friendly data."""
+    """Python, numpy and Paddle generator states as JSON-friendly data: Paddle's CPU generator always
+    (``paddle.get_rng_state()`` alone returns the current device's generators, so on a GPU the CPU one
+    would be lost), and on a GPU build one state per visible CUDA device."""
     np_state = np.random.get_state()
     state: Dict[str, Any] = {
         "python": _listify(random.getstate()),
         "numpy": [np_state[0], np_state[1].tolist(), *[_listify(x) for x in np_state[2:]]],
-        "paddle": [list(_listify(s.__getstate__())) for s in paddle.get_rng_state()],
+        "paddle": [list(_listify(s.__getstate__())) for s in paddle.get_rng_state("cpu")],
     }
     if gpu_available():
         state["paddle_cuda"] = [list(_listify(s.__getstate__())) for s in paddle.get_cuda_rng_state()]
     return state
 
 
-def set_rng_state(state: Dict[str, Any]) -> None:
+def fitting_states(saved: Sequence[Any], device_count: int) -> List[Tuple[int, Any]]:
+    """(device index, saved state) for the devices this process sees: all of them when the counts match,
+    else the first ``min`` of both (a resume on a different number of GPUs: Paddle's
+    ``set_cuda_rng_state`` refuses a list of another length; the unmatched devices keep their seeds)."""
+    return list(enumerate(saved[: max(device_count, 0)]))
+
+
+def set_rng_state(state: Dict[str, Any]) -> List[str]:
+    """Restore what was saved; returns notes on what could not be restored as it was."""
+    notes: List[str] = []
     if "python" in state:
         random.setstate(_tuplify(state["python"]))
     if "numpy" in state:
@@ -33,9 +44,21 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), *s[2:]))
     gen_cls = paddle.base.libpaddle.GeneratorState
     if state.get("paddle"):
-        paddle.set_rng_state([_generator_state(gen_cls, s) for s in state["paddle"]])
-    if state.get("paddle_cuda") and paddle.device.is_compiled_with_cuda():
-        paddle.set_cuda_rng_state([_generator_state(gen_cls, s) for s in state["paddle_cuda"]])
+        cpu = [_generator_state(gen_cls, s) for s in state["paddle"]]
+        paddle.set_rng_state(cpu[:1], device="cpu")
+    saved_cuda = state.get("paddle_cuda") or []
+    if saved_cuda and paddle.device.is_compiled_with_cuda():
+        from paddle.base import core
+
+        count = core.get_cuda_device_count()
+        for i, data in fitting_states(saved_cuda, count):
+            core.default_cuda_generator(i).set_state(_generator_state(gen_cls, data))
+        if count != len(saved_cuda):
+            notes.append(
+                f"the checkpoint holds {len(saved_cuda)} CUDA generator states and this process sees "
+                f"{count} GPUs: restored {min(count, len(saved_cuda))}, the others keep their seeds"
+            )
+    return notes
 
 
 def _generator_state(cls: Any, data: List[Any]) -> Any:

@@ -115,6 +115,8 @@ def restore(
     )
     if not saved.get("optimizer_restored", True):
         console.say(f"note: {saved['optimizer_message']} (weights, schedule and data position are resumed)")
+    for note in saved.get("rng_notes") or []:
+        console.say(f"note: {note}")
     if hasattr(optim.base, "sync_from_model"):
         optim.base.sync_from_model()
     optim.precision.load_state_dict(saved.get("scaler") or {})

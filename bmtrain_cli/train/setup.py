@@ -231,9 +231,14 @@ def build_model_and_optimizer(
         from bmtrain_cli.models.decoder import LossSum
 
         # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
-        sharded, stepper = ctx.wrap_model_and_optimizer(LossSum(wrapped), base)
+        sharded, stepper, scaler = ctx.wrap_model_and_optimizer(LossSum(wrapped), base, precision.scaler)
+        precision.scaler = scaler  # Paddle's GroupShardedScaler (fp16), or None
     else:
         stepper = ctx.wrap_optimizer(base) if distributed else base
+        if distributed:
+            precision.scaler = ctx.wrap_scaler(precision.scaler)
+    from bmtrain_cli.parallel.sharding import backward_factor
+
     model_parts = ModelParts(
         raw=raw,
         wrapped=wrapped,
@@ -249,6 +254,7 @@ def build_model_and_optimizer(
         own_clip=not fleet_clip,
         loss_fn=loss_fn,
         sharded=sharded,
+        backward_factor=backward_factor(ctx),
     )
     return model_parts, optim
 
@@ -385,6 +391,7 @@ def setup(
     if rt.resume_from is not None:
         state = restore(rt.resume_from, ctx, console, data, model, optim)
     claim_output_dir(rt, ctx, data, model, console)
+    memory.training_starts()  # GPU: the reported peak is the training peak, not loading's
     metrics = MetricsWriter(
         rt.output_dir,
         total_steps=rt.total_steps,

@@ -84,13 +84,14 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     objective = parts.preference if parts.preference is not None else TokenLoss(optim.loss_fn, ctx)
     total_count, total_tokens = objective.begin_step(micro)
     denom = max(total_count, 1.0)
+    grad_denom = denom / optim.backward_factor  # sharding stage 2/3: the sum over ranks via the loss
     lr = parts.schedule(step)
     optim.stepper.set_lr(lr)
     loss_acc = None
     for b in micro:
         with precision.autocast():
             loss_sum, _ = objective.loss_sum(parts.model.wrapped, b)
-        precision.backward(loss_sum / denom)
+        precision.backward(loss_sum / grad_denom)
         loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
     step_opt = optim.stepper
     if optim.own_clip and distributed and hasattr(step_opt, "reduce_gradients"):
@@ -110,8 +111,13 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     if finite and optim.own_clip and max_norm:  # a CpuAdamW folds the clip into its update
         clip_for_step(step_opt, parts.model.params, max_norm, grad_norm)
     applied = precision.step(step_opt, finite)
+    overflow = precision.overflowed()  # fp16: the scaler skipped the update (found_inf over all ranks)
+    applied = applied and not overflow
     if not optim.own_clip:
-        grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside step()
+        grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside step()
+    # an fp16 overflow the scaler handled (update skipped, scale lowered) is a normal step, not a
+    # non-finite one: overflows in the first steps are expected with dynamic scaling from 32768
+    finite = math.isfinite(loss) and (math.isfinite(grad_norm) or overflow)
     optim.stepper.clear_grad(set_to_zero=False)
     metrics = objective.step_metrics()
     return StepOutput(
@@ -130,35 +136,43 @@ def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     the pair loss on the last stage, preference/pipeline.py)."""
     lr = parts.schedule(step)
     parts.optim.stepper.set_lr(lr)
+    precision = parts.optim.precision
     pairs = None
     if parts.preference is not None:
         from bmtrain_cli.preference.pipeline import PairPipeline, pipeline_rows
 
         pairs = PairPipeline(parts.preference, parts.ctx, pipeline_rows(parts.config.train.micro_batch_size))
-    loss_total, count = parts.ctx.pipeline_step(
-        parts.model.wrapped, micro, parts.optim.stepper, objective=pairs
-    )
+    # the forward and backward under autocast, as every other layout (train_batch runs its optimizer
+    # step with autocast off itself); fp16 gives the scaler to train_batch, which scales each
+    # micro-batch's loss and calls scaler.step/update
+    with precision.autocast():
+        loss_total, count = parts.ctx.pipeline_step(
+            parts.model.wrapped, micro, parts.optim.stepper, objective=pairs, scaler=precision.scaler
+        )
     tokens = float(parts.ctx.all_reduce_sum(_tokens(micro)))
     loss = loss_total / max(count, 1.0)
-    grad_norm = fleet_grad_norm(parts, step)  # measured by fleet's clip inside train_batch
+    overflow = precision.overflowed()
+    grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside train_batch
     metrics = pairs.step_metrics() if pairs is not None else {}
     return StepOutput(
         loss=loss,
         lr=lr,
         grad_norm=grad_norm,
         tokens=tokens,
-        applied=True,
+        applied=not overflow,
         finite=math.isfinite(loss),
         metrics=metrics,
     )
 
 
-def fleet_grad_norm(parts: Parts, step: int) -> float:
-    """The global norm fleet's clip measured in the step just taken (nan if its clip did not run: a
-    skipped fp16 step). A non-finite measured norm means the update already ran with it, inside fleet:
-    stop rather than train on from non-finite weights."""
-    norm = parts.optim.stepper.grad_norm()
-    if norm is None:
+def fleet_grad_norm(parts: Parts, step: int, overflow: bool = False) -> float:
+    """The global norm fleet's clip measured in the step just taken (nan if its clip did not run, or if
+    the fp16 scaler found inf/nan: fleet's clip has no finite check and measures inf, while the update
+    itself was skipped through found_inf, so the run goes on with a lower loss scale). Any other
+    non-finite measured norm means the update already ran with it, inside fleet: stop rather than train
+    on from non-finite weights."""
+    norm = parts.optim.stepper.grad_norm()  # read (and forgotten) in every case
+    if norm is None or overflow:
         return math.nan
     if not math.isfinite(norm):
         raise TrainingStopped(

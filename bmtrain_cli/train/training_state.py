@@ -236,7 +236,7 @@ def load_training_state(
         restore_optimizer(optimizer, model, tensors)
         state["optimizer_restored"] = True
     if restore_rng and state.get("rng"):
-        set_rng_state(state["rng"])
+        state["rng_notes"] = set_rng_state(state["rng"])  # e.g. a resume on another number of GPUs
     return state
 
 

@@ -250,6 +250,10 @@ __global__ void xent_kernel(const float* __restrict__ logits, const int64_t* __r
   }
 }
 
+// cudaGetLastError returns (and resets) the last error of any earlier call on this thread, not only of
+// our launch: each launcher clears it right before launching, so status() reports its own launch.
+void clear_error() { (void)cudaGetLastError(); }
+
 int status() { return cudaGetLastError() == cudaSuccess ? BMT_OK : BMT_ERR_CUDA; }
 
 unsigned elem_blocks(int64_t n) {
@@ -261,6 +265,7 @@ unsigned elem_blocks(int64_t n) {
 }  // namespace
 
 #define BMT_DISPATCH(dtype, ...)   \
+  clear_error();                   \
   switch (dtype) {                 \
     case BMT_F32: {                \
       using T = float;             \
@@ -355,6 +360,7 @@ int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, 
   if (vocab <= 0) return BMT_ERR_SHAPE;
   if (rows == 0) return BMT_OK;
   const int threads = vocab >= 8192 ? 1024 : (vocab >= 1024 ? 512 : 128);
+  clear_error();
   xent_kernel<<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const float*>(logits), labels, static_cast<float*>(loss), static_cast<float*>(dlogits), vocab,
       ignore_index, bad_label);

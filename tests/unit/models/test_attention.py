@@ -125,10 +125,11 @@ def test_kernel_choice():
     assert choose_kernel("causal", "auto", False, False)[0] == "blocked"
     assert choose_kernel("segments", "auto", False, False)[0] == "blocked"
     assert choose_kernel("causal", "flash", True, False)[0] == "blocked"
-    # GPU half precision: Paddle's flash kernels; fp32 on a GPU: the blocked kernel
+    # GPU half precision: Paddle's flash kernels; fp32 on a GPU: Paddle's sdpa (one kernel there)
     assert choose_kernel("causal", "auto", True, True)[0] == "flash"
     assert choose_kernel("segments", "auto", True, True)[0] == "flash_varlen"
-    assert choose_kernel("segments", "auto", False, True)[0] == "blocked"
+    assert choose_kernel("segments", "auto", False, True)[0] == "sdpa_mask"
+    assert choose_kernel("causal", "auto", False, True)[0] == "sdpa_causal"
     # a bias, an explicit sdpa, the reference, a static graph of unknown length
     assert choose_kernel("bias", "auto", True, True)[0] == "sdpa_mask"
     assert choose_kernel("causal", "sdpa", False, False)[0] == "sdpa_causal"
@@ -140,8 +141,7 @@ def test_kernel_choice():
     assert all(
         choose_kernel(k, "auto", h, g)[0] in LINEAR_KERNELS
         for k in ("causal", "segments")
-        for h in (False, True)
-        for g in (False, True)
+        for h, g in ((False, False), (True, False), (True, True))
     )
     with pytest.raises(ValueError):
         choose_kernel("causal", "fast", False, False)
@@ -156,7 +156,7 @@ def test_fused_cpu_kernel_is_chosen_when_the_op_set_carries_it():
         assert choose_kernel(kind, "sdpa", False, False, fused_cpu=True)[0].startswith("sdpa")
         assert choose_kernel(kind, "eager", False, False, fused_cpu=True)[0] == "eager"
         assert choose_kernel(kind, "auto", True, False, fused_cpu=True)[0] == "blocked"
-        assert choose_kernel(kind, "auto", False, True, fused_cpu=True)[0] == "blocked"
+        assert choose_kernel(kind, "auto", False, True, fused_cpu=True)[0].startswith("sdpa")
         assert choose_kernel(kind, "auto", False, False, static=True, fused_cpu=True)[0].startswith("sdpa")
     assert choose_kernel("bias", "auto", False, False, fused_cpu=True)[0] == "sdpa_mask"
     assert "cpu_fused" in LINEAR_KERNELS
@@ -186,9 +186,8 @@ def test_short_sequences_on_cpu_take_matmul_softmax_long_ones_the_blocked_kernel
     assert choose_kernel("segments", "auto", False, False, seq_len=short)[0] == "sdpa_mask"
     assert choose_kernel("causal", "auto", False, False, seq_len=long)[0] == "blocked"
     assert choose_kernel("segments", "auto", False, False, seq_len=long)[0] == "blocked"
-    # measured on a CPU in fp32 only: half precision on a CPU and fp32 on a GPU keep the blocked kernel
+    # measured on a CPU in fp32 only: half precision on a CPU keeps the blocked kernel
     assert choose_kernel("causal", "auto", True, False, seq_len=short)[0] == "blocked"
-    assert choose_kernel("causal", "auto", False, True, seq_len=short)[0] == "blocked"
 
 
 @pytest.mark.parametrize("layout", [None, "packed"], ids=["causal", "packed"])

@@ -127,3 +127,21 @@ def test_cpu_peak_is_a_measured_matmul_throughput() -> None:
     assert 1e8 < flops < 1e14  # a real throughput, not a clock-based bound of 0 or inf
     assert metrics.measured_matmul_flops(n=256) == flops  # cached
     assert metrics.peak_flops(on_gpu=False) == metrics.measured_matmul_flops()
+
+
+def test_gpu_peak_is_reset_when_training_starts(monkeypatch):
+    """On a GPU the allocator's peak is reset after loading: the reported peak is the training peak."""
+    import paddle
+
+    from bmtrain_cli.train.metrics import MemoryMeter
+
+    calls = []
+    monkeypatch.setattr(paddle.device.cuda, "reset_max_memory_allocated", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(paddle.device.cuda, "max_memory_allocated", lambda *a: 0 if calls else 10**9)
+    meter = MemoryMeter(on_gpu=True)
+    assert meter.peak() == 10**9  # loading's transient copies
+    meter.training_starts()
+    assert calls == ["reset"] and meter.peak() == 0
+    cpu = MemoryMeter(on_gpu=False)
+    cpu.training_starts()
+    assert calls == ["reset"]  # the CPU figure keeps its meaning

@@ -1,0 +1,61 @@
+"""CUDA architectures to build for (PADDLE_CUDA_ARCH_LIST or the detected capability, with PTX) and
+``kernels: auto``'s one-shot launch check, exercised on CPU with our CPU kernels and a failing stand-in."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmtrain_cli.ops import reference
+from bmtrain_cli.ops.build import DEFAULT_CUDA_ARCHS, KernelBuildError, cuda_arch_flags, cuda_arch_list
+from bmtrain_cli.ops.launch_check import fallback_line, launch_checked, run_check
+
+
+def test_arch_list_from_the_variable_the_devices_or_the_default():
+    assert cuda_arch_list("7.5;8.6+PTX", [(9, 0)]) == ["7.5", "8.6+PTX"]
+    assert cuda_arch_list("8.0 9.0", []) == ["8.0", "9.0"]
+    # a T4 and a Blackwell card: their own architectures, PTX on the newest
+    assert cuda_arch_list(None, [(7, 5), (12, 0), (7, 5)]) == ["7.5", "12.0+PTX"]
+    assert cuda_arch_list("", []) == list(DEFAULT_CUDA_ARCHS)
+    assert any(a.endswith("+PTX") for a in DEFAULT_CUDA_ARCHS)
+
+
+def test_gencode_flags_carry_ptx():
+    flags = cuda_arch_flags(["8.0", "9.0+PTX"])
+    assert flags == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    assert cuda_arch_flags(["12.0"]) == ["-gencode=arch=compute_120,code=sm_120"]
+    with pytest.raises(KernelBuildError, match="not an architecture"):
+        cuda_arch_flags(["sm_80"])
+
+
+def test_launch_check_keeps_working_kernels_and_drops_failing_ones():
+    ref = {n: getattr(reference, n) for n in ("rms_norm", "swiglu", "cross_entropy_sum")}
+
+    def no_image(*args):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+
+    def wrong(gate, up):
+        return reference.swiglu(gate, up) * 2
+
+    ours = {"rms_norm": reference.rms_norm, "swiglu": wrong, "cross_entropy_sum": no_image}
+    kept, failed = launch_checked(ours, ref, run_check)
+    assert list(kept) == ["rms_norm"]
+    assert failed["cross_entropy_sum"].startswith("RuntimeError: CUDA error: no kernel image")
+    assert "differs" in failed["swiglu"]
+    line = fallback_line(failed)
+    assert "\n" not in line and "swiglu" in line and "cross_entropy_sum" in line
+
+
+def test_our_cpu_kernels_pass_the_same_check():
+    from bmtrain_cli.ops import OP_NAMES, custom
+
+    try:
+        custom._ext()
+    except Exception as exc:
+        pytest.skip(f"custom kernels not built here: {exc}")
+    ref = {n: getattr(reference, n) for n in OP_NAMES}
+    kept, failed = launch_checked({n: getattr(custom, n) for n in OP_NAMES}, ref, run_check)
+    assert failed == {} and set(kept) == set(OP_NAMES)

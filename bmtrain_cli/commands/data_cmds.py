@@ -52,12 +52,13 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
     from bmtrain_cli.data.sample import sample_records, sample_store
     from bmtrain_cli.data.stats import data_stats
     from bmtrain_cli.data.stream_setup import data_workers
+    from bmtrain_cli.data.turns import options_of
     from bmtrain_cli.data.workers import EncodeSpec
 
     t = cfg.train
     files = [f for spec in as_list(t.data_path) for f in resolve_source(spec)]
     smp = sample_records(files, n, seed=t.seed)
-    spec = EncodeSpec.of(make_encoder(tok, t.template, t.train_on_prompt), t.data_format)
+    spec = EncodeSpec.of(make_encoder(tok, t.template, t.train_on_prompt, options_of(t)), t.data_format)
     store = sample_store(smp, spec, data_workers(t))
     if len(store) == 0:
         raise UserError(f"no usable record among the {store.records} sampled")

@@ -90,10 +90,11 @@ def build_stream_loader(
     from bmtrain_cli.config.derived import derive
     from bmtrain_cli.data.encode import make_encoder
     from bmtrain_cli.data.stream import StreamLoader
+    from bmtrain_cli.data.turns import options_of
 
     t = config.train
     spec = EncodeSpec.of(
-        make_encoder(tokenizer, t.template, t.train_on_prompt),
+        make_encoder(tokenizer, t.template, t.train_on_prompt, options_of(t)),
         t.data_format,
         max_seq_len=config.model.max_seq_len,
         truncation=t.truncation,

@@ -137,6 +137,7 @@ def register(app: typer.Typer) -> None:
         random sample with --sample N)."""
         from bmtrain_cli.data.loader import build_loader
         from bmtrain_cli.data.stats import data_stats, format_stats
+        from bmtrain_cli.data.tools import tool_stats
 
         cfg = _load(config, set_, data_path)
         if cfg.train.stage == "dpo":
@@ -148,6 +149,7 @@ def register(app: typer.Typer) -> None:
             st = _sampled_stats(cfg, tok, sample)
         else:
             st = data_stats(build_loader(cfg, tok, streaming=False))
+        st["tools"] = tool_stats(st["files"], cfg.train.data_format)
         if as_json:
             typer.echo(json.dumps(st, indent=2))
             return

@@ -77,4 +77,10 @@ def format_stats(st: Dict[str, Any]) -> List[str]:
         + f"  (packed rows: {int(w['packed_rows'])})",
         f"per epoch: {st['samples_per_epoch']} samples, {st['batches_per_epoch']} micro-batches per data rank",
     ]
+    tools = st.get("tools")
+    if tools and tools["records_with_tools"]:
+        lines.append(
+            f"tool calling: {tools['records_with_tools']} records with tools, "
+            f"{tools['tool_call_turns']} assistant turns with tool calls, {tools['tool_results']} tool results"
+        )
     return lines

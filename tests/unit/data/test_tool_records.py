@@ -101,3 +101,20 @@ def test_history_reasoning_drop_and_builtin_reasoning():
     out = tok.decode(ids, skip_special_tokens=False)
     assert "r1" not in out and "r2" in out
     assert msgs[1]["reasoning_content"] == "r1"
+
+
+@pytest.mark.parametrize(
+    "train, path",
+    [
+        ({"train_on_prompt": True, "mask_history": True}, "train_config.mask_history"),
+        ({"train_on_prompt": True, "train_reasoning": False}, "train_config.train_reasoning"),
+    ],
+)
+def test_loss_options_checked_against_train_on_prompt(tmp_path, train, path):
+    from bmtrain_cli.config.checks import check_config
+    from bmtrain_cli.config.schema import Config
+
+    cfg = Config.model_validate({"model_config": {"max_seq_len": 64}, "train_config": train})
+    assert path in [p.path for p in check_config(cfg) if p.severity == "error"]
+    ok = Config.model_validate({"model_config": {"max_seq_len": 64}, "train_config": {"mask_history": True}})
+    assert not [p for p in check_config(ok) if p.path == path]

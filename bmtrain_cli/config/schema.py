@@ -91,6 +91,10 @@ class TrainConfig(_Section):
     data_path: Optional[Union[str, List[str]]] = Field(
         None, description="JSONL file(s), globs or directories. `quickstart` generates the demo data."
     )
+    dataset: Optional[Union[str, List[str]]] = Field(
+        None, description="LLaMA-Factory registry names (dataset_dir/dataset_info.json); sets data_path."
+    )
+    dataset_dir: str = Field("data", description="The directory holding dataset_info.json.")
     data_weights: Optional[List[float]] = Field(None, description="Mixing weight per data_path entry.")
     eval_data_path: Optional[Union[str, List[str]]] = None
     data_format: Literal["auto", "input_output", "alpaca", "chat", "text"] = "auto"

@@ -136,8 +136,7 @@ def register(app: typer.Typer) -> None:
         """Print counts, token-length percentiles, truncation and padding waste (of every record, or of a
         random sample with --sample N)."""
         from bmtrain_cli.data.loader import build_loader
-        from bmtrain_cli.data.stats import data_stats, format_stats
-        from bmtrain_cli.data.tools import tool_stats
+        from bmtrain_cli.data.stats import data_stats, format_stats, tool_stats
 
         cfg = _load(config, set_, data_path)
         if cfg.train.stage == "dpo":

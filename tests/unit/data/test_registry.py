@@ -68,3 +68,27 @@ def test_ranking_entry_gives_pairs(tmp_path, lf_dir):
 def test_refused_entries_named(tmp_path, lf_dir, name, match):
     with pytest.raises(UserError, match=match):
         _config(tmp_path, lf_dir, dataset=name)
+
+
+@pytest.mark.parametrize("stage, name", [("sft", "glaive_toolcall_en_demo"), ("dpo", "dpo_en_demo")])
+def test_data_preview_marks_trained_tokens(tmp_path, lf_dir, stage, name):
+    from bmtrain_cli.config.schema import Config
+    from bmtrain_cli.data.preview import mark, preview
+    from bmtrain_cli.data.registry import materialize
+
+    train = {"data_path": materialize(name, str(lf_dir)), "stage": stage}
+    cfg = Config.model_validate({"model_config": {"max_seq_len": 256}, "train_config": train})
+    tok = load_tokenizer(str(FIXTURES / "chat_parity" / "qwen3"))
+    lines = preview(cfg, tok, 2, colour=False)
+    assert sum(line.startswith("--- ") for line in lines) == 2
+    text = "\n".join(lines)
+    if stage == "dpo":
+        assert "[chosen]" in text and "[[0 rebmun drow<|im_end|>\n]]" in text and "[[I cannot." in text
+    else:
+        assert (
+            '[[<tool_call>\n{"name": "calculate_bmi"' in text
+            and "[[<think>\n\n</think>\n\nYour BMI is" in text
+        )
+    assert "\x1b[32mb\x1b[0m" in mark(
+        tok, tok.encode("ab"), [False] * (len(tok.encode("ab")) - 1) + [True], True
+    )

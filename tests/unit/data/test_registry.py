@@ -83,7 +83,9 @@ def test_data_preview_marks_trained_tokens(tmp_path, lf_dir, stage, name):
     assert sum(line.startswith("--- ") for line in lines) == 2
     text = "\n".join(lines)
     if stage == "dpo":
-        assert "[chosen]" in text and "[[0 rebmun drow<|im_end|>\n]]" in text and "[[I cannot." in text
+        assert (
+            "[chosen]" in text and "0 rebmun drow<|im_end|>\n]]" in text and "I cannot.<|im_end|>\n]]" in text
+        )
     else:
         assert (
             '[[<tool_call>\n{"name": "calculate_bmi"' in text

@@ -77,6 +77,8 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
 
 
 def register(app: typer.Typer) -> None:
+    _register_preview(app)
+
     @app.command("prepare-data")
     @user_errors
     def prepare_data(
@@ -114,27 +116,6 @@ def register(app: typer.Typer) -> None:
                 f"{st['tokens']} tokens after truncation to max_seq_len {cfg.model.max_seq_len} "
                 f"({st['overlong']} samples longer) in {time.perf_counter() - t0:.2f}s"
             )
-
-    @app.command("data-preview")
-    @user_errors
-    def data_preview_cmd(
-        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
-        n: int = typer.Option(3, "-n", min=1, max=10_000, help="Records to show."),
-        data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Data to show."),
-        tokenizer: Optional[str] = typer.Option(
-            None, "--tokenizer", help="Tokenizer path (overrides config)."
-        ),
-        set_: Optional[List[str]] = set_option(),
-    ) -> None:
-        """Print the first records as the model sees them, trained tokens marked (colour on a terminal,
-        [[brackets]] when piped), with their token counts."""
-        import sys
-
-        from bmtrain_cli.data.preview import preview
-
-        cfg = _load(config, set_, data_path)
-        for line in preview(cfg, resolve_tokenizer(cfg, tokenizer), n, sys.stdout.isatty()):
-            typer.echo(line)
 
     @app.command("data-stats")
     @user_errors
@@ -174,4 +155,27 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(st, indent=2))
             return
         for line in format_stats(st):
+            typer.echo(line)
+
+
+def _register_preview(app: typer.Typer) -> None:
+    @app.command("data-preview")
+    @user_errors
+    def data_preview_cmd(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        n: int = typer.Option(3, "-n", min=1, max=10_000, help="Records to show."),
+        data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Data to show."),
+        tokenizer: Optional[str] = typer.Option(
+            None, "--tokenizer", help="Tokenizer path (overrides config)."
+        ),
+        set_: Optional[List[str]] = set_option(),
+    ) -> None:
+        """Print the first records as the model sees them, trained tokens marked (colour on a terminal,
+        [[brackets]] when piped), with their token counts."""
+        import sys
+
+        from bmtrain_cli.data.preview import preview
+
+        cfg = _load(config, set_, data_path)
+        for line in preview(cfg, resolve_tokenizer(cfg, tokenizer), n, sys.stdout.isatty()):
             typer.echo(line)

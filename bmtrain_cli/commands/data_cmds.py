@@ -52,12 +52,13 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
     from bmtrain_cli.data.sample import sample_records, sample_store
     from bmtrain_cli.data.stats import data_stats
     from bmtrain_cli.data.stream_setup import data_workers
+    from bmtrain_cli.data.turns import options_of
     from bmtrain_cli.data.workers import EncodeSpec
 
     t = cfg.train
     files = [f for spec in as_list(t.data_path) for f in resolve_source(spec)]
     smp = sample_records(files, n, seed=t.seed)
-    spec = EncodeSpec.of(make_encoder(tok, t.template, t.train_on_prompt), t.data_format)
+    spec = EncodeSpec.of(make_encoder(tok, t.template, t.train_on_prompt, options_of(t)), t.data_format)
     store = sample_store(smp, spec, data_workers(t))
     if len(store) == 0:
         raise UserError(f"no usable record among the {store.records} sampled")
@@ -76,6 +77,8 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
 
 
 def register(app: typer.Typer) -> None:
+    _register_preview(app)
+
     @app.command("prepare-data")
     @user_errors
     def prepare_data(
@@ -135,7 +138,7 @@ def register(app: typer.Typer) -> None:
         """Print counts, token-length percentiles, truncation and padding waste (of every record, or of a
         random sample with --sample N)."""
         from bmtrain_cli.data.loader import build_loader
-        from bmtrain_cli.data.stats import data_stats, format_stats
+        from bmtrain_cli.data.stats import data_stats, format_stats, tool_stats
 
         cfg = _load(config, set_, data_path)
         if cfg.train.stage == "dpo":
@@ -147,8 +150,32 @@ def register(app: typer.Typer) -> None:
             st = _sampled_stats(cfg, tok, sample)
         else:
             st = data_stats(build_loader(cfg, tok, streaming=False))
+        st["tools"] = tool_stats(st["files"], cfg.train.data_format)
         if as_json:
             typer.echo(json.dumps(st, indent=2))
             return
         for line in format_stats(st):
+            typer.echo(line)
+
+
+def _register_preview(app: typer.Typer) -> None:
+    @app.command("data-preview")
+    @user_errors
+    def data_preview_cmd(
+        config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
+        n: int = typer.Option(3, "-n", min=1, max=10_000, help="Records to show."),
+        data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Data to show."),
+        tokenizer: Optional[str] = typer.Option(
+            None, "--tokenizer", help="Tokenizer path (overrides config)."
+        ),
+        set_: Optional[List[str]] = set_option(),
+    ) -> None:
+        """Print the first records as the model sees them, trained tokens marked (colour on a terminal,
+        [[brackets]] when piped), with their token counts."""
+        import sys
+
+        from bmtrain_cli.data.preview import preview
+
+        cfg = _load(config, set_, data_path)
+        for line in preview(cfg, resolve_tokenizer(cfg, tokenizer), n, sys.stdout.isatty()):
             typer.echo(line)

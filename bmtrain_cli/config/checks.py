@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.preference_checks import check_preference
-from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
+from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.machine import paddle_has_gpu
 from bmtrain_cli.models.arch import (
@@ -78,6 +78,29 @@ def _tokenizer_vocab(m: ModelConfig) -> Tuple[Optional[int], str]:
 
 # C901: one flat list of independent rules, each an `if` that appends a Problem; splitting it would only
 # scatter the one validation authority (the to_static / precision / gloo refusals live here too).
+def loss_masking_problems(t: TrainConfig) -> List[Tuple[str, str, str]]:
+    """(path, message, suggestion) for loss options that train_on_prompt (every token trained) voids."""
+    out = []
+    if t.train_on_prompt and t.mask_history:
+        out.append(
+            (
+                "train_config.mask_history",
+                "mask_history: true (train only the last assistant turn) contradicts train_on_prompt: true "
+                "(train every token)",
+                "set one of them to false",
+            )
+        )
+    if t.train_on_prompt and not t.train_reasoning:
+        out.append(
+            (
+                "train_config.train_reasoning",
+                "train_reasoning: false (mask the reasoning) contradicts train_on_prompt: true (train every token)",
+                "set train_on_prompt: false",
+            )
+        )
+    return out
+
+
 def check_config(  # noqa: C901
     config: Config,
     *,
@@ -176,6 +199,9 @@ def check_config(  # noqa: C901
                 fresh_vocab_size(m.vocab_size, known, tokenizer)
             except UserError as exc:
                 err("model_config.vocab_size", str(exc))
+
+    for path, message, suggestion in loss_masking_problems(t):
+        err(path, message, suggestion)
 
     # --- batch arithmetic
     data_ranks = p.data_ranks

@@ -399,6 +399,7 @@ def load_config(
     present here) as warnings; "train" makes them errors. Raises ConfigError with every problem found.
     """
     from bmtrain_cli.config.checks import check_config
+    from bmtrain_cli.data.registry import expand_registry
 
     data: Dict[str, Any] = {}
     positions: Dict[Loc, Pos] = {}
@@ -431,6 +432,7 @@ def load_config(
                 ]
             )
     data = apply_overrides(data, positions, overrides)
+    data = expand_registry(data)  # LLaMA-Factory's dataset_info.json names -> data_path
     emptied: Set[str] = set()
     try:
         config = validate_data(data, positions)

@@ -93,11 +93,26 @@ class TrainConfig(_Section):
     data_path: Optional[Union[str, List[str]]] = Field(
         None, description="JSONL file(s), globs or directories. `quickstart` generates the demo data."
     )
+    dataset: Optional[Union[str, List[str]]] = Field(
+        None, description="LLaMA-Factory registry names (dataset_dir/dataset_info.json); sets data_path."
+    )
+    dataset_dir: str = Field("data", description="The directory holding dataset_info.json.")
     data_weights: Optional[List[float]] = Field(None, description="Mixing weight per data_path entry.")
     eval_data_path: Optional[Union[str, List[str]]] = None
     data_format: Literal["auto", "input_output", "alpaca", "chat", "text"] = "auto"
     template: str = Field("auto", description="auto (the tokenizer's chat template) or a built-in name.")
     train_on_prompt: bool = False
+    mask_history: bool = Field(False, description="Train only the last assistant turn of each conversation.")
+    train_reasoning: bool = Field(
+        True, description="Train the assistant's reasoning (<think>...</think>); false masks it."
+    )
+    enable_thinking: Optional[bool] = Field(
+        None, description="Passed to the chat template as enable_thinking (unset: the template's default)."
+    )
+    history_reasoning: Literal["template", "drop"] = Field(
+        "template",
+        description="Reasoning of earlier assistant turns: as the chat template renders it, or dropped.",
+    )
     batching: Literal["max_length", "longest", "packed"] = Field(
         "longest", description="Pad to max_seq_len, pad to the longest in the batch, or pack rows."
     )

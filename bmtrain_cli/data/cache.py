@@ -23,6 +23,7 @@ import numpy as np
 
 from bmtrain_cli.data.encode import Encoder
 from bmtrain_cli.data.readers import RawRecord, raw_records
+from bmtrain_cli.data.turns import DEFAULT
 from bmtrain_cli.data.workers import EncodeSpec, Item, OrderedPool
 
 CACHE_VERSION = 1
@@ -54,6 +55,8 @@ def cache_key(path: str, encoder: Encoder, data_format: str) -> str:
         data_format,
         str(bool(encoder.train_on_prompt)),
     ]
+    if encoder.options != DEFAULT:
+        parts.append(encoder.options.key())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.data.templates import BOS_MARK, EOS_MARK, Piece
 from bmtrain_cli.data.tokenizers import Tokenizer
+from bmtrain_cli.data.turns import DEFAULT, RenderOptions, apply_options, prepare
 from bmtrain_cli.labels import IGNORE_INDEX
 
 
@@ -20,6 +21,13 @@ class Encoder:
     tokenizer: Tokenizer
     template: object
     train_on_prompt: bool = False
+    options: RenderOptions = DEFAULT  # mask_history, reasoning and enable_thinking (data/turns.py)
+
+    def render(self, conv: Conversation) -> List[Piece]:
+        """The template's pieces of a conversation, with the loss options applied."""
+        conv = prepare(conv, self.options)
+        pieces = self.template.render(conv, self.tokenizer, self.options)
+        return apply_options(pieces, conv, self.options)
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
@@ -92,7 +100,7 @@ class Encoder:
                 plans.append(None)
                 texts.append(conv.text or "")
                 continue
-            plan = self._plan(self.template.render(conv, tok))
+            plan = self._plan(self.render(conv))
             plans.append(plan)
             texts.extend(p for p, _ in plan if isinstance(p, str))
         encoded = iter(tok.encode_batch(texts))
@@ -127,12 +135,12 @@ class Encoder:
         """Token ids and the trainable mask of one sample."""
         if conv.is_text:
             return self._text_sample(self.tokenizer.encode(conv.text or ""))
-        ids, mask = self._pieces_to_ids(self.template.render(conv, self.tokenizer))
+        ids, mask = self._pieces_to_ids(self.render(conv))
         return self._finish(ids, mask)
 
     def encode_prompt(self, conv: Conversation) -> List[int]:
         """Ids of the prompt for generation: every turn but the last answer, plus the assistant header."""
-        ids, _ = self._pieces_to_ids(self.template.render_prompt(conv, self.tokenizer))
+        ids, _ = self._pieces_to_ids(self.template.render_prompt(conv, self.tokenizer, self.options))
         return ids
 
 
@@ -141,10 +149,15 @@ def labels_from_mask(ids: Sequence[int], mask: Sequence[bool]) -> np.ndarray:
     return np.where(np.asarray(mask, dtype=bool), arr, IGNORE_INDEX)
 
 
-def make_encoder(tokenizer: Tokenizer, template_name: str = "auto", train_on_prompt: bool = False) -> Encoder:
+def make_encoder(
+    tokenizer: Tokenizer,
+    template_name: str = "auto",
+    train_on_prompt: bool = False,
+    options: RenderOptions = DEFAULT,
+) -> Encoder:
     from bmtrain_cli.data.templates import get_template
 
-    return Encoder(tokenizer, get_template(template_name, tokenizer), train_on_prompt)
+    return Encoder(tokenizer, get_template(template_name, tokenizer), train_on_prompt, options)
 
 
 def encode_prompt(

@@ -3,7 +3,10 @@
 Formats (``data_format`` in the config, or ``auto`` = detected per record):
   input_output  {"input": str, "output": str, "system"?: str}
   alpaca        {"instruction": str, "input"?: str, "output": str, "system"?: str}
-  chat          {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+  chat          {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
+                 "tools"?: [JSON schema, ...]}  (assistant turns may carry OpenAI ``tool_calls`` and
+                 ``reasoning_content``; LLaMA-Factory's sharegpt ``conversations`` with from/value turns
+                 and its ``function_call``/``observation`` roles are read too, see data/tools.py)
   text          {"text": str}                         (continued pre-training: every token is trained)
 """
 
@@ -12,22 +15,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+from bmtrain_cli.data.record_error import BadRecord
+from bmtrain_cli.data.tools import parse_message, parse_tools
+
 FORMATS = ("input_output", "alpaca", "chat", "text")
-ROLES = ("system", "user", "assistant")
-
-
-class BadRecord(ValueError):
-    """A record that cannot be used; the message is the reason (file and line are added by the reader)."""
 
 
 @dataclass(frozen=True)
 class Conversation:
     """A sample: an optional system prompt and alternating turns, or plain text (``text`` set)."""
 
-    messages: Tuple[Tuple[str, str], ...] = ()  # (role, content), roles user/assistant
+    messages: Tuple[Tuple[str, str], ...] = ()  # (role, content), roles user/assistant/tool
     system: Optional[str] = None
     text: Optional[str] = None
     meta: dict = field(default_factory=dict, compare=False)
+    extras: Tuple[dict, ...] = ()  # per message (empty, or one per message): tool_calls, loss, ...
+    tools: Optional[Tuple[dict, ...]] = None  # the record's tool schemas
 
     @property
     def is_text(self) -> bool:
@@ -37,7 +40,7 @@ class Conversation:
 def detect_format(record: Any) -> str:
     if not isinstance(record, dict):
         raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
+    if "messages" in record or "conversations" in record:
         return "chat"
     if "instruction" in record:
         return "alpaca"
@@ -89,38 +92,50 @@ def parse_record(record: Any, data_format: str = "auto") -> Conversation:
 
 
 def parse_chat(record: dict) -> Conversation:
-    """The conversation of a chat record (``messages``: role/content or from/value turns); BadRecord says why not."""
-    msgs = record.get("messages")
+    """The conversation of a chat record (``messages`` or ``conversations``: role/content or from/value
+    turns, tool calls, tool results); BadRecord says why not."""
+    key = "messages" if "messages" in record or "conversations" not in record else "conversations"
+    msgs = record.get(key)
     if not isinstance(msgs, list):
-        raise BadRecord(f'field "messages" must be a list, got {type(msgs).__name__}')
+        raise BadRecord(f'field "{key}" must be a list, got {type(msgs).__name__}')
     if not msgs:
-        raise BadRecord('field "messages" is empty')
-    system: Optional[str] = None
+        raise BadRecord(f'field "{key}" is empty')
+    system: Optional[str] = _string(record, "system", required=False, non_empty=False) or None
     turns: List[Tuple[str, str]] = []
+    extras: List[dict] = []
     for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRecord(f"{where} must be an object, got {type(m).__name__}")
-        role = m.get("role", m.get("from"))
-        content = m.get("content", m.get("value"))
-        role = {"human": "user", "gpt": "assistant", "bot": "assistant"}.get(role, role)
-        if role not in ROLES:
-            raise BadRecord(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise BadRecord(f"{where}: content must be a string, got {type(content).__name__}")
+        where = f"{key}[{i}]"
+        role, content, extra = parse_message(m, where)
         if role == "system":
-            if turns or system is not None:
+            if turns or (system is not None and i > 0):
                 raise BadRecord(f"{where}: a system message may only come first")
             system = content
             continue
-        expected = "user" if not turns or turns[-1][0] == "assistant" else "assistant"
-        if role != expected:
-            raise BadRecord(f"{where}: expected a {expected} turn, got {role} (turns must alternate)")
-        if role == "assistant" and not content.strip():
-            raise BadRecord(f"{where}: assistant content is empty")
+        _check_order(turns, extras, role, where)
         turns.append((role, content))
+        extras.append(extra)
     if not any(r == "assistant" for r, _ in turns):
         raise BadRecord("no assistant turn: nothing to train on")
-    if turns[-1][0] == "user":
-        turns.pop()  # a trailing question without an answer carries no loss
-    return Conversation(messages=tuple(turns), system=system)
+    while turns[-1][0] != "assistant":
+        turns.pop()  # a trailing question or tool result without an answer carries no loss
+        extras.pop()
+    tools = parse_tools(record.get("tools"))
+    rich = tools is not None or any(extras)
+    return Conversation(
+        messages=tuple(turns), system=system, extras=tuple(extras) if rich else (), tools=tools
+    )
+
+
+def _check_order(turns: List[Tuple[str, str]], extras: List[dict], role: str, where: str) -> None:
+    """Turns alternate user/assistant; tool results follow an assistant turn with tool calls (or another
+    tool result) and are answered by the assistant."""
+    prev = turns[-1][0] if turns else None
+    if role == "tool":
+        if prev == "tool" or (prev == "assistant" and extras[-1].get("tool_calls")):
+            return
+        raise BadRecord(f"{where}: a tool result must follow an assistant turn with tool_calls")
+    expected = "user" if prev in (None, "assistant") else "assistant"
+    if prev == "tool":
+        expected = "assistant"
+    if role != expected:
+        raise BadRecord(f"{where}: expected a {expected} turn, got {role} (turns must alternate)")

@@ -29,6 +29,7 @@ from bmtrain_cli.data.readers import as_list, resolve_source
 from bmtrain_cli.data.rejected_log import save_rejected
 from bmtrain_cli.data.store_set import BatchOptions, StoreLoader, StoreSet
 from bmtrain_cli.data.stream_setup import build_stream_loader, choose_streaming, data_workers
+from bmtrain_cli.data.turns import options_of
 from bmtrain_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -325,7 +326,7 @@ def build_loader(
             )
         if notice:
             log.warning(notice)
-    encoder = make_encoder(tokenizer, t.template, t.train_on_prompt)
+    encoder = make_encoder(tokenizer, t.template, t.train_on_prompt, options_of(t))
     out_dir = output_dir if output_dir is not None else t.output_dir
     ds = load_dataset(
         sources,

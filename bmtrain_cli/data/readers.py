@@ -18,9 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
+from bmtrain_cli.data.columnar import (
+    COLUMNAR_SUFFIXES,
+    hf_dataset_files,
+    is_columnar,
+    is_hf_dataset_dir,
+    rows,
+)
 from bmtrain_cli.errors import UserError
 
-DATA_SUFFIXES = (".jsonl", ".json")
+DATA_SUFFIXES = (".jsonl", ".json") + COLUMNAR_SUFFIXES
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 
 
@@ -50,6 +57,8 @@ def resolve_source(spec: str) -> List[str]:
         if not files:
             raise UserError(f"data_path {spec!r}: the pattern matches no file")
         return files
+    if p.is_dir() and is_hf_dataset_dir(p):
+        return hf_dataset_files(p)
     if p.is_dir():
         files = sorted(str(f) for f in p.rglob("*") if _is_data_file(f, p))
         if not files:
@@ -194,6 +203,11 @@ def read_records(path: str) -> Iterator[RawRecord]:
 
     An empty file (no record at all) yields one bad record at line 1.
     """
+    if is_columnar(path):
+        yield from (
+            _parsed(path, n, json.dumps(v, ensure_ascii=False, default=str), v) for n, v in rows(path)
+        )
+        return
     with open_binary(path) as f:
         if is_json_array(f):
             yield from _read_json_array(path, f.read())
@@ -209,6 +223,9 @@ def read_records(path: str) -> Iterator[RawRecord]:
 def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional[bytes]]]]:
     """The records of a file unparsed, as (file, line, bytes) for a worker to parse (bytes None: the file
     holds no record); a JSON array is parsed here, and its bad records come as RawRecord."""
+    if is_columnar(path):
+        yield from ((path, n, json.dumps(v, ensure_ascii=False, default=str).encode()) for n, v in rows(path))
+        return
     with open_binary(path) as f:
         if is_json_array(f):
             for rec in _read_json_array(path, f.read()):

@@ -77,4 +77,33 @@ def format_stats(st: Dict[str, Any]) -> List[str]:
         + f"  (packed rows: {int(w['packed_rows'])})",
         f"per epoch: {st['samples_per_epoch']} samples, {st['batches_per_epoch']} micro-batches per data rank",
     ]
+    tools = st.get("tools")
+    if tools and tools["records_with_tools"]:
+        lines.append(
+            f"tool calling: {tools['records_with_tools']} records with tools, "
+            f"{tools['tool_call_turns']} assistant turns with tool calls, {tools['tool_results']} tool results"
+        )
     return lines
+
+
+def tool_stats(files: List[str], data_format: str = "auto") -> dict:
+    """Records with tools, assistant turns with tool calls, and tool results over the usable records of
+    the files (for data-stats)."""
+    from bmtrain_cli.data.formats import BadRecord, parse_record
+    from bmtrain_cli.data.readers import read_records
+    from bmtrain_cli.data.tools import tool_turns
+
+    out = {"records_with_tools": 0, "tool_call_turns": 0, "tool_results": 0}
+    for path in files:
+        for rec in read_records(path):
+            if rec.error:
+                continue
+            try:
+                conv = parse_record(rec.value, data_format)
+            except BadRecord:
+                continue
+            calls, results = tool_turns(conv)
+            out["records_with_tools"] += int(bool(conv.tools) or calls > 0)
+            out["tool_call_turns"] += calls
+            out["tool_results"] += results
+    return out

@@ -88,16 +88,25 @@ def build_stream_loader(
     notice: str,
 ) -> Any:
     from bmtrain_cli.config.derived import derive
+    from bmtrain_cli.data.columnar import is_columnar
     from bmtrain_cli.data.encode import make_encoder
     from bmtrain_cli.data.stream import StreamLoader
+    from bmtrain_cli.data.turns import options_of
+    from bmtrain_cli.errors import UserError
 
     t = config.train
     spec = EncodeSpec.of(
-        make_encoder(tokenizer, t.template, t.train_on_prompt),
+        make_encoder(tokenizer, t.template, t.train_on_prompt, options_of(t)),
         t.data_format,
         max_seq_len=config.model.max_seq_len,
         truncation=t.truncation,
     )
+    tabular = [f for g in groups for f in g if is_columnar(f)]
+    if tabular:
+        raise UserError(
+            f"{tabular[0]}: streaming reads JSONL files; tabular files (CSV, Parquet, Arrow) go through the "
+            "token cache: set train_config.streaming: false"
+        )
     agree, gather = collectives(data_world)
     workers = data_workers(t)
     files = sum(len(g) for g in groups)

@@ -11,7 +11,7 @@ Qwen's default system prompt), llama2, baichuan (Baichuan2-Chat's reserved user/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.errors import UserError
@@ -36,14 +36,25 @@ class BuiltinTemplate:
     bos_before_user: bool = False  # llama2 starts every [INST] with BOS
     specials: Tuple[str, ...] = ()  # marker strings that map to one token id when the tokenizer has them
 
-    def render(self, conv: Conversation, tokenizer: Optional[Tokenizer] = None) -> List[Piece]:
+    def render(
+        self, conv: Conversation, tokenizer: Optional[Tokenizer] = None, options: Any = None
+    ) -> List[Piece]:
         return self._render(conv, generation_prompt=False)
 
-    def render_prompt(self, conv: Conversation, tokenizer: Optional[Tokenizer] = None) -> List[Piece]:
+    def render_prompt(
+        self, conv: Conversation, tokenizer: Optional[Tokenizer] = None, options: Any = None
+    ) -> List[Piece]:
         """The conversation up to and including the header of the last assistant turn (for generation)."""
         return self._render(conv, generation_prompt=True)
 
     def _render(self, conv: Conversation, generation_prompt: bool) -> List[Piece]:
+        from bmtrain_cli.data.tools import has_tools
+
+        if has_tools(conv):
+            raise UserError(
+                f"template {self.name!r} cannot render tools or tool calls; use the model's chat template "
+                "(template: auto or tokenizer) for tool-calling data"
+            )
         system = conv.system if conv.system is not None else self.default_system
         pieces: List[Piece] = []
         pending_system = ""
@@ -57,7 +68,10 @@ class BuiltinTemplate:
         if generation_prompt and msgs and msgs[-1][0] == "assistant":
             msgs = msgs[:-1]
         n_users = 0
-        for role, content in msgs:
+        for i, (role, content) in enumerate(msgs):
+            reasoning = conv.extras[i].get("reasoning_content") if conv.extras else None
+            if reasoning:
+                content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
             if role == "user":
                 text = self.user.format(content=pending_system + content)
                 pending_system = ""
@@ -139,15 +153,28 @@ class JinjaTemplate:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            keep_trailing_newline=True,
+            extensions=["jinja2.ext.loopcontrols"],
+        )
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        env.filters["tojson"] = tojson  # as transformers: no HTML escaping, keys in order, ensure_ascii off
         try:
             self._template = env.from_string(source)
         except TemplateError as exc:
             raise UserError(f"the tokenizer's chat_template does not parse: {exc}") from None
         self.source = source
 
-    def _text(self, messages: List[dict], tokenizer: Optional[Tokenizer], generation_prompt: bool) -> str:
+    def _text(
+        self,
+        messages: List[dict],
+        tokenizer: Optional[Tokenizer],
+        generation_prompt: bool,
+        extra: Optional[dict] = None,
+    ) -> str:
         from jinja2 import TemplateError
 
         try:
@@ -156,6 +183,7 @@ class JinjaTemplate:
                 add_generation_prompt=generation_prompt,
                 bos_token=(tokenizer.bos_token or "") if tokenizer else "",
                 eos_token=(tokenizer.eos_token or "") if tokenizer else "",
+                **(extra or {}),
             )
         except TemplateError as exc:
             raise UserError(f"the tokenizer's chat_template failed: {exc}") from None
@@ -163,33 +191,57 @@ class JinjaTemplate:
     @staticmethod
     def _messages(conv: Conversation) -> List[dict]:
         out = [{"role": "system", "content": conv.system}] if conv.system is not None else []
-        return out + [{"role": r, "content": c} for r, c in conv.messages]
+        extras = conv.extras or ({},) * len(conv.messages)
+        return out + [
+            {"role": r, "content": c, **{k: v for k, v in e.items() if k != "loss"}}
+            for (r, c), e in zip(conv.messages, extras)
+        ]
 
-    def render(self, conv: Conversation, tokenizer: Optional[Tokenizer] = None) -> List[Piece]:
+    def _kwargs(self, conv: Conversation, options: Any) -> dict:
+        """tools= and enable_thinking= as transformers passes them to the template."""
+        from bmtrain_cli.data.tools import has_tools
+
+        if has_tools(conv) and not ("tools" in self.source or "tool_calls" in self.source):
+            raise UserError(f"template {self.name!r} (the chat_template) does not render tools or tool calls")
+        out: dict = {"tools": list(conv.tools) if conv.tools else None}
+        if options is not None and options.enable_thinking is not None:
+            out["enable_thinking"] = options.enable_thinking
+        return out
+
+    def render(
+        self, conv: Conversation, tokenizer: Optional[Tokenizer] = None, options: Any = None
+    ) -> List[Piece]:
+        from bmtrain_cli.data.chat_spans import locate_turns
+
         msgs = self._messages(conv)
-        pieces: List[Piece] = []
-        done = ""
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            prompt = self._text(msgs[:i], tokenizer, True)
-            full = self._text(msgs[: i + 1], tokenizer, False)
-            if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise UserError(
-                    "the tokenizer's chat_template is not prefix-stable (rendering more messages changes "
-                    "earlier text), so assistant turns cannot be located; set train_config.template to a "
-                    f"built-in ({', '.join(BUILTIN_TEMPLATES)})"
-                )
-            pieces.append((prompt[len(done) :], False))
-            pieces.append((full[len(prompt) :], True))
-            done = full
-        return [p for p in pieces if p[0]]
+        kw = self._kwargs(conv, options)
+        return locate_turns(msgs, lambda m, gen: self._text(m, tokenizer, gen, kw), BUILTIN_TEMPLATES)
 
-    def render_prompt(self, conv: Conversation, tokenizer: Optional[Tokenizer] = None) -> List[Piece]:
+    def render_prompt(
+        self, conv: Conversation, tokenizer: Optional[Tokenizer] = None, options: Any = None
+    ) -> List[Piece]:
         msgs = self._messages(conv)
         if msgs and msgs[-1]["role"] == "assistant":
             msgs = msgs[:-1]
-        return [(self._text(msgs, tokenizer, True), False)]
+        return [(self._text(msgs, tokenizer, True, self._kwargs(conv, options)), False)]
+
+
+def tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Optional[int] = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    import json
+
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def template_names() -> List[str]:

@@ -26,6 +26,7 @@ from bmtrain_cli.data.collate import TRUNC_ANSWER, truncate
 from bmtrain_cli.data.encode import Encoder
 from bmtrain_cli.data.formats import BadRecord, parse_record
 from bmtrain_cli.data.readers import EMPTY_FILE, parse_line
+from bmtrain_cli.data.turns import DEFAULT
 from bmtrain_cli.errors import UserError
 
 # one record handed to a worker: (file, line, the line's bytes; None = the file has no record at all)
@@ -52,6 +53,7 @@ class EncodeSpec:
     max_seq_len: Optional[int] = None  # None: keep samples whole (the token cache)
     truncation: str = "left"
     bos_id: Optional[int] = None
+    options: Any = None  # RenderOptions (data/turns.py)
 
     @classmethod
     def of(
@@ -85,6 +87,7 @@ class EncodeSpec:
             max_seq_len,
             truncation,
             tok.bos_id,
+            encoder.options,
         )
 
     def build(self) -> Encoder:
@@ -97,7 +100,7 @@ class EncodeSpec:
         if tok.fingerprint() != self.fingerprint:
             raise RuntimeError("a data worker rebuilt a different tokenizer than the trainer's")
         template = get_template(self.template, tok) if isinstance(self.template, str) else self.template
-        return Encoder(tok, template, self.train_on_prompt)
+        return Encoder(tok, template, self.train_on_prompt, self.options or DEFAULT)
 
 
 @dataclass

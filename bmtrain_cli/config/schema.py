@@ -89,7 +89,8 @@ class TrainConfig(_Section):
 
     # data
     data_path: Optional[Union[str, List[str]]] = Field(
-        None, description="JSONL file(s), globs or directories. `quickstart` generates the demo data."
+        None,
+        description="JSONL file(s), globs or directories. Unset with demo_data set: the generated demo task.",
     )
     data_weights: Optional[List[float]] = Field(None, description="Mixing weight per data_path entry.")
     eval_data_path: Optional[Union[str, List[str]]] = None

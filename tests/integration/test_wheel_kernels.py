@@ -61,6 +61,8 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     sources = sorted(str(p.relative_to(REPO / "kernels")) for p in (REPO / "kernels").rglob("*.c[cu]"))
     assert sources and all(f"bmtrain_cli/_kernels/{s}" in names for s in sources)
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert shipped and all(f"bmtrain_cli/_configs/{n}" in names for n in shipped)
 
     # a fresh venv outside the checkout; Paddle and the dependencies come from this interpreter's
     # site-packages through a .pth (a plain path: no editable-install hooks of the dev checkout run)
@@ -85,6 +87,19 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
         check=True,
     ).stdout.strip()
     assert Path(where).is_relative_to(target), where  # the installed copy, not the checkout's kernels/
+
+    # the quickstart from the installed package, in an empty directory: `init` writes it, `--config NAME`
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (
+        ["init", "quickstart"],
+        ["validate-config", "quickstart.yaml"],
+        ["validate-config", "quickstart"],
+    ):
+        res = subprocess.run(
+            [str(python), "-m", "bmtrain_cli", *argv], capture_output=True, text=True, cwd=empty, env=env
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
 
     run = subprocess.run(
         [str(python), "-m", "bmtrain_cli", "train", "--config", str(_config(tmp_path, "custom", "custom"))],

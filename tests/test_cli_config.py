@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import yaml
 from typer.testing import CliRunner
 
 from bmtrain_cli import __version__
@@ -65,6 +66,32 @@ def test_schema_is_json():
     r = runner.invoke(app, ["schema"])
     schema = json.loads(r.stdout)
     assert "model_config" in schema["properties"] and "parallel_config" in schema["properties"]
+
+
+def _schema_refuses(schema, data):
+    """What an editor's JSON Schema check of a config's keys would refuse (two levels: sections, keys)."""
+    problems = [k for k in data if k not in schema["properties"]]
+    if all(k in data for k in schema["not"]["required"]):
+        problems.append("both " + " and ".join(schema["not"]["required"]))
+    for section, body in data.items():
+        ref = schema["properties"].get(section, {}).get("$ref", "")
+        allowed = schema["$defs"][ref.rsplit("/", 1)[-1]]["properties"] if ref else {}
+        problems += [f"{section}.{k}" for k in (body or {}) if k not in allowed]
+    return problems
+
+
+def test_schema_accepts_the_parallel_synonym(repo_root):
+    schema = json.loads(runner.invoke(app, ["schema"]).stdout)
+    assert schema["additionalProperties"] is False
+    for path in sorted((repo_root / "configs").glob("*.yaml")):
+        assert _schema_refuses(schema, yaml.safe_load(path.read_text())) == [], path.name
+    readme = (repo_root / "README.md").read_text()
+    example = yaml.safe_load(readme.split("```yaml\n")[1].split("```")[0])
+    assert "parallel" in example and _schema_refuses(schema, example) == []
+    assert _schema_refuses(schema, {"parallel": {}, "parallel_config": {}}) == [
+        "both parallel and parallel_config"
+    ]
+    assert _schema_refuses(schema, {"parallel": {"tensor_paralel": 2}}) == ["parallel.tensor_paralel"]
 
 
 def test_subprocess_bad_config_exit2_no_traceback(tmp_path):

@@ -94,9 +94,9 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Print the JSON Schema of the config file (for editor autocompletion)."""
-        from bmtrain_cli.config.schema import Config
+        from bmtrain_cli.config.schema import json_schema
 
-        text = json.dumps(Config.model_json_schema(by_alias=True), indent=2)
+        text = json.dumps(json_schema(), indent=2)
         if output:
             from bmtrain_cli.errors import UserError
 

@@ -303,4 +303,14 @@ class Config(BaseModel):
         return self.model_dump(mode="json", by_alias=True)
 
 
+def json_schema() -> Dict[str, Any]:
+    """The JSON Schema of a config file (`bmtrain schema`), with ``parallel:`` listed as the synonym of
+    ``parallel_config:`` that the loader accepts (one of the two, not both)."""
+    schema = Config.model_json_schema(by_alias=True)
+    ref = schema["properties"]["parallel_config"]["$ref"]
+    schema["properties"]["parallel"] = {"$ref": ref, "description": "Synonym of parallel_config."}
+    schema["not"] = {"required": ["parallel", "parallel_config"]}
+    return schema
+
+
 SECTION_MODELS = {"model_config": ModelConfig, "train_config": TrainConfig, "parallel_config": ParallelConfig}

@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         config = config or config_opt
         if config is None:
             raise UserError("no config given: bmtrain validate-config CONFIG.yaml (or --config CONFIG.yaml)")
-        loaded = load_config(str(config), set_ or [], mode="validate")
+        loaded = load_config(str(config), set_ or [], mode="validate", require_data=True)
         if as_json:
             out = summarize(loaded.config)
             out["warnings"] = [w.format() for w in loaded.warnings]

@@ -419,13 +419,16 @@ def load_config(
     mode: str = "validate",
     world_size: Optional[int] = None,
     has_gpu: Optional[bool] = None,
+    require_data: bool = False,
 ) -> LoadedConfig:
     """Load, override, validate and check a config file.
 
     mode: "validate" treats machine-dependent issues (bf16 on a CPU-only Paddle, a checkpoint path not
-    present here) as warnings; "train" makes them errors. Raises ConfigError with every problem found.
+    present here) as warnings; "train" makes them errors. require_data: refuse a data_path or
+    eval_data_path that names no file here (`bmtrain validate-config`). Raises ConfigError with every
+    problem found.
     """
-    from bmtrain_cli.config.checks import check_config
+    from bmtrain_cli.config.checks import check_config, missing_data
 
     data: Dict[str, Any] = {}
     positions: Dict[Loc, Pos] = {}
@@ -453,6 +456,8 @@ def load_config(
         config, early = exc.partial, exc.problems
         emptied = getattr(exc, "emptied_sections", set())
     problems = check_config(config, mode=mode, world_size=world_size, has_gpu=has_gpu)
+    if require_data:
+        problems += missing_data(config)
     if early and emptied:
         problems = [p for p in problems if not (p.path and p.path.split(".")[0] in emptied)]
     if early:  # a cross-field finding about a refused field would judge its default, not the user's value

@@ -407,6 +407,8 @@ def missing_data(config: Config) -> List[Problem]:
             try:
                 resolve_source(spec)
             except UserError as exc:
-                path = f"train_config.{key}" + (f".{i}" if isinstance(getattr(config.train, key), list) else "")
+                path = f"train_config.{key}" + (
+                    f".{i}" if isinstance(getattr(config.train, key), list) else ""
+                )
                 out.append(Problem(str(exc), path=path, suggestion="check the path"))
     return out

@@ -32,10 +32,19 @@ def test_every_command_has_help():
         assert r.exit_code == 0 and "Usage" in r.output, (cmd, r.output)
 
 
-def test_fresh_model_vocab_is_said_to_be_assumed(repo_root):
-    r = runner.invoke(app, ["validate-config", str(repo_root / "configs/quickstart.yaml")])
+def test_fresh_model_vocab_is_said_to_be_assumed(repo_root, tmp_path, write_yaml):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input": "a", "output": "b"}\n')
+    cfg = write_yaml(f"model_config:\n  hidden_size: 64\ntrain_config:\n  data_path: {data}\n")
+    r = runner.invoke(app, ["validate-config", cfg])
     assert r.exit_code == 0 and "vocab 32000 (assumed)" in r.output
     assert "takes its tokenizer's vocabulary" in r.output
+    # the demo task's tokenizer is known before training: the real vocabulary and parameter count
+    r = runner.invoke(app, ["validate-config", str(repo_root / "configs/quickstart.yaml")])
+    assert r.exit_code == 0 and "(assumed)" not in r.output
+    assert "vocab 360 (the demo task's tokenizer), 441,984 parameters" in r.output
+    r = runner.invoke(app, ["validate-config", str(repo_root / "configs/quickstart.yaml"), "--json"])
+    assert json.loads(r.stdout)["parameters"] == 441_984
     r = runner.invoke(app, ["validate-config", str(repo_root / "configs/llama2-7b-sft-8gpu.yaml")])
     assert "(assumed)" not in r.output
 

@@ -63,7 +63,9 @@ def register(app: typer.Typer) -> None:
             raise UserError("no config given: bmtrain validate-config CONFIG.yaml (or --config CONFIG.yaml)")
         loaded = load_config(str(config), set_ or [], mode="validate", require_data=True)
         if as_json:
-            out = summarize(loaded.config)
+            from bmtrain_cli.config.summary import with_known_vocab
+
+            out = summarize(with_known_vocab(loaded.config)[0])
             out["warnings"] = [w.format() for w in loaded.warnings]
             typer.echo(json.dumps(out, indent=2))
             return

@@ -7,7 +7,7 @@ Heavy imports (Paddle) happen inside the commands, so `bmtrain --help` stays fas
 from __future__ import annotations
 
 import importlib
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -70,4 +70,18 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # Paddle's C++-extension helper warns at `import paddle` that ccache is missing (bmtrain_cli/quiet.py)
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    warnings.formatwarning = _one_line_notices(warnings.formatwarning)
     app(args=argv, prog_name="bmtrain")
+
+
+def _one_line_notices(default: Any) -> Any:
+    """Our NoticeWarnings (a kernel fallback) as one ``warning: ...`` line; every other warning as Python
+    formats it."""
+    from bmtrain_cli.errors import NoticeWarning
+
+    def fmt(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+        if issubclass(category, NoticeWarning):
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    return fmt

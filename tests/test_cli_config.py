@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -129,3 +130,25 @@ def test_validate_accepts_config_option(repo_root):
     assert r.exit_code == 0 and "OK" in r.output
     r = runner.invoke(app, ["validate-config"])
     assert r.exit_code == 2 and "no config given" in r.output
+
+
+def test_help_at_80_columns_shows_whole_option_names():
+    """Every command's --help in an 80-column terminal names each option in full (no "--model_path,--mode…")
+    and gives every option a help text."""
+    import os
+
+    import click
+
+    env = dict(os.environ, COLUMNS="80")
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__.replace("_", "-")
+        out = subprocess.run(
+            [sys.executable, "-m", "bmtrain_cli", name, "--help"], capture_output=True, text=True, env=env
+        ).stdout
+        assert "…" not in out and max(map(len, out.splitlines())) <= 80, (name, out)
+        params = typer.main.get_command(app).commands[name].params
+        for p in params:
+            if isinstance(p, click.Option):
+                assert all(opt in out for opt in p.opts), (name, p.opts)
+                if name in ("generate", "eval"):
+                    assert p.help, (name, p.opts)

@@ -11,18 +11,24 @@ export OMP_NUM_THREADS ?= 2
 .PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv calibrate duplicates
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
-	$(PIP) install -q --upgrade pip >/dev/null 2>&1 || true
+	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV_ARGS) $(VENV); }
+	@echo "make: updating pip in $(VENV)"
+	@$(PIP) install -q --upgrade pip >/dev/null 2>&1 || true
 	@# Install the CPU build of Paddle only when no Paddle at all is importable (GPU users keep theirs;
 	@# create the venv with VENV_ARGS=--system-site-packages to see a system-wide paddlepaddle-gpu).
-	@$(PY) -c "import paddle" >/dev/null 2>&1 || { echo "installing $(PADDLE_CPU)"; $(PIP) install -q $(PADDLE_CPU); }
-	$(PIP) install -q -e '.[dev]'
+	@$(PY) -c "import paddle" >/dev/null 2>&1 || { \
+	  echo "make: installing $(PADDLE_CPU), the CPU build (a download of a few hundred MB; minutes)"; \
+	  $(PIP) install -q $(PADDLE_CPU); }
+	@echo "make: installing bmtrain-cli (editable) with its dependencies and the dev tools"
+	@$(PIP) install -q -e '.[dev]'
+	@echo "make: installed $(VENV)/bin/bmtrain; activate it with: . $(VENV)/bin/activate"
 	@touch $@
 
 venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/bmtrain train --config configs/quickstart.yaml
+	@echo "next: . $(VENV)/bin/activate, then bmtrain train --config configs/llama-tiny-lora.yaml (README.md)"
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)

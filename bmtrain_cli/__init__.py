@@ -26,6 +26,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
+        from bmtrain_cli.quiet import import_paddle
+
+        import_paddle()  # without Paddle's import-time notices (its ccache warning), as the CLI does
         from bmtrain_cli import api
 
         return getattr(api, name)

@@ -1,12 +1,13 @@
-"""Build-time hook (pyproject.toml ``[tool.setuptools.cmdclass]``): a wheel carries the kernel sources and
-the recipes.
+"""Build-time hook (pyproject.toml ``[tool.setuptools.cmdclass]``): a wheel carries the kernel sources, the
+recipes and the example configs.
 
 The top-level ``kernels/`` and ``recipes/`` directories stay the one place the C++/CUDA sources and the
 training recipes are edited. When setuptools builds the package (``pip wheel .``, ``pip install .``), this
 ``build_py`` copies them into ``bmtrain_cli/_kernels/`` and ``bmtrain_cli/_recipes/`` of the build tree
 (never of the checkout), so an installed package finds them there (``bmtrain_cli.ops.build.KERNELS_DIR``
 builds the extension on first use into the user cache; ``bmtrain_cli.train.run`` loads the recipe that
-`bmtrain train` runs). Imported by setuptools only; it must not import Paddle.
+`bmtrain train` runs). The example configs of ``configs/`` go to ``bmtrain_cli/_configs/``
+(``bmtrain_cli.config.examples``: `bmtrain init`, ``--config quickstart``). Imported by setuptools only; it must not import Paddle.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from setuptools.command.build_py import build_py
 
 PACKAGED = "_kernels"  # bmtrain_cli/_kernels in a built package (ops/build.py looks there first)
 PACKAGED_RECIPES = "_recipes"  # bmtrain_cli/_recipes in a built package (train/run.py looks there first)
+PACKAGED_CONFIGS = (
+    "_configs"  # bmtrain_cli/_configs in a built package (config/examples.py looks there first)
+)
 SUFFIXES = (".cc", ".cu", ".h")
 
 
@@ -48,4 +52,11 @@ class BuildPyWithKernels(build_py):
         target = Path(self.build_lib) / "bmtrain_cli" / PACKAGED_RECIPES
         target.mkdir(parents=True, exist_ok=True)
         for path in sorted(recipes.glob("*.py")):
+            shutil.copy2(path, target / path.name)
+        configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+        if not configs:
+            raise RuntimeError("no example configs under configs/: build from a full checkout")
+        target = Path(self.build_lib) / "bmtrain_cli" / PACKAGED_CONFIGS
+        target.mkdir(parents=True, exist_ok=True)
+        for path in configs:
             shutil.copy2(path, target / path.name)

@@ -7,7 +7,7 @@ Heavy imports (Paddle) happen inside the commands, so `bmtrain --help` stays fas
 from __future__ import annotations
 
 import importlib
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -19,6 +19,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    # plain click help: it wraps option names instead of cutting them at 80 columns (rich truncates them)
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -70,4 +72,18 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # Paddle's C++-extension helper warns at `import paddle` that ccache is missing (bmtrain_cli/quiet.py)
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    warnings.formatwarning = _one_line_notices(warnings.formatwarning)
     app(args=argv, prog_name="bmtrain")
+
+
+def _one_line_notices(default: Any) -> Any:
+    """Our NoticeWarnings (a kernel fallback) as one ``warning: ...`` line; every other warning as Python
+    formats it."""
+    from bmtrain_cli.errors import NoticeWarning
+
+    def fmt(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+        if issubclass(category, NoticeWarning):
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    return fmt

@@ -12,6 +12,11 @@ class UserError(Exception):
     exit_code = 2
 
 
+class NoticeWarning(UserWarning):
+    """A warning meant for the user (a fallback, a degraded mode), which the CLI prints as one line
+    (``warning: ...``), without Python's file:line and source echo."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong (or worth a warning) in a config, with where it came from."""

@@ -30,6 +30,17 @@ NOISE = (
     "using custom operator only",
 )
 
+# Paddle's internal notices while saving a static graph (paddle.jit.save: a UserWarning about a Tensor's
+# 'place', PIR's "not support input out tensor") and while a Paddle Inference predictor runs on a CPU (its
+# oneDNN pass prints "ReduceMeanCheckIfOneDNNSupport" on the first runs): `bmtrain export` and
+# `bmtrain generate`/`eval` on an export
+INFERENCE_NOISE = NOISE + (
+    "Tensor do not have 'place' interface",
+    "not support input out tensor",
+    "ReduceMeanCheckIfOneDNNSupport",
+    "  warnings.warn(",
+)
+
 # fleet.init's start-up report on every rank: its strategy, the FLAGS the launcher set, the TCP store,
 # the communication groups (the same layout `bmtrain train` prints in one line)
 FLEET_INIT_NOISE = NOISE + (

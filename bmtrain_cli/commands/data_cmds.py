@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import typer
 
@@ -36,13 +37,36 @@ def resolve_tokenizer(config: Any, tokenizer: Optional[str]) -> Any:
     )
 
 
-def _load(config_path: Path, set_: Optional[List[str]], data_path: Optional[str]) -> Any:
+@contextlib.contextmanager
+def _load(
+    config_path: Path, set_: Optional[List[str]], data_path: Optional[str], tokenizer: Optional[str]
+) -> Iterator[Tuple[Any, Any]]:
+    """(config, tokenizer) of the data the trainer would read: a demo config's generated task (in a
+    temporary directory, deterministic: `bmtrain train` generates the same under output_dir/data)."""
     from bmtrain_cli.config import load_config
+    from bmtrain_cli.plan.data_facts import generated_inputs
 
     cfg = load_config(str(config_path), _overrides(set_, data_path), mode="validate").config
-    if cfg.train.data_path is None:
+    if cfg.train.data_path is None and not cfg.train.demo_data:
         raise UserError("no training data: set train_config.data_path or pass --data_path")
-    return cfg
+    if cfg.train.data_path is not None:
+        yield cfg, resolve_tokenizer(cfg, tokenizer)
+        return
+    with generated_inputs(cfg) as inputs:
+        if cfg.train.stage == "dpo":  # the preference demo trains on pairs made from the same strings
+            from bmtrain_cli.preference.demo import write_demo_pairs
+
+            pairs = Path(inputs["tmp"]) / "pairs"
+            write_demo_pairs(str(pairs), task=cfg.train.demo_data, seed=0)
+            inputs["data"] = str(pairs / "pairs_train.jsonl")
+        typer.echo(
+            f"demo_data: {cfg.train.demo_data}: reading the generated task in a temporary directory (not "
+            f"kept; `bmtrain train` generates the same under {Path(cfg.train.output_dir) / 'data'})",
+            err=True,
+        )
+        train = cfg.train.model_copy(update={"data_path": inputs["data"]})
+        cfg = cfg.model_copy(update={"train": train})
+        yield cfg, resolve_tokenizer(cfg, tokenizer or inputs["tokenizer"])
 
 
 def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
@@ -76,6 +100,34 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
     return st
 
 
+def _prepare(cfg: Any, tok: Any) -> None:
+    """prepare-data: tokenise each split into the token cache and say what was done."""
+    from bmtrain_cli.data.loader import build_loader
+
+    if cfg.train.streaming is True:
+        typer.echo("note: this config streams (streaming: true), so training will not read this cache")
+    splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
+    for split in splits:
+        t0 = time.perf_counter()
+        if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
+            from bmtrain_cli.preference.loader import build_preference_loader
+
+            loader = build_preference_loader(cfg, tok, split=split)
+        else:
+            loader = build_loader(cfg, tok, split=split, streaming=False)
+        st = loader.stats()
+        for s in loader.dataset.stores:
+            state = "tokenised" if s.built else "reused"
+            typer.echo(
+                f"{split}: {s.file}: {len(s)} samples, {int(s.offsets[-1])} tokens -> {s.directory} ({state})"
+            )
+        typer.echo(
+            f"{split}: {st['records']} records, {st['samples']} usable, {st['rejected']} rejected, "
+            f"{st['tokens']} tokens after truncation to max_seq_len {cfg.model.max_seq_len} "
+            f"({st['overlong']} samples longer) in {time.perf_counter() - t0:.2f}s"
+        )
+
+
 def register(app: typer.Typer) -> None:
     _register_preview(app)
 
@@ -90,32 +142,8 @@ def register(app: typer.Typer) -> None:
         set_: Optional[List[str]] = set_option(),
     ) -> None:
         """Validate and tokenise the training (and eval) data once into the memory-mapped token cache."""
-        from bmtrain_cli.data.loader import build_loader
-
-        cfg = _load(config, set_, data_path)
-        tok = resolve_tokenizer(cfg, tokenizer)
-        if cfg.train.streaming is True:
-            typer.echo("note: this config streams (streaming: true), so training will not read this cache")
-        splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
-        for split in splits:
-            t0 = time.perf_counter()
-            if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
-                from bmtrain_cli.preference.loader import build_preference_loader
-
-                loader = build_preference_loader(cfg, tok, split=split)
-            else:
-                loader = build_loader(cfg, tok, split=split, streaming=False)
-            st = loader.stats()
-            for s in loader.dataset.stores:
-                state = "tokenised" if s.built else "reused"
-                typer.echo(
-                    f"{split}: {s.file}: {len(s)} samples, {int(s.offsets[-1])} tokens -> {s.directory} ({state})"
-                )
-            typer.echo(
-                f"{split}: {st['records']} records, {st['samples']} usable, {st['rejected']} rejected, "
-                f"{st['tokens']} tokens after truncation to max_seq_len {cfg.model.max_seq_len} "
-                f"({st['overlong']} samples longer) in {time.perf_counter() - t0:.2f}s"
-            )
+        with _load(config, set_, data_path, tokenizer) as (cfg, tok):
+            _prepare(cfg, tok)
 
     @app.command("data-stats")
     @user_errors
@@ -140,17 +168,16 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.data.loader import build_loader
         from bmtrain_cli.data.stats import data_stats, format_stats, tool_stats
 
-        cfg = _load(config, set_, data_path)
-        if cfg.train.stage == "dpo":
-            raise UserError(
-                "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
-            )
-        tok = resolve_tokenizer(cfg, tokenizer)
-        if sample is not None:
-            st = _sampled_stats(cfg, tok, sample)
-        else:
-            st = data_stats(build_loader(cfg, tok, streaming=False))
-        st["tools"] = tool_stats(st["files"], cfg.train.data_format)
+        with _load(config, set_, data_path, tokenizer) as (cfg, tok):
+            if cfg.train.stage == "dpo":
+                raise UserError(
+                    "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
+                )
+            if sample is not None:
+                st = _sampled_stats(cfg, tok, sample)
+            else:
+                st = data_stats(build_loader(cfg, tok, streaming=False))
+            st["tools"] = tool_stats(st["files"], cfg.train.data_format)
         if as_json:
             typer.echo(json.dumps(st, indent=2))
             return
@@ -176,6 +203,6 @@ def _register_preview(app: typer.Typer) -> None:
 
         from bmtrain_cli.data.preview import preview
 
-        cfg = _load(config, set_, data_path)
-        for line in preview(cfg, resolve_tokenizer(cfg, tokenizer), n, sys.stdout.isatty()):
-            typer.echo(line)
+        with _load(config, set_, data_path, tokenizer) as (cfg, tok):
+            for line in preview(cfg, tok, n, sys.stdout.isatty()):
+                typer.echo(line)

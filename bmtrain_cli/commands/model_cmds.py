@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import typer
 
@@ -67,6 +67,27 @@ def _is_static(model: Any) -> bool:
     return getattr(model, "predictor", None) is not None
 
 
+def _exact_match(
+    model: Any, tok: Any, data_path: Path, template: str, data_format: str, max_new_tokens: int
+) -> Dict[str, Any]:
+    """Exact-match accuracy of greedy answers over the records that carry a reference answer
+    (train/evaluate.answer_accuracy, as the quickstart's held-out accuracy); nothing without such records."""
+    from bmtrain_cli.data.readers import read_values
+    from bmtrain_cli.train.evaluate import answer_accuracy
+
+    acc = answer_accuracy(
+        model,
+        tok,
+        read_values(str(data_path)),
+        template=template,
+        data_format=data_format,
+        max_new_tokens=max_new_tokens,
+    )
+    if not acc["n"]:
+        return {}
+    return {"exact_match": acc["accuracy"], "exact_match_records": acc["n"]}
+
+
 def register(app: typer.Typer) -> None:
     @app.command("generate")
     @user_errors
@@ -81,7 +102,12 @@ def register(app: typer.Typer) -> None:
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
         template: str = typer.Option("auto", "--template", help="With --chat: auto or a built-in name."),
         seed: int = typer.Option(0, "--seed", min=0, help="Sampling seed (0 or more)."),
-        tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
+        tokenizer_path: Optional[Path] = typer.Option(
+            None,
+            "--tokenizer_path",
+            "--tokenizer-path",
+            help="Tokenizer (sentencepiece .model, tokenizer.json or a directory); default: the model's.",
+        ),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Generate text from a prompt (KV-cached incremental decoding)."""
@@ -130,15 +156,40 @@ def register(app: typer.Typer) -> None:
         model_path: Path = typer.Option(..., "--model_path", "--model-path", help=MODEL_HELP),
         data_path: Path = typer.Option(..., "--data_path", "--data-path", help="JSONL file to score."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-        batch_size: int = typer.Option(8, "--batch_size", "--batch-size", min=1),
-        max_seq_len: Optional[int] = typer.Option(None, "--max_seq_len", "--max-seq-len", min=2),
-        template: str = typer.Option("auto", "--template"),
-        data_format: str = typer.Option("auto", "--data_format", "--data-format"),
-        tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
+        batch_size: int = typer.Option(
+            8, "--batch_size", "--batch-size", min=1, help="Records scored per batch."
+        ),
+        max_seq_len: Optional[int] = typer.Option(
+            None,
+            "--max_seq_len",
+            "--max-seq-len",
+            min=2,
+            help="Truncate longer records (default: the model's).",
+        ),
+        template: str = typer.Option("auto", "--template", help="auto (the tokenizer's) or a built-in name."),
+        data_format: str = typer.Option(
+            "auto", "--data_format", "--data-format", help="auto, input_output, alpaca, chat or text."
+        ),
+        tokenizer_path: Optional[Path] = typer.Option(
+            None,
+            "--tokenizer_path",
+            "--tokenizer-path",
+            help="Tokenizer (sentencepiece .model, tokenizer.json or a directory); default: the model's.",
+        ),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+        exact_match: bool = typer.Option(
+            True,
+            "--exact_match/--no_exact_match",
+            help="Also decode each record's answer greedily and report the share that equals the reference "
+            "(records with an answer, on a checkpoint; the quickstart's held-out accuracy).",
+        ),
+        max_new_tokens: int = typer.Option(
+            32, "--max_new_tokens", "--max-new-tokens", min=1, help="Longest decoded answer for exact match."
+        ),
     ) -> None:
         """Mean token loss and perplexity over a JSONL file (answers of instruction records, all
-        tokens of {"text": ...} records)."""
+        tokens of {"text": ...} records), and the exact-match accuracy of greedy answers where records
+        have a reference answer."""
         from bmtrain_cli.data.encode import encode_scored_file
         from bmtrain_cli.models.scoring import score
 
@@ -159,11 +210,18 @@ def register(app: typer.Typer) -> None:
             result = score_logits(model.logits, samples)
         else:
             result = score(model, samples, batch_size)
+        if exact_match and not _is_static(model):
+            result.update(_exact_match(model, tok, data_path, template, data_format, max_new_tokens))
         result["seconds"] = round(time.perf_counter() - t0, 3)
         if as_json:
             typer.echo(json.dumps(result))
         else:
+            em = (
+                f"  exact match {100 * result['exact_match']:.1f}% of {result['exact_match_records']}"
+                if result.get("exact_match_records")
+                else ""
+            )
             typer.echo(
                 f"loss {result['loss']:.4f}  ppl {result['ppl']:.3f}  "
-                f"tokens {result['tokens']}  records {result['records']}"
+                f"tokens {result['tokens']}  records {result['records']}{em}"
             )

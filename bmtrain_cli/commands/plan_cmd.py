@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
             None, "--gpus", min=1, help="Devices per node (default: the config's world size)."
         ),
         gpu_memory: Optional[str] = typer.Option(
-            None, "--gpu_memory", "--gpu-memory", help="Memory per device, e.g. 80GiB."
+            None, "--gpu_memory", "--gpu-memory", help="Memory per device with its unit: 80GiB, 80GB."
         ),
         nodes: int = typer.Option(1, "--nodes", min=1, help="Number of nodes."),
         device: Optional[str] = typer.Option(
@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
             dev = get_device("A100-80GB", gpu_memory) if wants_gpu else default_device(cfg)
         else:
             dev = get_device(device, gpu_memory)
+        if dev.kind == "gpu":  # judged for the GPUs planned for, not this machine's CPU build of Paddle
+            loaded = load_config(str(config), set_ or [], mode="validate", has_gpu=True)
         workload = Workload.from_config(cfg)
         layout = Layout.from_config(cfg)
         current = estimate_layout(workload, layout, dev)
@@ -78,7 +80,9 @@ def register(app: typer.Typer) -> None:
             lines.append("")
             lines.append(
                 f"search over {per_node * nodes} x {dev.name} ({nodes} node{'s' if nodes > 1 else ''}): "
-                f"{found['fitting']} of {found['tried']} layouts fit; fastest first (estimated step time):"
+                f"{found['fitting']} of {found['tried']} layouts fit; best first, by estimated step time with "
+                "each extra setting\n(tensor or pipeline axis, sharding stage, offload, recompute) counted as "
+                "1% slower, so a simpler layout ranks above a marginally faster one:"
             )
             for i, c in enumerate(found["ranked"], 1):
                 lines.append(

@@ -60,7 +60,7 @@ def train_main(
     for w in loaded.warnings:
         typer.echo("  " + w.format(), err=True)
     resolved = Path(loaded.config.train.output_dir) / "config.yaml"
-    if resolved.is_file() and os.path.samefile(resolved, config):
+    if resolved.is_file() and os.path.samefile(resolved, loaded.source):
         raise UserError(
             f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
             "config; choose another --output_dir or copy the config elsewhere"

@@ -432,3 +432,24 @@ def check_config(  # noqa: C901
             "set train_config.data_path, pass --data_path, or set demo_data: arithmetic",
         )
     return problems
+
+
+def missing_data(config: Config) -> List[Problem]:
+    """data_path / eval_data_path entries that name no file here (a missing file, a glob that matches
+    nothing, an empty directory): the loader would refuse them at the first step. The demo task, which
+    is generated, has no data_path. Checked by `bmtrain validate-config` (load_config(require_data=True));
+    `bmtrain plan` sizes a run whose data may live on the cluster."""
+    from bmtrain_cli.data.readers import as_list, resolve_source
+
+    out = []
+    for key in ("data_path", "eval_data_path"):
+        specs = as_list(getattr(config.train, key))
+        for i, spec in enumerate(specs):
+            try:
+                resolve_source(spec)
+            except UserError as exc:
+                path = f"train_config.{key}" + (
+                    f".{i}" if isinstance(getattr(config.train, key), list) else ""
+                )
+                out.append(Problem(str(exc), path=path, suggestion="check the path"))
+    return out

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from bmtrain_cli.config.examples import example_path
 from bmtrain_cli.config.schema import SECTION_MODELS, Config
 from bmtrain_cli.errors import ConfigError, Problem
 
@@ -22,6 +23,7 @@ Loc = Tuple[str, ...]
 Pos = Tuple[str, Optional[int], Optional[int]]  # (source, line, column), 1-based
 
 SECTION_SYNONYMS = {"parallel": "parallel_config"}
+_EXAMPLES_HINT = "`bmtrain init quickstart` writes quickstart.yaml (`bmtrain init` lists the examples)"
 # Scalars, lists and mappings a config may hold once its aliases are expanded (shipped configs: < 200).
 MAX_YAML_VALUES = 100_000
 
@@ -385,6 +387,31 @@ def _without_bad_fields(data: Dict[str, Any], exc: ValidationError) -> Tuple[Opt
         return None, emptied
 
 
+def read_config_file(path: str) -> Tuple[Dict[str, Any], Dict[Loc, Pos], str]:
+    """(data, positions, source) of a config file; a bare example name (``quickstart``) that is no file
+    here is the packaged example of that name."""
+    p = Path(path)
+    source = str(path) or str(p)  # an empty --config is the current directory
+    example = None if p.exists() else example_path(str(path))
+    if example is not None:  # `--config quickstart`
+        p, source = example, str(example)
+    if not p.exists():
+        hint = f"check the path; {_EXAMPLES_HINT}"
+        raise ConfigError([Problem("config file not found", file=source, suggestion=hint)])
+    if p.is_dir():
+        raise ConfigError([Problem("is a directory, expected a YAML file", file=source)])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [Problem(f"not UTF-8 text ({exc.reason} at byte {exc.start})", file=source)]
+        ) from None
+    except OSError as exc:
+        raise ConfigError([Problem(f"cannot read: {exc.strerror}", file=source)]) from None
+    data, positions = parse_yaml(text, source)
+    return data, positions, source
+
+
 def load_config(
     path: Optional[str],
     overrides: Sequence[str] = (),
@@ -392,42 +419,30 @@ def load_config(
     mode: str = "validate",
     world_size: Optional[int] = None,
     has_gpu: Optional[bool] = None,
+    require_data: bool = False,
 ) -> LoadedConfig:
     """Load, override, validate and check a config file.
 
     mode: "validate" treats machine-dependent issues (bf16 on a CPU-only Paddle, a checkpoint path not
-    present here) as warnings; "train" makes them errors. Raises ConfigError with every problem found.
+    present here) as warnings; "train" makes them errors. require_data: refuse a data_path or
+    eval_data_path that names no file here (`bmtrain validate-config`). Raises ConfigError with every
+    problem found.
     """
-    from bmtrain_cli.config.checks import check_config
+    from bmtrain_cli.config.checks import check_config, missing_data
     from bmtrain_cli.data.registry import expand_registry
 
     data: Dict[str, Any] = {}
     positions: Dict[Loc, Pos] = {}
-    if path is None:  # the defaults alone (tests, `bmtrain plan` without a file)
-        source = "<defaults>"
-    else:
-        p = Path(path)
-        source = str(path) or str(p)  # an empty --config is the current directory
-        if not p.exists():
-            raise ConfigError([Problem("config file not found", file=source, suggestion="check the path")])
-        if p.is_dir():
-            raise ConfigError([Problem("is a directory, expected a YAML file", file=source)])
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                [Problem(f"not UTF-8 text ({exc.reason} at byte {exc.start})", file=source)]
-            ) from None
-        except OSError as exc:
-            raise ConfigError([Problem(f"cannot read: {exc.strerror}", file=source)]) from None
-        data, positions = parse_yaml(text, source)
+    source = "<defaults>"  # no file: the defaults alone (tests, `bmtrain plan` without a file)
+    if path is not None:
+        data, positions, source = read_config_file(path)
         if not data and not overrides:  # all defaults, no data: a wrong or truncated file, not a config
             raise ConfigError(
                 [
                     Problem(
                         "the config file is empty (no settings)",
                         file=source,
-                        suggestion="start from a shipped config, e.g. configs/quickstart.yaml",
+                        suggestion=f"start from an example: {_EXAMPLES_HINT}",
                     )
                 ]
             )
@@ -443,6 +458,8 @@ def load_config(
         config, early = exc.partial, exc.problems
         emptied = getattr(exc, "emptied_sections", set())
     problems = check_config(config, mode=mode, world_size=world_size, has_gpu=has_gpu)
+    if require_data:
+        problems += missing_data(config)
     if early and emptied:
         problems = [p for p in problems if not (p.path and p.path.split(".")[0] in emptied)]
     if early:  # a cross-field finding about a refused field would judge its default, not the user's value

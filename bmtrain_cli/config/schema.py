@@ -91,7 +91,8 @@ class TrainConfig(_Section):
 
     # data
     data_path: Optional[Union[str, List[str]]] = Field(
-        None, description="JSONL file(s), globs or directories. `quickstart` generates the demo data."
+        None,
+        description="JSONL file(s), globs or directories. Unset with demo_data set: the generated demo task.",
     )
     dataset: Optional[Union[str, List[str]]] = Field(
         None, description="LLaMA-Factory registry names (dataset_dir/dataset_info.json); sets data_path."
@@ -317,6 +318,16 @@ class Config(BaseModel):
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict with the file's section names (for saving the resolved config)."""
         return self.model_dump(mode="json", by_alias=True)
+
+
+def json_schema() -> Dict[str, Any]:
+    """The JSON Schema of a config file (`bmtrain schema`), with ``parallel:`` listed as the synonym of
+    ``parallel_config:`` that the loader accepts (one of the two, not both)."""
+    schema = Config.model_json_schema(by_alias=True)
+    ref = schema["properties"]["parallel_config"]["$ref"]
+    schema["properties"]["parallel"] = {"$ref": ref, "description": "Synonym of parallel_config."}
+    schema["not"] = {"required": ["parallel", "parallel_config"]}
+    return schema
 
 
 SECTION_MODELS = {"model_config": ModelConfig, "train_config": TrainConfig, "parallel_config": ParallelConfig}

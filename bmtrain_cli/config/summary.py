@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
@@ -53,7 +53,28 @@ def summarize(config: Config) -> Dict[str, Any]:
     return out
 
 
+def with_known_vocab(config: Config) -> Tuple[Config, str]:
+    """A fresh model's config with the vocabulary its tokenizer will give it, where that is known before
+    training (the demo task's tokenizer, generated in a temporary directory, or one a previous run left
+    in output_dir/tokenizer), and a note saying so; else the config unchanged and ""."""
+    m = config.model
+    if m.model_name_or_path is not None or m.vocab_size is not None:
+        return config, ""
+    from bmtrain_cli.plan.data_facts import data_facts
+
+    vocab = data_facts(config, need_longest=False).vocab_size
+    if vocab is None:
+        return config, ""
+    what = (
+        "the demo task's tokenizer"
+        if config.train.demo_data and not config.train.data_path
+        else "its tokenizer"
+    )
+    return config.model_copy(update={"model": m.model_copy(update={"vocab_size": vocab})}), f" ({what})"
+
+
 def format_summary(config: Config, source: str) -> List[str]:
+    config, vocab_note = with_known_vocab(config)
     s = summarize(config)
     lines = [f"config {source}: OK"]
     if "parameters" in s:
@@ -62,7 +83,7 @@ def format_summary(config: Config, source: str) -> List[str]:
         lines.append(
             f"  model      {s['family']} ({s['source']}): hidden {s['hidden_size']}, layers {s['num_hidden_layers']}, "
             f"heads {s['num_attention_heads']}/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}"
-            + (" (assumed)" if vocab_assumed else "")
+            + (" (assumed)" if vocab_assumed else vocab_note)
             + f", {s['parameters']:,} parameters"
         )
         if vocab_assumed:

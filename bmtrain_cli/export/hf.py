@@ -74,7 +74,7 @@ def quantized_hf_tensors(model: paddle.nn.Layer, report: QuantReport) -> Dict[st
 
 def write_safetensors(tensors: Dict[str, np.ndarray], out_dir: Path, max_shard_size_bytes: int) -> List[Path]:
     """One model.safetensors, or shards model-0000i-of-0000n.safetensors + index above the limit."""
-    from safetensors.numpy import save_file
+    from bmtrain_cli.models.safetensors_io import save_numpy_file
 
     shards: List[Dict[str, np.ndarray]] = [{}]
     size = 0
@@ -86,12 +86,12 @@ def write_safetensors(tensors: Dict[str, np.ndarray], out_dir: Path, max_shard_s
         shards[-1][name] = tensors[name]
         size += n
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_numpy_file(shards[0], out_dir / WEIGHTS_NAME, metadata={"format": "pt"})
         return [out_dir / WEIGHTS_NAME]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        save_numpy_file(shard, out_dir / fname, metadata={"format": "pt"})
         paths.append(out_dir / fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.nbytes for t in tensors.values())

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
@@ -70,7 +71,9 @@ def export_paddle_inference(
             layer.use_kernel = "never"
     try:
         spec = [paddle.static.InputSpec([None, None], "int64", name=INPUT_NAME)]
-        paddle.jit.save(_LogitsOnly(model), str(out / MODEL_PREFIX), input_spec=spec)
+        with warnings.catch_warnings(), _native_stdout_to_stderr():
+            warnings.filterwarnings("ignore", message="Tensor do not have 'place' interface")
+            paddle.jit.save(_LogitsOnly(model), str(out / MODEL_PREFIX), input_spec=spec)
     finally:
         for name, layer in model.named_sublayers():
             if name in previous:
@@ -92,24 +95,28 @@ def export_paddle_inference(
 
 @contextlib.contextmanager
 def _native_stdout_to_stderr() -> Iterator[None]:
-    """Send what native code writes to file descriptor 1 to descriptor 2 for the duration.
+    """Send what native code writes to file descriptor 1 to descriptor 2 for the duration, without the
+    lines of quiet.INFERENCE_NOISE.
 
     Paddle Inference's oneDNN passes print lines such as ``ReduceMeanCheckIfOneDNNSupport`` to the C++
     stdout on the first run; they would otherwise end up in the output of ``bmtrain eval --json`` or
     ``bmtrain generate`` and break what reads it.
     """
+    from bmtrain_cli.quiet import INFERENCE_NOISE, filtered_stderr
+
     try:
         sys.stdout.flush()
         saved = os.dup(1)
     except (OSError, ValueError):
         yield
         return
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+    with filtered_stderr(INFERENCE_NOISE):  # and without Paddle's internal notices (quiet.INFERENCE_NOISE)
+        try:
+            os.dup2(2, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def check_sizes(export_dir: Path, files: Dict[str, Path]) -> None:

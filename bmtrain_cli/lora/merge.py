@@ -118,11 +118,11 @@ def save_adapters(
     base_model_name_or_path: Optional[str] = None,
 ) -> Path:
     """Write adapter_config.json + adapter_model.safetensors from whole adapter arrays (our names)."""
-    from safetensors.numpy import save_file
+    from bmtrain_cli.models.safetensors_io import save_numpy_file
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    save_file(to_peft_tensors(arrays), str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_numpy_file(to_peft_tensors(arrays), d / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     cfg = peft_config(settings, base_model_name_or_path)
     (d / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     return d

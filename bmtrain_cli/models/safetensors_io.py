@@ -7,6 +7,7 @@ fp32 and written as BF16 without going through any pickle-based format.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -116,6 +117,30 @@ def write_safetensors(
         for blob in blobs:
             f.write(blob)
     tmp.replace(path)
+
+
+def current_umask() -> int:
+    """The process's file-creation mask (read without changing it where /proc says; else set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_numpy_file(tensors: Dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
+    """safetensors' own writer (every dtype it knows), with the file mode every other file gets: the
+    library creates its file 0600 whatever the umask, which hides an exported adapter from a serving
+    process or a teammate; the mode is set to 0666 less the umask (0644 under umask 022)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def checkpoint_files(directory: Path) -> Iterator[SafetensorsFile]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Set
 
+from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.ops import reference
 from bmtrain_cli.ops.measure import OpShapes
 
@@ -26,8 +27,23 @@ OP_NAMES = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy", "cross_entro
 MODES = ("auto", "custom", "paddle", "reference")
 
 
-class KernelFallbackWarning(UserWarning):
+class KernelFallbackWarning(NoticeWarning):
     """Custom kernels were requested by ``auto`` but could not be built; another implementation is used."""
+
+
+_fallback_reasons: Set[str] = set()
+
+
+def warn_fallback(reason: str, instead: str, stacklevel: int = 3) -> None:
+    """One KernelFallbackWarning per reason and process: the ops and the CPU AdamW fall back for the same
+    reason (no compiler), and the user reads it once."""
+    first = (reason.splitlines() or ["unknown reason"])[0]
+    if first in _fallback_reasons:
+        return
+    _fallback_reasons.add(first)
+    warnings.warn(
+        f"custom kernels unavailable ({first}); {instead}", KernelFallbackWarning, stacklevel=stacklevel
+    )
 
 
 @dataclass(frozen=True)
@@ -166,12 +182,9 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
             ours = {}
             if not _warned:
                 _warned = True
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                warnings.warn(
-                    f"custom kernels unavailable ({first}); using Paddle's fused ops where the device has "
-                    "them, else the reference ops",
-                    KernelFallbackWarning,
-                    stacklevel=2,
+                warn_fallback(
+                    str(exc) or type(exc).__name__,
+                    "using Paddle's own ops instead (same results, slower)",
                 )
         if ours and device.startswith("gpu"):
             ours = _launch_checked(ours, ref)

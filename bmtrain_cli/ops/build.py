@@ -20,10 +20,12 @@ import os
 import platform
 import shutil
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.machine import find_cxx
 
@@ -232,10 +234,7 @@ def _build(verbose: bool) -> ModuleType:
     if missing:
         raise KernelBuildError(f"kernel sources not found under {KERNELS_DIR}: {', '.join(missing)}")
     if find_cxx() is None:
-        raise KernelBuildError(
-            "no C++ compiler found (install g++, or set $CXX, to build the custom kernels; "
-            "model_config.kernels: paddle uses Paddle's own fused ops instead)"
-        )
+        raise KernelBuildError("no C++ compiler found: install g++ (or set $CXX) to build them")
     try:
         import paddle
         from paddle.utils import cpp_extension  # imported by `import paddle`, which warns about ccache
@@ -254,13 +253,19 @@ def _build(verbose: bool) -> ModuleType:
         fresh = not (build_dir / name / f"{name}.so").is_file()
         if fresh:
             print(
-                f"building the custom kernels for Paddle {paddle.__version__} with {find_cxx()} into "
-                f"{build_dir} (first use with this Paddle and compiler; about a minute)",
+                f"building the custom kernels ({len(sources)} C++{'/CUDA' if cuda else ''} sources: RMSNorm, "
+                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention) for Paddle {paddle.__version__} "
+                f"with the C++ compiler {find_cxx()} into {build_dir}: once per Paddle and compiler, "
+                "1-3 minutes on 2 cores",
                 file=sys.stderr,
                 flush=True,
             )
         try:
-            with warnings.catch_warnings(), filtered_stderr():
+            with (
+                warnings.catch_warnings(),
+                filtered_stderr(),
+                _progress("building the custom kernels", fresh),
+            ):
                 warnings.simplefilter("ignore")
                 with contextlib.redirect_stdout(log) if not verbose else contextlib.nullcontext():
                     return cpp_extension.load(
@@ -276,6 +281,30 @@ def _build(verbose: bool) -> ModuleType:
         except Exception as exc:  # the build runs a compiler in a subprocess; any failure means fall back
             tail = log.getvalue()[-2000:]
             raise KernelBuildError(f"building the custom kernels failed: {exc}\n{tail}".rstrip()) from exc
+
+
+@contextlib.contextmanager
+def _progress(what: str, show: bool, every_s: float = 30.0) -> Iterator[None]:
+    """While the block runs, a line every ``every_s`` seconds saying it still does (a compiler gives no
+    output for minutes), then one saying how long it took."""
+    if not show:
+        yield
+        return
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            print(f"  ... still {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tick, name="bmtrain-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+        print(f"  {what}: done in {time.monotonic() - t0:.0f} s (cached for the next runs)", file=sys.stderr)
+    finally:
+        done.set()
+        thread.join()
 
 
 def compile_cuda_launchers(out_dir: Optional[Path] = None) -> Path:

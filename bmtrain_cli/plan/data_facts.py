@@ -31,7 +31,7 @@ class DataFacts:
 
 
 @contextlib.contextmanager
-def _generated_inputs(config: Any) -> Iterator[dict]:
+def generated_inputs(config: Any) -> Iterator[dict]:
     """The tokenizer directory and training data the trainer would use, generating the demo ones in a
     temporary directory (deterministic: the trainer generates the same). Values may be None."""
     m, t = config.model, config.train
@@ -111,7 +111,7 @@ def data_facts(config: Any, *, need_vocab: bool = True, need_longest: bool = Tru
     longest: Optional[int] = None
     notes: List[str] = []
     try:
-        with _generated_inputs(config) as inputs:
+        with generated_inputs(config) as inputs:
             tok = None
             if inputs["tokenizer"]:
                 tok = load_tokenizer(inputs["tokenizer"])

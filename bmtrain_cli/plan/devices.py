@@ -81,7 +81,6 @@ ALIASES = {
 }
 
 _UNITS = {
-    "": 1,
     "B": 1,
     "K": 1 << 10,
     "KB": 10**3,
@@ -99,8 +98,13 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920; '80GB' -> 80e9; '40G' -> 40 GiB; plain numbers are bytes."""
+    """'80GiB' -> 85899345920; '80GB' -> 80e9; '40G' -> 40 GiB; bytes need the unit B. A number without a
+    unit is refused: `--gpu_memory 80` meant 80 GiB, not 80 bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if m and not m.group(2):
+        raise UserError(
+            f"memory size {text!r} has no unit: write {m.group(1)}GiB (or {m.group(1)}GB, {m.group(1)}G)"
+        )
     if not m or m.group(2).upper() not in _UNITS:
         raise UserError(f"cannot read a memory size from {text!r} (examples: 80GiB, 40GB, 24G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

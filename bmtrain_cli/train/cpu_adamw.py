@@ -18,12 +18,11 @@ or, when that cannot be built, by the same formula in Paddle's elementwise ops p
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import paddle
 
-from bmtrain_cli.ops import KernelFallbackWarning
+from bmtrain_cli.ops import warn_fallback
 
 _warned = False
 
@@ -187,11 +186,7 @@ def _resolve_fused(fused: Optional[bool]) -> bool:
         raise KernelBuildError(f"the fused CPU AdamW kernel is unavailable: {reason}")
     if not _warned:
         _warned = True
-        warnings.warn(
-            f"fused CPU AdamW unavailable ({reason}); using Paddle's elementwise ops for the update",
-            KernelFallbackWarning,
-            stacklevel=3,
-        )
+        warn_fallback(reason, "using Paddle's own ops instead (same results, slower)", stacklevel=4)
     return False
 
 

@@ -41,7 +41,7 @@ def evaluate(parts: Parts, state: TrainState) -> Optional[float]:
         )
     if math.isfinite(loss) and (state.best_eval_loss is None or loss < state.best_eval_loss):
         state.best_eval_loss = loss
-    parts.metrics.log_eval(state.step, loss, extra)
+    parts.metrics.log_eval(state.step, loss, extra, nll=parts.preference is None)
     return loss
 
 

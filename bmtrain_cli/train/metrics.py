@@ -253,19 +253,26 @@ class MetricsWriter:
         (metrics.jsonl gets every step: it is one small line and resume checks compare step by step)."""
         return step % self.logging_steps == 0 or step == 1 or step == self.total_steps
 
-    def log_eval(self, step: int, loss: float, extra: Optional[Dict[str, Any]] = None) -> None:
+    def log_eval(
+        self, step: int, loss: float, extra: Optional[Dict[str, Any]] = None, *, nll: bool = True
+    ) -> None:
+        """An eval record; ``nll``: the loss is a mean token negative log-likelihood, so its exp is a
+        perplexity (not for the preference losses of stage dpo: DPO, IPO, SimPO, ORPO)."""
         if not self.enabled:
             return
-        ppl = perplexity(loss)
-        record = {"step": step, "eval_loss": _clean(loss), "eval_ppl": _clean(ppl), **(extra or {})}
+        ppl = perplexity(loss) if nll else None
+        record = {"step": step, "eval_loss": _clean(loss), **(extra or {})}
+        if ppl is not None:
+            record["eval_ppl"] = _clean(ppl)
         self._write_record(record)
         if self.tb is not None:
             self.tb.add_scalar("eval/loss", loss, step)
-            self.tb.add_scalar("eval/ppl", ppl, step)
+            if ppl is not None:
+                self.tb.add_scalar("eval/ppl", ppl, step)
             for k, v in (extra or {}).items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"eval/{k}", v, step)
-        self.message(f"eval step {step}: loss {loss:.4f} ppl {ppl:.2f}")
+        self.message(f"eval step {step}: loss {loss:.4f}" + (f" ppl {ppl:.2f}" if ppl is not None else ""))
 
     def log_event(self, step: int, event: str, **fields: Any) -> None:
         """A non-metric event (skipped step, checkpoint saved) in metrics.jsonl."""
@@ -376,7 +383,8 @@ def write_summary(output_dir: Path, summary: Dict[str, Any]) -> Path:
 
 
 def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
-    """Train (and eval) loss against step as a PNG (matplotlib Agg); None when there is nothing to plot."""
+    """Train (and eval) loss against step as a PNG (matplotlib Agg), titled with the run's directory, on a
+    log-scale y axis when every loss is positive; None when there is nothing to plot."""
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
     evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
@@ -393,8 +401,14 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
+    values = [v for _, v in train + evals]
+    if values and min(values) > 0:  # a loss falls by orders of magnitude; a linear axis flattens the end
+        ax.set_yscale("log")
+        ax.set_ylabel("loss (log scale)")
+    else:
+        ax.set_ylabel("loss")
+    ax.set_title(f"loss per step: {Path(png_path).resolve().parent.name}")
+    ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)

@@ -135,14 +135,14 @@ def same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 def write_optimizer_shard(root: Path, step: int, rank: int, optimizer: Any, model: paddle.nn.Layer) -> Path:
     """This rank's optimizer state, written atomically into the staging folder (all ranks, before the
     barrier that precedes rank 0's save_checkpoint)."""
-    from safetensors.numpy import save_file
+    from bmtrain_cli.models.safetensors_io import save_numpy_file
 
     staging = shard_staging_dir(root, step)
     staging.mkdir(parents=True, exist_ok=True)
     final = staging / OPTIMIZER_SHARD.format(rank=rank)
     tmp = staging / f".{final.name}.tmp-{os.getpid()}"
     tensors, _ = optimizer_state(optimizer, model)
-    save_file(tensors, str(tmp))
+    save_numpy_file(tensors, tmp)
     fsync_file(tmp)
     os.replace(tmp, final)
     return final

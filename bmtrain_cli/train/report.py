@@ -195,10 +195,10 @@ def hparams(parts: Parts) -> Dict[str, Any]:
 
 def print_report(parts: Parts, s: Dict[str, Any]) -> None:
     out = parts.console.stream
+    loss = f", final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
     print(
-        f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s, final loss {s['final_loss']:.4f}"
-        if s["final_loss"] is not None
-        else f"done: {s['steps']} steps",
+        f"done: {s['steps']} steps{loss}; training {s['train_time_s']:.1f} s, total {s['wall_time_s']:.1f} s "
+        "with setup, evaluation and checkpoints (summary.json: train_time_s, wall_time_s)",
         file=out,
     )
     if s.get("best_eval_loss") is not None:

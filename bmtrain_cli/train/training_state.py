@@ -48,10 +48,10 @@ WeightsWriter = Callable[[paddle.nn.Layer, str], Any]
 
 def save_native_weights(model: paddle.nn.Layer, out_dir: str) -> None:
     """Weights of a layer that is not one of our CausalLMs (tests, custom heads), by structured name."""
-    from safetensors.numpy import save_file
+    from bmtrain_cli.models.safetensors_io import save_numpy_file
 
-    save_file(
-        {n: to_numpy(p) for n, p in model.state_dict().items()}, os.path.join(out_dir, NATIVE_WEIGHTS_FILE)
+    save_numpy_file(
+        {n: to_numpy(p) for n, p in model.state_dict().items()}, Path(out_dir) / NATIVE_WEIGHTS_FILE
     )
 
 
@@ -144,12 +144,12 @@ def _write_optimizer_and_state(
     layout: Optional[Dict[str, Any]],
 ) -> None:
     """The optimizer file(s) and, last, trainer_state.json of the checkpoint being written in ``tmp``."""
-    from safetensors.numpy import save_file
+    from bmtrain_cli.models.safetensors_io import save_numpy_file
 
     tensors, extra = optimizer_state(optimizer, model)
     layout = dict(layout or optimizer_layout(None))
     if layout["portable"]:
-        save_file(tensors, str(tmp / OPTIMIZER_FILE))
+        save_numpy_file(tensors, tmp / OPTIMIZER_FILE)
         layout["optimizer_files"] = [OPTIMIZER_FILE]
     else:
         staging = shard_staging_dir(root, step)

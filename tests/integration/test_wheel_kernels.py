@@ -61,6 +61,8 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     sources = sorted(str(p.relative_to(REPO / "kernels")) for p in (REPO / "kernels").rglob("*.c[cu]"))
     assert sources and all(f"bmtrain_cli/_kernels/{s}" in names for s in sources)
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert shipped and all(f"bmtrain_cli/_configs/{n}" in names for n in shipped)
 
     # a fresh venv outside the checkout; Paddle and the dependencies come from this interpreter's
     # site-packages through a .pth (a plain path: no editable-install hooks of the dev checkout run)
@@ -86,6 +88,19 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
     ).stdout.strip()
     assert Path(where).is_relative_to(target), where  # the installed copy, not the checkout's kernels/
 
+    # the quickstart from the installed package, in an empty directory: `init` writes it, `--config NAME`
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (
+        ["init", "quickstart"],
+        ["validate-config", "quickstart.yaml"],
+        ["validate-config", "quickstart"],
+    ):
+        res = subprocess.run(
+            [str(python), "-m", "bmtrain_cli", *argv], capture_output=True, text=True, cwd=empty, env=env
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+
     run = subprocess.run(
         [str(python), "-m", "bmtrain_cli", "train", "--config", str(_config(tmp_path, "custom", "custom"))],
         capture_output=True,
@@ -95,7 +110,8 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
     )
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-3000:]
-    assert "building the custom kernels for Paddle" in text
+    assert "building the custom kernels (" in text and "with the C++ compiler" in text
+    assert "building the custom kernels: done in" in text
     assert list((tmp_path / "cache").glob("*/bmt_fused_ops_*/*.so"))
     summary = json.loads((tmp_path / "out-custom" / "summary.json").read_text())
     assert summary["steps"] == 1
@@ -127,3 +143,6 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
         text = res.stdout + res.stderr
         assert res.returncode == code, text[-3000:]
         assert "no C++ compiler found" in text and "Traceback" not in text
+        if kernels == "auto":  # the ops and the CPU AdamW fall back for one reason: one line says so
+            said = [x for x in text.splitlines() if "unavailable" in x or "KernelFallbackWarning" in x]
+            assert len(said) == 1 and said[0].startswith("warning: custom kernels unavailable"), said

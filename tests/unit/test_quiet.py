@@ -117,3 +117,13 @@ def test_the_launcher_console_drops_paddles_import_warnings() -> None:
         "step 1/4 loss 5.87\n"
     )
     assert _console(text) == "step 1/4 loss 5.87\n"
+
+
+def test_python_api_imports_paddle_without_its_ccache_warning() -> None:
+    """`import bmtrain_cli as bmt; bmt.init_distributed_mode()` in a user's script: Paddle's import-time
+    "No ccache found" warning is not shown (as in the CLI); the API's own line is."""
+    code = "import bmtrain_cli as bmt; bmt.init_distributed_mode()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    assert "ccache" not in text and "warnings.warn" not in text
+    assert "rank 0 of 1" in text

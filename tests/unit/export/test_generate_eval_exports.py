@@ -129,3 +129,28 @@ def test_generate_top_p_zero_is_greedy_and_max_new_tokens_is_capped(models):
     assert "--max_new_tokens 100000 capped at" in r.output and "max_position_embeddings 128" in r.output
     r = runner.invoke(app, ["generate", "--model_path", ckpt, "--prompt", "1", "--temperature", "nan"])
     assert r.exit_code == 2 and "Traceback" not in r.output  # the option's range refuses nan
+
+
+def test_export_and_generate_show_no_paddle_internals(models, trained_run, tmp_path):
+    """`bmtrain export --format paddle-inference` and `bmtrain generate` on the export, as real processes:
+    none of Paddle's internal notices (jit.save's 'place' UserWarning, PIR's "not support input out
+    tensor", the oneDNN pass's ReduceMeanCheckIfOneDNNSupport) reach the terminal."""
+    import subprocess
+    import sys
+
+    noise = (
+        "place' interface",
+        "not support input out tensor",
+        "ReduceMeanCheckIfOneDNNSupport",
+        "warnings.warn",
+    )
+    out = tmp_path / "served"
+    ckpt = trained_run / "checkpoints" / "step-60"
+    base = [sys.executable, "-m", "bmtrain_cli"]
+    for argv in (
+        ["export", "--checkpoint", str(ckpt), "--output", str(out), "--format", "paddle-inference"],
+        ["generate", "--model_path", str(out), "--prompt", "12+35=", "--max_new_tokens", "6"],
+    ):
+        r = subprocess.run([*base, *argv], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not [n for n in noise if n in r.stdout + r.stderr], r.stderr[-2000:]

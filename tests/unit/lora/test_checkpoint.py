@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -51,6 +52,27 @@ def lora_ckpt(tmp_path):
     train, held = write_demo_data(str(tmp_path / "data"))
     train_demo_tokenizer(str(ckpt), [train, held])
     return {"base": base_dir, "ckpt": ckpt, "model": model, "run": run}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_adapter_files_follow_the_umask(tmp_path, mask):
+    """adapter_model.safetensors gets the mode of every other file (0644 under umask 022): a serving
+    process or a teammate can read an exported adapter; umask 077 keeps it private."""
+    from bmtrain_cli.lora.inject import lora_settings
+    from bmtrain_cli.lora.merge import save_adapters
+
+    model = tiny_model()
+    LoRARun.start(model, lora_cfg(["q_proj"]))
+    arrays = {n: p.numpy() for n, p in model.named_parameters() if ".lora_" in n}
+    assert arrays
+    old = os.umask(mask)
+    try:
+        out = save_adapters(str(tmp_path / "a"), lora_settings(model), arrays)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes) >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def test_checkpoint_holds_adapters_only_and_is_small(lora_ckpt):

@@ -145,8 +145,17 @@ def test_eval_command(model_dir, tmp_path):
         start = len(ids) - len(scored)
         total -= sum(logp[t - 1, ids[t]] for t in range(start, len(ids)))
     assert math.isclose(out["loss"], total / out["tokens"], rel_tol=1e-4)
+    # exact match over the one record with a reference answer: the greedy answer, decoded, equals " 3"?
+    from bmtrain_cli.train.evaluate import greedy_complete
+
+    (got,) = greedy_complete(m, [[tok.bos_id, *tok.encode("1 + 2 =")]], max_new_tokens=32, eos_id=tok.eos_id)
+    assert out["exact_match_records"] == 1
+    assert out["exact_match"] == float(tok.decode(got).strip() == "3")
     r = CliRunner().invoke(app, ["eval", "--model_path", str(model_dir), "--data_path", str(data)])
-    assert r.exit_code == 0 and "ppl" in r.stdout
+    assert r.exit_code == 0 and "ppl" in r.stdout and "exact match" in r.stdout and "of 1" in r.stdout
+    args = ["eval", "--model_path", str(model_dir), "--data_path", str(data), "--json", "--no_exact_match"]
+    r = CliRunner().invoke(app, args)
+    assert "exact_match" not in json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_command_errors(model_dir, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import paddle
 import pytest
 
 import bmtrain_cli.ops as ops
@@ -18,6 +19,7 @@ def broken_build(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setattr(ops, "_cache", {})
     monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.setattr(ops, "_fallback_reasons", set())
 
 
 def test_reference_and_unknown_mode():
@@ -66,6 +68,32 @@ def test_auto_falls_back_with_one_warning(broken_build):
     assert len(fallbacks) == 1 and "kernel sources not found" in str(fallbacks[0].message)
     assert "custom" not in first.sources.values()
     assert first.sources["swiglu"] == "paddle" and first.sources["rms_norm"] == "reference"
+
+
+def test_no_compiler_is_one_line_for_ops_and_adamw(monkeypatch):
+    """Without a compiler the ops and the CPU AdamW fall back for the same reason: the user reads one
+    line, `warning: custom kernels unavailable (no C++ compiler found: install g++ ...)`."""
+    from bmtrain_cli.cli import _one_line_notices
+    from bmtrain_cli.train import cpu_adamw
+
+    monkeypatch.setattr(build, "find_cxx", lambda: None)
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(ops, "_cache", {})
+    monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.setattr(ops, "_fallback_reasons", set())
+    monkeypatch.setattr(cpu_adamw, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ops.select("auto", device="cpu")
+        opt = cpu_adamw.CpuAdamW(1e-3, parameters=paddle.nn.Linear(2, 2).parameters())
+    assert not opt.fused
+    said = [w for w in caught if issubclass(w.category, ops.KernelFallbackWarning)]
+    assert len(said) == 1
+    text = _one_line_notices(warnings.formatwarning)(
+        said[0].message, said[0].category, said[0].filename, said[0].lineno
+    )
+    assert text.count("\n") == 1 and text.startswith("warning: custom kernels unavailable (no C++ compiler")
+    assert "install g++" in text
 
 
 def test_custom_fails_clearly_when_unbuildable(broken_build):

@@ -37,6 +37,9 @@ def test_parse_bytes() -> None:
     assert parse_bytes("24g") == 24 * GiB
     with pytest.raises(UserError):
         parse_bytes("lots")
+    assert parse_bytes("512B") == 512
+    with pytest.raises(UserError, match="has no unit: write 80GiB"):
+        parse_bytes("80")  # `--gpu_memory 80` is not 80 bytes
     assert get_device("h100").memory_bytes == 80 * GiB
     assert get_device("A100-80GB", "40GiB").memory_bytes == 40 * GiB
     with pytest.raises(UserError, match="presets"):

@@ -59,6 +59,25 @@ def test_resume_is_exact(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_checkpoint_files_follow_the_umask(tmp_path, mask):
+    """optimizer.safetensors and the weights (written by the safetensors library, which creates 0600
+    files) get the mode every other file gets: 0644 under umask 022, 0640 under 027."""
+    m = _model()
+    opt = build_optimizer(m, TrainConfig(), 0.01)
+    _steps(m, opt, 1, seed=1)
+    old = os.umask(mask)
+    try:
+        path = _save(tmp_path / "ckpt", 1, m, opt)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir() if p.is_file()}
+    assert "optimizer.safetensors" in modes and any(
+        n.endswith(".safetensors") and "optim" not in n for n in modes
+    )
+    assert set(modes.values()) == {0o666 & ~mask}, {n: oct(v) for n, v in modes.items()}
+
+
 def test_rng_round_trip():
     import random
 

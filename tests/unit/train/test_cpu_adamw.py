@@ -93,12 +93,14 @@ def test_build_optimizer_uses_it_on_the_cpu():
 
 
 def test_fallback_when_the_kernel_cannot_be_built(monkeypatch):
+    from bmtrain_cli import ops
     from bmtrain_cli.ops import KernelFallbackWarning, fused_adamw
     from bmtrain_cli.ops.build import KernelBuildError
     from bmtrain_cli.train import cpu_adamw
 
     monkeypatch.setattr(fused_adamw, "unavailable_reason", lambda: "no C++ compiler found")
     monkeypatch.setattr(cpu_adamw, "_warned", False)
+    monkeypatch.setattr(ops, "_fallback_reasons", set())
     lin = paddle.nn.Linear(4, 4)
     with pytest.warns(KernelFallbackWarning, match="no C\\+\\+ compiler found"):
         opt = CpuAdamW(1e-3, parameters=lin.parameters())

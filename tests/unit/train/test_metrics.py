@@ -28,7 +28,7 @@ def _vals(step):
     }
 
 
-def test_jsonl_tensorboard_and_plot(tmp_path):
+def test_jsonl_tensorboard_and_plot(tmp_path, monkeypatch):
     out = io.StringIO()
     w = MetricsWriter(tmp_path, total_steps=4, logging_steps=2, stream=out, tty=False)
     for step in range(1, 5):
@@ -53,8 +53,26 @@ def test_jsonl_tensorboard_and_plot(tmp_path):
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([2.0, 1.0, 0.5])
     assert (tmp_path / "logs" / "hparams").is_dir()
 
+    import matplotlib.pyplot as plt
+
+    made = []
+    monkeypatch.setattr(plt, "close", lambda fig: made.append(fig))  # keep the figure to look at it
     png = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+    (ax,) = made[0].axes
+    assert ax.get_yscale() == "log" and ax.get_title() == f"loss per step: {tmp_path.name}"
+    plt.close("all")
+
+
+def test_eval_of_a_non_nll_loss_has_no_perplexity(tmp_path):
+    """stage dpo's eval loss (DPO, IPO, SimPO, ORPO) is no token NLL: no ppl line, record or scalar."""
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=2, logging_steps=1, stream=out, tty=False)
+    w.log_eval(2, 0.69, {"rewards/accuracies": 0.9}, nll=False)
+    w.close()
+    (rec,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+    assert "eval_ppl" not in rec and rec["rewards/accuracies"] == 0.9
+    assert "eval step 2: loss 0.6900" in out.getvalue() and "ppl" not in out.getvalue()
 
 
 def test_resume_truncates_later_records(tmp_path):

@@ -3,6 +3,7 @@ chat): a checkpoint, a Hugging Face directory, an export, or a LoRA adapter over
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Optional, Tuple
@@ -93,6 +94,10 @@ def register(app: typer.Typer) -> None:
         typer.echo(
             f"serving {engine.model_id} on http://{host}:{port} (chat page at /, API at /v1)", err=True
         )
+        # uvicorn finishes the requests in flight on SIGTERM / Ctrl-C, then re-raises the signal to the
+        # handler found at start: a no-op one, so that a requested shutdown exits 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         uvicorn.run(
             build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30
         )

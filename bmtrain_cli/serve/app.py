@@ -98,18 +98,14 @@ class Server:
         n, stream = rq.choices(body), rq.stream_flag(body)
         if stream and n > 1:
             raise RequestError(400, "stream: true takes n 1", param="n")
-        self.engine.check_queue()  # refuse now: a stream's status line goes out before it is admitted
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            events = self._events(
-                rid, ids, sampling, chat, bool((body.get("stream_options") or {}).get("include_usage"))
-            )
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            self.engine.acquire()  # now, so that a full queue is a 503 before the stream's 200 goes out
+            return _QueuedStream(self._events(rid, ids, sampling, chat, usage), self.engine.release)
         results = []
-        for i in range(n):
-            with self.engine.admit():
+        with self.engine.admit():
+            for i in range(n):
                 s = Sampling(**{**sampling.__dict__, "seed": sampling.seed + i})
                 results.append(await self._generate(ids, s, threading.Event()))
         return JSONResponse(self._full(rid, results, chat))
@@ -167,22 +163,35 @@ class Server:
         def on_text(text: str) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        with self.engine.admit():
-            task = asyncio.ensure_future(self._generate(ids, s, cancel, on_text))
-            task.add_done_callback(lambda _t: loop.call_soon_threadsafe(queue.put_nowait, None))
-            try:
-                if chat:
-                    yield self._chunk(rid, chat, None, None, role=True)
-                while (text := await queue.get()) is not None:
-                    yield self._chunk(rid, chat, text, None)
-                result = task.result()
-                yield self._chunk(rid, chat, None, result.finish_reason)
-                if usage:
-                    u = self._usage(result.prompt_tokens, result.completion_tokens)
-                    yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': u})}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                cancel.set()  # the client went away (or we are done): stop generating
+        task = asyncio.ensure_future(self._generate(ids, s, cancel, on_text))
+        task.add_done_callback(lambda _t: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            if chat:
+                yield self._chunk(rid, chat, None, None, role=True)
+            while (text := await queue.get()) is not None:
+                yield self._chunk(rid, chat, text, None)
+            result = task.result()
+            yield self._chunk(rid, chat, None, result.finish_reason)
+            if usage:
+                u = self._usage(result.prompt_tokens, result.completion_tokens)
+                yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': u})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()  # the client went away (or we are done): stop generating
+
+
+class _QueuedStream(StreamingResponse):
+    """Server-sent events that give their queue place back once sent (or abandoned by the client)."""
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _handle(fn: Callable) -> Callable:

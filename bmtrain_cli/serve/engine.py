@@ -1,7 +1,7 @@
 """One loaded model behind the server and the terminal chat: messages or text to prompt ids (the model's
 chat template, as `bmtrain generate --chat`), request bounds against the context, and generation through
 ``models.generate`` (the KV-cached loop) with a token callback that turns ids into streamed text and
-applies stop strings. Generations run one at a time (a lock); ``admit`` bounds how many may wait."""
+applies stop strings. Generations run one at a time (a lock); ``acquire`` bounds how many may wait."""
 
 from __future__ import annotations
 
@@ -138,24 +138,28 @@ class Engine:
         return room
 
     # ------------------------------------------------------------------ running
-    def check_queue(self) -> None:
-        """RequestError 503 when ``max_queue`` requests are running or waiting."""
-        if self._pending >= self.max_queue:
-            raise RequestError(
-                503, f"the server is busy ({self._pending} requests waiting); retry later", "server_error"
-            )
+    def acquire(self) -> None:
+        """Take a place among the requests running or waiting; RequestError 503 when ``max_queue``
+        are. Give it back with ``release``."""
+        with self._count_lock:
+            if self._pending >= self.max_queue:
+                raise RequestError(
+                    503, f"the server is busy ({self._pending} requests waiting); retry later", "server_error"
+                )
+            self._pending += 1
+
+    def release(self) -> None:
+        with self._count_lock:
+            self._pending -= 1
 
     @contextmanager
     def admit(self) -> Iterator[None]:
-        """A place among the requests running or waiting (see check_queue)."""
-        with self._count_lock:
-            self.check_queue()
-            self._pending += 1
+        """A place in the queue for the duration of the block (see acquire)."""
+        self.acquire()
         try:
             yield
         finally:
-            with self._count_lock:
-                self._pending -= 1
+            self.release()
 
     def run(
         self,

@@ -1,5 +1,6 @@
 """The web chat page served at ``/``: one HTML file, no external assets (works offline). It keeps the
-conversation in the page and streams each reply from /v1/chat/completions (server-sent events)."""
+conversation in the page and streams each reply from /v1/chat/completions (server-sent events).
+``/#ask=TEXT`` opens the page and sends TEXT."""
 
 CHAT_PAGE = """<!doctype html>
 <html lang="en">
@@ -21,7 +22,7 @@ form { display: flex; gap: .5rem; margin-top: .6rem; } #input { flex: 1; padding
 <div id="settings">
   <label>System <input id="system" size="28"></label>
   <label>Temperature <input id="temperature" type="number" value="0" min="0" max="2" step="0.1"></label>
-  <label>Max tokens <input id="max_tokens" type="number" value="128" min="1"></label>
+  <label>Max tokens <input id="max_tokens" type="number" min="1" placeholder="auto"></label>
   <label>API key <input id="apikey" type="password" size="12"></label>
   <button id="reset" type="button">Reset</button>
 </div>
@@ -58,8 +59,9 @@ async function send(text) {
   const body = {
     messages: messages.concat(history), stream: true,
     temperature: Number(document.getElementById("temperature").value),
-    max_tokens: Number(document.getElementById("max_tokens").value),
   };
+  const maxTokens = document.getElementById("max_tokens").value;
+  if (maxTokens) body.max_tokens = Number(maxTokens);
   let reply = "";
   try {
     const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify(body)});
@@ -103,6 +105,8 @@ form.addEventListener("submit", (ev) => {
   input.value = "";
   send(text);
 });
+// a link to http://host:port/#ask=TEXT opens the page and sends TEXT
+if (location.hash.startsWith("#ask=")) send(decodeURIComponent(location.hash.slice(5)));
 document.getElementById("reset").addEventListener("click", () => { history = []; log.textContent = ""; });
 </script>
 </body>

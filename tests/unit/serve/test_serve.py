@@ -210,3 +210,31 @@ def test_lora_adapter_over_its_base_equals_the_merged_model(lora_dirs):
         assert r.choices[0].text == merged
     finally:
         assert srv.stop() == 0
+
+
+def test_many_simultaneous_streams_get_answers_or_503(server):
+    """150 streams at once against a queue of 64: each gets a whole stream ending with [DONE] or a 503
+    JSON error; none is lost and the server answers afterwards."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    outcomes = []
+
+    def one():
+        try:
+            with httpx.stream(
+                "POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120
+            ) as r:
+                lines = [line for line in r.iter_lines() if line]
+                ok = r.status_code == 200 and lines[-1] == "data: [DONE]"
+                busy = r.status_code == 503 and "busy" in json.loads(lines[0])["error"]["message"]
+                outcomes.append("ok" if ok else "busy" if busy else f"bad {r.status_code}")
+        except httpx.HTTPError as exc:
+            outcomes.append(f"error {exc!r}")
+
+    threads = [threading.Thread(target=one) for _ in range(150)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(outcomes) == 150 and set(outcomes) <= {"ok", "busy"}, sorted(set(outcomes))
+    assert outcomes.count("ok") >= 64
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -96,3 +96,11 @@ def test_text_stream_holds_back_a_possible_stop_string():
     for c in "xEy":
         s.push(ord(c))
     assert s.finish() == "xEy"
+
+
+def test_serve_without_the_extra_names_it(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    r = CliRunner().invoke(cli_app, ["serve", "--model_path", str(tmp_path)])
+    assert r.exit_code == 2 and "pip install 'bmtrain-cli[serve]'" in r.output and "Traceback" not in r.output

@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "model_cmds",  # generate, eval
     "export_cmd",  # export
     "plan_cmd",  # plan
+    "serve_cmds",  # serve, chat
 )
 
 

@@ -178,15 +178,16 @@ def generate_static(
     top_p: float = 1.0,
     eos_token_id: Optional[int] = None,
     seed: int = 0,
+    on_token: Any = None,
 ) -> list:
     """Generation over logits only (a paddle-inference predictor has no KV cache and no mask input):
-    each prompt runs alone and the whole sequence is recomputed per new token. Same sampling as
-    models.generate, so greedy output matches it."""
+    each prompt runs alone and the whole sequence is recomputed per new token. Same sampling (and
+    ``on_token`` callback) as models.generate, so greedy output matches it."""
     from bmtrain_cli.models.generate import sample_next
 
     rng = np.random.default_rng(seed)
     outs = []
-    for prompt in prompts:
+    for row, prompt in enumerate(prompts):
         ids = list(prompt)
         new: list = []
         for _ in range(max_new_tokens):
@@ -194,6 +195,8 @@ def generate_static(
             t = int(sample_next(logits.astype(np.float32), temperature, top_p, rng)[0])
             new.append(t)
             ids.append(t)
+            if on_token is not None and on_token(row, t):
+                break
             if eos_token_id is not None and t == eos_token_id:
                 break
         outs.append(new)

@@ -7,13 +7,15 @@ nothing attends to it) and positions count real tokens only.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import paddle
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.decoder import CausalLM, KVCache
+
+TokenCallback = Callable[[int, int], bool]  # (prompt index, new token) -> stop this prompt now
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
@@ -60,11 +62,13 @@ def generate(
     eos_token_id: Optional[int] = None,
     seed: int = 0,
     use_cache: bool = True,
+    on_token: Optional[TokenCallback] = None,
 ) -> List[List[int]]:
     """New token ids for each prompt (stopping after ``eos_token_id``, which is included).
 
-    ``use_cache=False`` recomputes the whole sequence every step (the reference the cache is tested
-    against)."""
+    ``on_token(row, token)`` is called for each new token as soon as it is chosen (streaming); when it
+    returns True that row stops there (a stop string, a client gone). ``use_cache=False`` recomputes the
+    whole sequence every step (the reference the cache is tested against)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     was_training = model.training
@@ -89,6 +93,8 @@ def generate(
                 if not done[i]:
                     out[i].append(int(t))
                     done[i] = eos_token_id is not None and int(t) == eos_token_id
+                    if on_token is not None and on_token(i, int(t)):
+                        done[i] = True
             if done.all():
                 break
             mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)

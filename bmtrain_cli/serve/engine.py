@@ -1,0 +1,199 @@
+"""One loaded model behind the server and the terminal chat: messages or text to prompt ids (the model's
+chat template, as `bmtrain generate --chat`), request bounds against the context, and generation through
+``models.generate`` (the KV-cached loop) with a token callback that turns ids into streamed text and
+applies stop strings. Generations run one at a time (a lock); ``acquire`` bounds how many may wait."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from bmtrain_cli.data.formats import BadRecord, parse_chat
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param: Optional[str] = extra.get("param")
+        self.code: Optional[str] = extra.get("code")
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: List[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+class TextStream:
+    """Token ids in, text deltas out: decodes the ids so far, holds back an unfinished UTF-8 sequence
+    and anything that could still become a stop string, and cuts the text at the first stop string."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], on_text: Optional[Callable[[str], None]]) -> None:
+        self.tok = tokenizer
+        self.stop = [s for s in stop if s]
+        self.on_text = on_text
+        self.ids: List[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def _emit(self, upto: int) -> None:
+        if upto > self.sent:
+            if self.on_text is not None:
+                self.on_text(self.text[self.sent : upto])
+            self.sent = upto
+
+    def push(self, token: int) -> bool:
+        """Add one new token (not EOS); True once a stop string has appeared."""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return False  # a multi-byte character still being spelled out in byte tokens
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            self.text = text[: min(cuts)]
+            self.stopped = True
+            self._emit(len(self.text))
+            return True
+        self.text = text
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        self._emit(len(text) - hold)
+        return False
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text = self.tok.decode(self.ids)
+        self._emit(len(self.text))
+        return self.text
+
+
+class Engine:
+    def __init__(
+        self, model: Any, tokenizer: Any, model_id: str, template: str = "auto", max_queue: int = 64
+    ):
+        from bmtrain_cli.data.encode import make_encoder
+
+        self.model = model
+        self.tok = tokenizer
+        self.model_id = model_id
+        self.encoder = make_encoder(tokenizer, template)
+        self.context = int(model.arch.max_position_embeddings)
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._pending = 0
+
+    # ------------------------------------------------------------------ prompts
+    def text_ids(self, prompt: str) -> List[int]:
+        """A raw prompt encoded as `bmtrain generate --prompt` does (BOS when the tokenizer adds one)."""
+        ids = list(self.tok.encode(prompt))
+        if getattr(self.tok, "add_bos", False) and self.tok.bos_id is not None:
+            ids = [self.tok.bos_id, *ids]
+        return ids
+
+    def chat_ids(self, messages: List[Dict[str, str]]) -> List[int]:
+        """The chat template's prompt for ``messages`` (optional system first, then alternating
+        user/assistant turns ending with a user turn), up to the assistant header."""
+        if not messages or messages[-1].get("role") != "user":
+            raise RequestError(400, "messages must end with a user message", param="messages")
+        try:
+            conv = parse_chat({"messages": [*messages, {"role": "assistant", "content": "-"}]})
+        except BadRecord as exc:
+            raise RequestError(400, f"messages: {exc}", param="messages") from None
+        return self.encoder.encode_prompt(conv)
+
+    def room(self, ids: Sequence[int]) -> int:
+        """How many new tokens fit after ``ids`` in the model's context (RequestError when none)."""
+        if not ids:
+            raise RequestError(400, "the prompt encodes to no tokens", param="prompt")
+        room = self.context - len(ids)
+        if room <= 0:
+            raise RequestError(
+                400,
+                f"the prompt has {len(ids)} tokens; this model's context is {self.context} tokens, "
+                "leaving no room for a reply",
+                code="context_length_exceeded",
+            )
+        return room
+
+    # ------------------------------------------------------------------ running
+    def acquire(self) -> None:
+        """Take a place among the requests running or waiting; RequestError 503 when ``max_queue``
+        are. Give it back with ``release``."""
+        with self._count_lock:
+            if self._pending >= self.max_queue:
+                raise RequestError(
+                    503, f"the server is busy ({self._pending} requests waiting); retry later", "server_error"
+                )
+            self._pending += 1
+
+    def release(self) -> None:
+        with self._count_lock:
+            self._pending -= 1
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """A place in the queue for the duration of the block (see acquire)."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def run(
+        self,
+        ids: List[int],
+        sampling: Sampling,
+        on_text: Optional[Callable[[str], None]] = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Result:
+        """Generate one reply (waiting for the model if another generation holds it)."""
+        stream = TextStream(self.tok, sampling.stop, on_text)
+        eos = self.tok.eos_id
+        state = {"eos": False, "n": 0}
+
+        def on_token(_row: int, token: int) -> bool:
+            state["n"] += 1
+            if eos is not None and token == eos:
+                state["eos"] = True
+                return True
+            return stream.push(token) or cancelled()
+
+        with self._lock:
+            if not cancelled():
+                self._generate(ids, sampling, on_token)
+        text = stream.finish()
+        done = state["eos"] or stream.stopped
+        return Result(text, len(ids), state["n"], "stop" if done else "length")
+
+    def _generate(self, ids: List[int], s: Sampling, on_token: Callable[[int, int], bool]) -> None:
+        args = (s.max_tokens, s.temperature, s.top_p, self.tok.eos_id, s.seed)
+        if getattr(self.model, "predictor", None) is not None:  # a paddle-inference export
+            from bmtrain_cli.export.loading import generate_static
+
+            generate_static(self.model, [ids], *args, on_token=on_token)
+        else:
+            from bmtrain_cli.models.generate import generate
+
+            generate(self.model, [ids], *args, on_token=on_token)

@@ -23,12 +23,13 @@ export/peft.py) and LoRA (lora/adapter_store.py) all use this module.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 
@@ -195,3 +196,156 @@ def atomic_directory(final: Path, tmp_name: str, *, create: bool = True) -> Iter
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- ownership
+
+LOCK_FILE = ".bmtrain.lock"  # in output_dir while a run owns it
+LOCK_ENV = "BMTRAIN_OUTPUT_DIR_LOCK"  # the output_dir a parent process (`bmtrain run`) holds for its ranks
+
+
+def _lock_record(path: Path) -> Dict[str, str]:
+    """pid, host and since as the holder wrote them ({} when unreadable)."""
+    try:
+        return dict(p.split("=", 1) for p in path.read_text(encoding="utf-8").split() if "=" in p)
+    except (OSError, ValueError):
+        return {}
+
+
+def _holder(path: Path) -> str:
+    info = _lock_record(path)
+    if not info.get("pid"):
+        return "another process"
+    return f"pid {info['pid']} on {info.get('host', '?')}, since {info.get('since', '?')}"
+
+
+def _pid_dead(path: Path) -> bool:
+    """The lock is held, but by a process of this host that no longer exists (a worker it forked still
+    holds the open file): stale."""
+    import socket
+
+    info = _lock_record(path)
+    pid = int(info["pid"]) if info.get("pid", "").isdigit() else 0
+    if pid <= 0 or info.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _unwritable(out: Path, exc: OSError) -> UserError:
+    if exc.errno == errno.ENOSPC:
+        return UserError(f"no space left on {out}: free space or choose another --output_dir")
+    return UserError(
+        f"output_dir {out} is not writable ({exc.strerror}); fix its permissions or choose another --output_dir"
+    )
+
+
+class OutputDirLock:
+    """An exclusive hold on a run's output_dir (``fcntl.flock`` on ``output_dir/.bmtrain.lock``, which
+    records pid, host and start time for the refusal message). The kernel releases it when the process
+    ends, however it ends; a lock file naming a dead process of this host is stale and replaced."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+        self._created_dir = False
+
+    def acquire(self) -> OutputDirLock:
+        out = self.output_dir
+        try:
+            self._created_dir = not out.exists()
+            out.mkdir(parents=True, exist_ok=True)
+            for _ in range(10):
+                if self._try_once():
+                    return self
+        except OSError as exc:
+            self._close()
+            raise _unwritable(out, exc) from None
+        raise UserError(f"output_dir {out} is in use by another run ({_holder(self.path)})")
+
+    def _try_once(self) -> bool:
+        import fcntl
+        import socket
+        import time
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if _pid_dead(self.path):  # held only by an orphan of a dead run: take a fresh file
+                with _suppress_missing():
+                    os.unlink(self.path)
+                return False
+            raise UserError(
+                f"output_dir {self.output_dir} is in use by another run ({_holder(self.path)}); wait for it "
+                "to end or choose another --output_dir"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # the file was replaced between open and flock: try again on the new one
+            os.close(fd)
+            return False
+        since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        record = f"pid={os.getpid()} host={socket.gethostname()} since={since}\n".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record, 0)
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with _suppress_missing():
+            os.unlink(self.path)
+        self._close()
+        if self._created_dir:
+            with _suppress_missing():
+                self.output_dir.rmdir()  # only when this run left it empty
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OutputDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@contextmanager
+def _suppress_missing() -> Iterator[None]:
+    try:
+        yield
+    except OSError:  # gone already, not empty, or not ours to remove
+        pass
+
+
+@contextmanager
+def own_output_dir(output_dir: Path, *, take: bool = True) -> Iterator[None]:
+    """Hold ``output_dir`` for the block (and tell child processes, via LOCK_ENV, that it is held)
+    unless a parent process already holds it for this job, or ``take`` is False (a rank other than 0)."""
+    key = os.path.realpath(output_dir)
+    if not take or os.environ.get(LOCK_ENV) == key:
+        yield
+        return
+    with OutputDirLock(Path(output_dir)):
+        previous = os.environ.get(LOCK_ENV)
+        os.environ[LOCK_ENV] = key
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(LOCK_ENV, None)
+            else:
+                os.environ[LOCK_ENV] = previous

@@ -65,9 +65,14 @@ def train_main(
             f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
             "config; choose another --output_dir or copy the config elsewhere"
         )
+    from bmtrain_cli.checkpoint_layout import own_output_dir
     from bmtrain_cli.train.run import run_training
 
-    return run_training(loaded)
+    # one run owns output_dir (taken before anything there is read, replaced or deleted); under a
+    # multi-node launch without a launcher-held lock, global rank 0 holds it for the job
+    take = world <= 1 or os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
+    with own_output_dir(Path(loaded.config.train.output_dir), take=take):
+        return run_training(loaded)
 
 
 def register(app: typer.Typer) -> None:

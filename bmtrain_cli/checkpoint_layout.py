@@ -115,13 +115,34 @@ def holds_checkpoints(path: Path) -> bool:
     return (root / LATEST).exists() or any(is_step_dir_name(c.name) for c in root.iterdir())
 
 
-def remove_stale_temporaries(root: Path) -> None:
-    """Delete half-written saves left by a process killed mid-save."""
+_OLD_RE = re.compile(r"^\.old-(.+)-\d+$")
+
+
+def restore_replaced(root: Path) -> None:
+    """Put back a directory a save moved aside to replace it (``.old-<name>-<pid>``) when the process was
+    killed before the new one took its name: ``<name>`` is then missing, and the moved-aside copy is the
+    only complete one. Run before the latest checkpoint is looked up and before temporaries are removed."""
     root = Path(root)
+    if not root.is_dir():
+        return
+    for child in sorted(root.iterdir()):
+        m = _OLD_RE.match(child.name)
+        if m and child.is_dir() and not (root / m.group(1)).exists():
+            os.rename(child, root / m.group(1))
+            fsync_dir(root)
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Delete half-written saves left by a process killed mid-save (a replaced directory whose
+    replacement never took its name is restored first, never deleted)."""
+    root = Path(root)
+    restore_replaced(root)
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith(_STALE_PREFIXES):
+            if child.name.startswith(_STALE_PREFIXES) and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
+            elif child.name.startswith(f".{LATEST}.tmp-"):  # write_text_atomic's, killed before its rename
+                child.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- durable writes

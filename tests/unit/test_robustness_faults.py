@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bmtrain_cli.checkpoint_layout import LOCK_ENV, LOCK_FILE, OutputDirLock
+from bmtrain_cli.checkpoint_layout import (
+    LOCK_ENV,
+    LOCK_FILE,
+    STATE_FILE,
+    OutputDirLock,
+    atomic_directory,
+    find_latest,
+    point_latest,
+    remove_stale_temporaries,
+)
 from bmtrain_cli.cli import app
 from bmtrain_cli.errors import UserError
 from tests.robustness import assert_clean_exit, run_config
@@ -125,3 +134,77 @@ def test_an_unwritable_output_dir_is_one_line(tmp_path):
             OutputDirLock(out).acquire()
     finally:
         out.chmod(0o700)
+
+
+# ----------------------------------------------------------------------------- a kill inside a save
+
+
+class Killed(BaseException):
+    """The process died here (raised by the fault hook; the test looks at the tree as it was then)."""
+
+
+def _complete_step(root: Path, name: str, tag: str) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "weights.safetensors").write_text(tag)
+    (d / STATE_FILE).write_text(tag)
+
+
+def _save_step_again(root: Path, tag: str) -> None:
+    """What save_checkpoint does to the filesystem when step-2 already exists (a resume at a saved step)."""
+    final = root / "step-2"
+    with atomic_directory(final, f".tmp-step-2-{os.getpid()}") as tmp:
+        (tmp / "weights.safetensors").write_text(tag)
+        (tmp / STATE_FILE).write_text(tag)
+    point_latest(root, final)
+
+
+FS_OPS = [(os, "rename"), (os, "replace"), (os, "fsync"), (os, "unlink"), (os, "mkdir"), (shutil, "rmtree")]
+
+
+def _save_killed_at(tmp_path: Path, k: int, monkeypatch) -> Path:
+    """Run the save with a kill just before its k-th filesystem operation; returns a copy of the
+    checkpoints folder as the kill left it (None when the save has fewer operations)."""
+    root = tmp_path / f"run-{k}" / "checkpoints"
+    _complete_step(root, "step-1", "one")
+    _complete_step(root, "step-2", "old")
+    point_latest(root, root / "step-2")
+    snapshot = tmp_path / f"killed-{k}"
+    count = [0]
+    copying = [False]
+    with monkeypatch.context() as m:
+        for mod, name in FS_OPS:
+            real = getattr(mod, name)
+
+            def hooked(*a, _real=real, **kw):
+                if copying[0]:
+                    return _real(*a, **kw)
+                if count[0] == k:
+                    copying[0] = True
+                    shutil.copytree(root, snapshot, symlinks=True)  # the tree as the kill leaves it
+                    raise Killed
+                count[0] += 1
+                return _real(*a, **kw)
+
+            m.setattr(mod, name, hooked)
+        try:
+            _save_step_again(root, "new")
+        except Killed:
+            return snapshot
+    return None
+
+
+def test_a_kill_between_any_two_operations_of_a_save_keeps_a_complete_step(tmp_path, monkeypatch):
+    killed_points = 0
+    for k in range(200):
+        snapshot = _save_killed_at(tmp_path, k, monkeypatch)
+        if snapshot is None:
+            break
+        killed_points += 1
+        remove_stale_temporaries(snapshot)  # what the next start does (after restore_replaced)
+        latest = find_latest(snapshot)
+        assert latest is not None and latest.name == "step-2", f"kill before operation {k}: {latest}"
+        assert (latest / STATE_FILE).read_text() in ("old", "new"), f"kill before operation {k}"
+        assert (latest / "weights.safetensors").read_text() == (latest / STATE_FILE).read_text()
+        assert not [p for p in snapshot.iterdir() if p.name.startswith(".")], f"kill before operation {k}"
+    assert killed_points >= 5  # mkdir, fsyncs, both renames, the rmtree of the replaced copy

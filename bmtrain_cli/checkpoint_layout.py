@@ -29,7 +29,7 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 
@@ -176,14 +176,23 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` a hidden temporary beside ``path``, fsync it and rename it to ``path``: ``path`` is
+    the old or the new complete file, never a part. A failure (e.g. a full disk) removes the temporary."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        with _suppress_missing():
+            tmp.unlink()
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def point_latest(root: Path, final: Path) -> None:

@@ -208,3 +208,155 @@ def test_a_kill_between_any_two_operations_of_a_save_keeps_a_complete_step(tmp_p
         assert (latest / "weights.safetensors").read_text() == (latest / STATE_FILE).read_text()
         assert not [p for p in snapshot.iterdir() if p.name.startswith(".")], f"kill before operation {k}"
     assert killed_points >= 5  # mkdir, fsyncs, both renames, the rmtree of the replaced copy
+
+
+# ----------------------------------------------------------------------------- a full disk at every write
+
+
+class _DiskFull:
+    """Make the k-th write of the block fail as a full disk does: an open for writing, a rename, an
+    fsync (OSError ENOSPC), a safetensors save (SafetensorError "... (os error 28)") or a numpy save
+    (numpy's short write "N requested and M written")."""
+
+    def __init__(self, monkeypatch, k: int, under: object = None):
+        self.k, self.count, self.hit = k, 0, False
+        import builtins
+        import io
+
+        import numpy as np
+        import safetensors.numpy as stn
+        from safetensors import SafetensorError
+
+        def fail(kind: str, filename: object) -> None:
+            if under is not None and not str(filename).startswith(str(under)):
+                return  # only the device of ``under`` is full
+            if self.hit or self.count != self.k:
+                self.count += 1
+                return
+            self.hit = True
+            if kind == "safetensors":
+                raise SafetensorError(
+                    "Error while serializing: I/O error: No space left on device (os error 28)"
+                )
+            if kind == "numpy":
+                raise OSError("20001 requested and 16368 written")
+            raise OSError(28, "No space left on device", str(filename))
+
+        real_open, real_save, real_np_save = builtins.open, stn.save_file, np.save
+
+        def opened(file, mode="r", *a, **kw):
+            if any(c in mode for c in "wax+"):
+                fail("open", file)
+            return real_open(file, mode, *a, **kw)
+
+        def wrap(kind, real):
+            def call(*a, **kw):
+                fail(kind, a[0] if a else None)
+                return real(*a, **kw)
+
+            return call
+
+        monkeypatch.setattr(builtins, "open", opened)
+        monkeypatch.setattr(io, "open", opened)
+        monkeypatch.setattr(
+            stn, "save_file", lambda t, f, *a, **kw: (fail("safetensors", f), real_save(t, f, *a, **kw))[1]
+        )
+        monkeypatch.setattr(np, "save", lambda f, *a, **kw: (fail("numpy", f), real_np_save(f, *a, **kw))[1])
+        for name in ("replace", "rename", "fsync"):
+            monkeypatch.setattr(os, name, wrap("os", getattr(os, name)))
+
+
+def _real_names(root: Path):
+    """Everything under ``root`` but the hidden temporaries a kill would leave."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_full_disk_at_every_write_of_a_save(tmp_path, monkeypatch):
+    import paddle
+
+    from bmtrain_cli.config.schema import TrainConfig
+    from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.training_state import CheckpointError, save_checkpoint
+
+    paddle.seed(0)
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+    opt = build_optimizer(model, TrainConfig(learning_rate=0.01), 0.01)
+    root = tmp_path / "checkpoints"
+    kw = dict(model=model, optimizer=opt, state={"note": "x"}, extra_files={"bmtrain_config.yaml": "a: 1\n"})
+    save_checkpoint(root, 1, **kw)
+    before = tree_digest(root)
+    points = 0
+    for k in range(100):
+        with monkeypatch.context() as m:
+            full = _DiskFull(m, k)
+            try:
+                save_checkpoint(root, 2, **kw)
+            except CheckpointError as exc:
+                assert "no space left on " in str(exc) and "step-1" in str(exc), str(exc)
+            else:  # a failed fsync of a folder is ignored by design (some filesystems refuse it)
+                assert not full.hit or find_latest(root).name == "step-2", f"write {k}: not reported"
+        if not full.hit:
+            break
+        points += 1
+        latest = find_latest(root)
+        assert latest is not None and latest.name in ("step-1", "step-2"), f"write {k}"
+        step2 = root / "step-2"
+        if step2.exists():  # renamed into place complete; pointing latest at it may have failed after
+            assert (step2 / STATE_FILE).is_file() and (step2 / "optimizer.safetensors").is_file()
+            shutil.rmtree(step2)
+            (root / "latest").write_text("step-1\n")
+        assert tree_digest(root) == before, f"write {k}: {_real_names(root)}"  # no temporary left
+    assert points >= 5, points  # weights, optimizer, trainer_state, config, latest
+
+
+def test_a_full_disk_at_every_write_of_a_token_cache_build(robust_run, tmp_path, monkeypatch):
+    from bmtrain_cli.data.cache import open_or_build
+    from bmtrain_cli.data.encode import Encoder
+    from bmtrain_cli.data.templates import get_template
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+
+    _, out, data = robust_run
+    tok = load_tokenizer(str(out / "tokenizer"))
+    encoder = Encoder(tok, get_template("auto", tok))
+    cache = tmp_path / "cache"
+    points = 0
+    for k in range(50):
+        with monkeypatch.context() as m:
+            full = _DiskFull(m, k)
+            try:
+                open_or_build(str(data), encoder, cache_root=str(cache))
+            except UserError as exc:
+                assert str(exc).startswith("no space left on "), str(exc)
+        if not full.hit:
+            break
+        points += 1
+        assert not cache.exists() or not [p for p in cache.iterdir() if p.is_dir()], f"write {k}"
+    assert points >= 3, points  # tokens/mask, offsets, lines, meta
+    assert open_or_build(str(data), encoder, cache_root=str(cache)).records == 40  # and it builds after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["paddle-inference", "hf"])
+def test_a_full_disk_at_every_write_of_an_export(robust_run, tmp_path, monkeypatch, fmt):
+    from bmtrain_cli.export.pipeline import export_checkpoint
+
+    _, out, _ = robust_run
+    ckpt = str(out / "checkpoints" / "step-2")
+    dest = tmp_path / "exported"
+    points = 0
+    for k in range(60):
+        with monkeypatch.context() as m:
+            full = _DiskFull(m, k, under=tmp_path)
+            try:
+                export_checkpoint(ckpt, str(dest), fmt=fmt, log=lambda msg: None)
+            except UserError as exc:
+                assert str(exc).startswith("no space left on "), str(exc)
+        if not full.hit:
+            break
+        points += 1
+        left = sorted(p.name for p in tmp_path.iterdir())
+        if dest.exists():  # renamed into place complete: only a later fsync of its folder failed
+            assert (dest / "export_meta.json").is_file() or any(dest.iterdir()), f"write {k}"
+            shutil.rmtree(dest)
+        assert not [n for n in left if n.startswith(".")], f"write {k}: {left}"
+    assert points >= 3, points

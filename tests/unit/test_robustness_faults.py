@@ -360,3 +360,42 @@ def test_a_full_disk_at_every_write_of_an_export(robust_run, tmp_path, monkeypat
             shutil.rmtree(dest)
         assert not [n for n in left if n.startswith(".")], f"write {k}: {left}"
     assert points >= 3, points
+
+
+# ----------------------------------------------------------------------------- symlinked and read-only paths
+
+
+def test_overwrite_refuses_a_symlinked_checkpoints_folder(robust_run, tmp_path):
+    tmp, out, data = robust_run
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(out / "checkpoints", elsewhere)
+    run = tmp_path / "out"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(elsewhere)
+    before = tree_digest(elsewhere)
+    res = CliRunner().invoke(app, ["train", "--config", run_config(tmp_path, run, data, 3), "--overwrite"])
+    assert_clean_exit(res, "--overwrite with a symlinked checkpoints folder")
+    assert res.exit_code == 2 and "is a symbolic link" in res.output
+    assert tree_digest(elsewhere) == before and (run / "checkpoints").is_symlink()
+
+
+def test_a_read_only_output_dir_is_one_line(robust_run, tmp_path):
+    """A read-only file system (a tmpfs remounted read-only; skipped where mount is not allowed)."""
+    _, out, data = robust_run
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(out, mnt / "run")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        for flags in ([], ["--resume"], ["--overwrite"]):
+            res = CliRunner().invoke(
+                app, ["train", "--config", run_config(tmp_path, mnt / "run", data, 3), *flags]
+            )
+            assert_clean_exit(res, f"train {flags} on a read-only output_dir")
+            assert res.exit_code == 2 and "read-only file system" in res.output.lower(), res.output
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -399,3 +399,31 @@ def test_a_read_only_output_dir_is_one_line(robust_run, tmp_path):
             assert res.exit_code == 2 and "read-only file system" in res.output.lower(), res.output
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- signals during setup
+
+
+@pytest.mark.slow
+def test_sigterm_during_setup_is_a_clean_exit_that_keeps_the_printed_lines(robust_run, tmp_path):
+    import signal
+
+    tmp, _, data = robust_run
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop(LOCK_ENV, None)
+    cfg = run_config(tmp_path, tmp_path / "out", data, 200)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bmtrain_cli", "train", "--config", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # the run has printed a line to the pipe
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stdout.read()
+    assert proc.wait() == 143, first + rest
+    assert first.strip() and "Traceback" not in rest and "C++" not in rest and "FatalError" not in rest, rest
+    assert "SIGTERM received" in rest
+    assert not (tmp_path / "out" / LOCK_FILE).exists()

@@ -337,9 +337,9 @@ class OutputDirLock:
         with _suppress_missing():
             os.unlink(self.path)
         self._close()
-        if self._created_dir:
-            with _suppress_missing():
-                self.output_dir.rmdir()  # only when this run left it empty
+        out = self.output_dir
+        if self._created_dir and not any(p.is_file() or p.is_symlink() for p in out.rglob("*")):
+            shutil.rmtree(out, ignore_errors=True)  # created for this run, which wrote no file in it
 
     def _close(self) -> None:
         if self._fd is not None:

@@ -23,12 +23,13 @@ export/peft.py) and LoRA (lora/adapter_store.py) all use this module.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 
@@ -114,13 +115,34 @@ def holds_checkpoints(path: Path) -> bool:
     return (root / LATEST).exists() or any(is_step_dir_name(c.name) for c in root.iterdir())
 
 
-def remove_stale_temporaries(root: Path) -> None:
-    """Delete half-written saves left by a process killed mid-save."""
+_OLD_RE = re.compile(r"^\.old-(.+)-\d+$")
+
+
+def restore_replaced(root: Path) -> None:
+    """Put back a directory a save moved aside to replace it (``.old-<name>-<pid>``) when the process was
+    killed before the new one took its name: ``<name>`` is then missing, and the moved-aside copy is the
+    only complete one. Run before the latest checkpoint is looked up and before temporaries are removed."""
     root = Path(root)
+    if not root.is_dir():
+        return
+    for child in sorted(root.iterdir()):
+        m = _OLD_RE.match(child.name)
+        if m and child.is_dir() and not (root / m.group(1)).exists():
+            os.rename(child, root / m.group(1))
+            fsync_dir(root)
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Delete half-written saves left by a process killed mid-save (a replaced directory whose
+    replacement never took its name is restored first, never deleted)."""
+    root = Path(root)
+    restore_replaced(root)
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith(_STALE_PREFIXES):
+            if child.name.startswith(_STALE_PREFIXES) and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
+            elif child.name.startswith(f".{LATEST}.tmp-"):  # write_text_atomic's, killed before its rename
+                child.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- durable writes
@@ -154,14 +176,23 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` a hidden temporary beside ``path``, fsync it and rename it to ``path``: ``path`` is
+    the old or the new complete file, never a part. A failure (e.g. a full disk) removes the temporary."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        with _suppress_missing():
+            tmp.unlink()
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def point_latest(root: Path, final: Path) -> None:
@@ -195,3 +226,156 @@ def atomic_directory(final: Path, tmp_name: str, *, create: bool = True) -> Iter
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- ownership
+
+LOCK_FILE = ".bmtrain.lock"  # in output_dir while a run owns it
+LOCK_ENV = "BMTRAIN_OUTPUT_DIR_LOCK"  # the output_dir a parent process (`bmtrain run`) holds for its ranks
+
+
+def _lock_record(path: Path) -> Dict[str, str]:
+    """pid, host and since as the holder wrote them ({} when unreadable)."""
+    try:
+        return dict(p.split("=", 1) for p in path.read_text(encoding="utf-8").split() if "=" in p)
+    except (OSError, ValueError):
+        return {}
+
+
+def _holder(path: Path) -> str:
+    info = _lock_record(path)
+    if not info.get("pid"):
+        return "another process"
+    return f"pid {info['pid']} on {info.get('host', '?')}, since {info.get('since', '?')}"
+
+
+def _pid_dead(path: Path) -> bool:
+    """The lock is held, but by a process of this host that no longer exists (a worker it forked still
+    holds the open file): stale."""
+    import socket
+
+    info = _lock_record(path)
+    pid = int(info["pid"]) if info.get("pid", "").isdigit() else 0
+    if pid <= 0 or info.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _unwritable(out: Path, exc: OSError) -> UserError:
+    if exc.errno == errno.ENOSPC:
+        return UserError(f"no space left on {out}: free space or choose another --output_dir")
+    return UserError(
+        f"output_dir {out} is not writable ({exc.strerror}); fix its permissions or choose another --output_dir"
+    )
+
+
+class OutputDirLock:
+    """An exclusive hold on a run's output_dir (``fcntl.flock`` on ``output_dir/.bmtrain.lock``, which
+    records pid, host and start time for the refusal message). The kernel releases it when the process
+    ends, however it ends; a lock file naming a dead process of this host is stale and replaced."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+        self._created_dir = False
+
+    def acquire(self) -> OutputDirLock:
+        out = self.output_dir
+        try:
+            self._created_dir = not out.exists()
+            out.mkdir(parents=True, exist_ok=True)
+            for _ in range(10):
+                if self._try_once():
+                    return self
+        except OSError as exc:
+            self._close()
+            raise _unwritable(out, exc) from None
+        raise UserError(f"output_dir {out} is in use by another run ({_holder(self.path)})")
+
+    def _try_once(self) -> bool:
+        import fcntl
+        import socket
+        import time
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if _pid_dead(self.path):  # held only by an orphan of a dead run: take a fresh file
+                with _suppress_missing():
+                    os.unlink(self.path)
+                return False
+            raise UserError(
+                f"output_dir {self.output_dir} is in use by another run ({_holder(self.path)}); wait for it "
+                "to end or choose another --output_dir"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # the file was replaced between open and flock: try again on the new one
+            os.close(fd)
+            return False
+        since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        record = f"pid={os.getpid()} host={socket.gethostname()} since={since}\n".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record, 0)
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with _suppress_missing():
+            os.unlink(self.path)
+        self._close()
+        out = self.output_dir
+        if self._created_dir and not any(p.is_file() or p.is_symlink() for p in out.rglob("*")):
+            shutil.rmtree(out, ignore_errors=True)  # created for this run, which wrote no file in it
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OutputDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@contextmanager
+def _suppress_missing() -> Iterator[None]:
+    try:
+        yield
+    except OSError:  # gone already, not empty, or not ours to remove
+        pass
+
+
+@contextmanager
+def own_output_dir(output_dir: Path, *, take: bool = True) -> Iterator[None]:
+    """Hold ``output_dir`` for the block (and tell child processes, via LOCK_ENV, that it is held)
+    unless a parent process already holds it for this job, or ``take`` is False (a rank other than 0)."""
+    key = os.path.realpath(output_dir)
+    if not take or os.environ.get(LOCK_ENV) == key:
+        yield
+        return
+    with OutputDirLock(Path(output_dir)):
+        previous = os.environ.get(LOCK_ENV)
+        os.environ[LOCK_ENV] = key
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(LOCK_ENV, None)
+            else:
+                os.environ[LOCK_ENV] = previous

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import typer
 
-from bmtrain_cli.errors import ConfigError, UserError
+from bmtrain_cli.errors import ConfigError, UserError, user_write_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,6 +47,14 @@ def user_errors(fn: F) -> F:
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except OSError as exc:  # a write nothing below caught: a full disk, a read-only or forbidden path
+            error = user_write_error(exc)
+            if error is None:
+                raise
+            line = str(error)
+            typer.echo(f"error: {line}", err=True)
+            _record_rank_failure(f"WriteError: {line}")
+            raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
 

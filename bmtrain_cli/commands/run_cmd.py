@@ -122,6 +122,13 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             typer.echo(" ".join(plan.command))
             return
-        rc = run_plan(plan)
+        from pathlib import Path
+
+        from bmtrain_cli.checkpoint_layout import own_output_dir
+
+        # the job owns output_dir, not each rank: on one node the launcher holds it for every rank (they
+        # see LOCK_ENV); across nodes, global rank 0 does (commands/train_cmd.py)
+        with own_output_dir(Path(loaded.config.train.output_dir), take=plan.nnodes == 1):
+            rc = run_plan(plan)
         if rc != 0:
             raise typer.Exit(rc)

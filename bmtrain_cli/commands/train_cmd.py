@@ -39,6 +39,30 @@ def default_threads() -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, min(os.cpu_count() or 1, 8)))
 
 
+def stop_on_signals() -> None:
+    """Right after Paddle is imported (it installs C++ handlers that print a fatal-signal dump and end the
+    process without flushing what was printed): SIGINT/SIGTERM end setup as a clean exit 130/143 through
+    the usual paths (the output_dir lock released, printed lines flushed). The training loop replaces
+    these with its own (save, then stop: train/stopping.py) and puts them back after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        from bmtrain_cli.train.stopping import TrainingStopped
+
+        name = signal.Signals(signum).name
+        raise TrainingStopped(
+            f"{name} received before training began: stopped, no checkpoint of this run was written or lost",
+            exit_code=130 if signum == signal.SIGINT else 143,
+        )
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def train_main(
     config: str,
     set_: Optional[List[str]] = None,
@@ -50,10 +74,12 @@ def train_main(
     from bmtrain_cli.config import load_config
     from bmtrain_cli.parallel.context import launched_world_size
 
+    stop_on_signals()  # before Paddle's import, which is the longest part of setup
     default_threads()
     from bmtrain_cli.quiet import import_paddle
 
     import_paddle()
+    stop_on_signals()  # again: importing Paddle replaced them
     overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
     world = launched_world_size()
     loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
@@ -65,9 +91,14 @@ def train_main(
             f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
             "config; choose another --output_dir or copy the config elsewhere"
         )
+    from bmtrain_cli.checkpoint_layout import own_output_dir
     from bmtrain_cli.train.run import run_training
 
-    return run_training(loaded)
+    # one run owns output_dir (taken before anything there is read, replaced or deleted); under a
+    # multi-node launch without a launcher-held lock, global rank 0 holds it for the job
+    take = world <= 1 or os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
+    with own_output_dir(Path(loaded.config.train.output_dir), take=take):
+        return run_training(loaded)
 
 
 def register(app: typer.Typer) -> None:

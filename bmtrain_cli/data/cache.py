@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from bmtrain_cli.data.encode import Encoder
 from bmtrain_cli.data.readers import RawRecord, raw_records
 from bmtrain_cli.data.turns import DEFAULT
 from bmtrain_cli.data.workers import EncodeSpec, Item, OrderedPool
+from bmtrain_cli.errors import user_write_error
 
 CACHE_VERSION = 1
 CACHE_DIRNAME = ".bmtrain_cache"
@@ -185,15 +187,23 @@ def finish_store(
 def cached_store(path: str, root: Path, name: str, build: Callable[[Path], None]) -> TokenStore:
     """The store ``root/name`` of ``path``: reused when complete, else built now by ``build(directory)``
     under a file lock (several ranks starting together build it once; the others wait and reuse it)."""
-    root.mkdir(parents=True, exist_ok=True)
     directory = root / name
     if (directory / "meta.json").is_file():
         return load_store(directory, path, built=False)
-    with file_lock(root / f"{name}.lock"):
-        if (directory / "meta.json").is_file():  # another process built it while we waited
-            return load_store(directory, path, built=False)
-        directory.mkdir(parents=True, exist_ok=True)
-        build(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with file_lock(root / f"{name}.lock"):
+            if (directory / "meta.json").is_file():  # another process built it while we waited
+                return load_store(directory, path, built=False)
+            directory.mkdir(parents=True, exist_ok=True)
+            build(directory)
+    except OSError as exc:  # a full disk (numpy says "N requested and M written"), a read-only root
+        error = user_write_error(exc, directory)
+        if error is None:
+            raise
+        if not (directory / "meta.json").is_file():  # never complete: nothing is lost
+            shutil.rmtree(directory, ignore_errors=True)
+        raise error from None
     return load_store(directory, path, built=True)
 
 

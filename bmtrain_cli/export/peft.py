@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bmtrain_cli.checkpoint_layout import atomic_directory
-from bmtrain_cli.errors import UserError
+from bmtrain_cli.errors import UserError, writes_to
 from bmtrain_cli.export.hf import write_tokenizer
 from bmtrain_cli.export.meta import ExportResult, write_export_meta
 from bmtrain_cli.lora.adapter_store import BASE_FILE, find_base, is_lora_checkpoint
@@ -32,7 +32,7 @@ def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
     arrays = load_adapter_arrays(ckpt)
     base = find_base(ckpt)  # PEFT needs the base too: name a verified one
     log(f"writing the LoRA adapters of {ckpt} (base {base}) in PEFT layout")
-    with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
+    with writes_to(out), atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
         save_adapters(str(tmp), settings, arrays, str(base))
         shutil.copy2(ckpt / BASE_FILE, tmp / BASE_FILE)
         tokenizer = None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from bmtrain_cli.checkpoint_layout import CHECKPOINTS_DIR, LATEST, STATE_FILE, atomic_directory
-from bmtrain_cli.errors import UserError
+from bmtrain_cli.errors import UserError, writes_to
 from bmtrain_cli.export.meta import ExportResult, write_export_meta
 
 FORMATS = ("paddle-inference", "hf", "gguf")
@@ -207,7 +207,7 @@ def export_checkpoint(
             result.eval_loss_quantized = logits_loss(logits_fn, samples)[0]
 
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    with atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
+    with writes_to(out), atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
         _write_format(tmp, fmt, model, tokenizer, report, source_config, ckpt, quantize, template)
         result.export_weight_bytes = _weight_bytes(tmp, fmt)
         write_export_meta(

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
+from bmtrain_cli.checkpoint_layout import write_atomic, write_text_atomic
 from bmtrain_cli.models.scoring import perplexity
 
 EVAL_TAGS = ("eval/loss", "eval/ppl")
@@ -358,9 +359,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             continue
         if isinstance(rec, dict) and int(rec.get("step", 0)) <= last_step:
             kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(x + "\n" for x in kept))
 
 
 def read_metrics(path: Path) -> List[Dict[str, Any]]:
@@ -376,9 +375,7 @@ def read_metrics(path: Path) -> List[Dict[str, Any]]:
 
 def write_summary(output_dir: Path, summary: Dict[str, Any]) -> Path:
     path = Path(output_dir) / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
     return path
 
 
@@ -411,6 +408,8 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    try:
+        write_atomic(Path(png_path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
     return Path(png_path)

@@ -15,6 +15,7 @@ from bmtrain_cli.checkpoint_layout import (
     find_latest,
     latest_under,
     remove_stale_temporaries,
+    restore_replaced,
     step_dirs,
 )
 from bmtrain_cli.config.derived import Derived, derive
@@ -74,9 +75,17 @@ def prepare_output_dir(config: Config, *, is_main: bool = True) -> Optional[Path
     t = config.train
     out = Path(t.output_dir)
     ckpt = out / CHECKPOINTS_DIR
+    if is_main:  # a save killed between its two renames: its step is under .old-step-N-<pid> (run-owned)
+        restore_replaced(ckpt)
     resume_from = resolve_resume(t.resume, ckpt)
     if resume_from is not None:
         return resume_from
+    linked = [name for name in RUN_OUTPUTS if (out / name).is_symlink()] if t.overwrite_output_dir else []
+    if linked:  # --overwrite removes these: never through a link to somewhere else
+        raise UserError(
+            f"{out / linked[0]} is a symbolic link; --overwrite does not remove what it points to: remove "
+            "the link yourself or choose another --output_dir"
+        )
     existing = step_dirs(ckpt)
     if existing and not t.overwrite_output_dir:
         names = ", ".join(p.name for _, p in existing[-3:])

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 import numpy as np
 import yaml
 
+from bmtrain_cli.checkpoint_layout import write_text_atomic
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
@@ -316,7 +317,7 @@ def claim_output_dir(
     if ctx.is_main:
         clear_output_dir(rt.config, resuming=rt.resume_from is not None)
         text = yaml.safe_dump(rt.config.to_dict(), sort_keys=False)
-        (rt.output_dir / "config.yaml").write_text(text, encoding="utf-8")
+        write_text_atomic(rt.output_dir / "config.yaml", text)  # a full disk leaves no empty config.yaml
     ctx.barrier()
     data.loader.start_rejected_log(rt.output_dir, ctx.is_main)  # streaming: every rank, as it reads
     if model.lora is not None:  # a fresh base is written to output_dir/base_model (collective)

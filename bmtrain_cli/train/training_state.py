@@ -9,7 +9,6 @@ checkpoints that remain.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from bmtrain_cli.checkpoint_layout import (
     step_dirs,
     step_name,
 )
+from bmtrain_cli.errors import write_error_line
 from bmtrain_cli.train.optimizer_state import (
     describe_layout,
     optimizer_layout,
@@ -74,12 +74,21 @@ def default_weights_writer(model: paddle.nn.Layer) -> WeightsWriter:
 # ----------------------------------------------------------------------------- save / load
 
 
-def _describe(exc: OSError) -> str:
-    if exc.errno == errno.ENOSPC:
-        return "no space left on the device"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"permission denied ({exc.strerror})"
-    return exc.strerror or str(exc)
+def _save_failed(exc: Exception, root: Path, step: int, tmp_name: str) -> Exception:
+    """The one line for a save that could not be written (the exception itself when it is no write
+    failure); the earlier complete checkpoints are untouched and named."""
+    from safetensors import SafetensorError
+
+    if not isinstance(exc, (OSError, SafetensorError)):
+        return exc
+    where = getattr(exc, "filename", None) or root
+    what = write_error_line(exc, where) or f"{getattr(exc, 'strerror', None) or exc} (while writing {where})"
+    kept = [p.name for _, p in step_dirs(root)] if root.is_dir() else []
+    return CheckpointError(
+        f"could not save checkpoint step-{step} under {root}: {what}. "
+        + (f"Earlier checkpoints are intact: {', '.join(kept)}." if kept else "No earlier checkpoint exists.")
+        + " Free space or fix permissions, then resume with --resume."
+    )
 
 
 def save_checkpoint(
@@ -115,18 +124,8 @@ def save_checkpoint(
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text, encoding="utf-8")
         point_latest(root, final)
-    except OSError as exc:
-        kept = [p.name for _, p in step_dirs(root)] if root.is_dir() else []
-        where = exc.filename or str(root / tmp_name)
-        raise CheckpointError(
-            f"could not save checkpoint step-{step} under {root}: {_describe(exc)} (while writing {where}). "
-            + (
-                f"Earlier checkpoints are intact: {', '.join(kept)}."
-                if kept
-                else "No earlier checkpoint exists."
-            )
-            + " Free space or fix permissions, then resume with --resume."
-        ) from None
+    except Exception as exc:  # OSError, or safetensors' SafetensorError wrapping one
+        raise _save_failed(exc, root, step, tmp_name) from None
     if keep:
         for _, path in step_dirs(root)[:-keep]:
             if path != final:

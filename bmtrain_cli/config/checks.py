@@ -14,6 +14,7 @@ from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch, arch_from_model_config, arch_projections
+from bmtrain_cli.trackers import missing as missing_trackers
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -384,6 +385,12 @@ def check_config(  # noqa: C901
         )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
+    for backend in missing_trackers(t.report_to):
+        err(
+            "train_config.report_to",
+            f"report_to: {backend.name} needs the {backend.package} package, which is not installed",
+            f"{backend.install} (or remove {backend.name} from report_to)",
+        )
     if strict and t.data_path is None and t.demo_data is None:
         err(
             "train_config.data_path",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import typer
 
@@ -60,6 +60,53 @@ def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple
             f"{model.arch.vocab_size}: they do not belong together"
         )
     return model, tokenizer
+
+
+def _benchmark(
+    model_path: Path,
+    task: str,
+    data_path: Path,
+    num_fewshot: int,
+    subjects: Optional[List[str]],
+    batch_size: int,
+    max_seq_len: Optional[int],
+    tokenizer_path: Optional[Path],
+    dtype: str,
+) -> Dict[str, Any]:
+    """`bmtrain eval --task`: a multiple-choice benchmark from local files (docs/eval.md)."""
+    from bmtrain_cli.evaluation.layouts import read_task
+    from bmtrain_cli.evaluation.progress import Progress
+    from bmtrain_cli.evaluation.tasks import evaluate
+
+    found = read_task(task, data_path, subjects)
+    model, tok = _load(model_path, tokenizer_path, dtype)
+    n = sum(len(q.choices) for s in found for q in s.test)
+    progress = Progress(n, f"{task} ({len(found)} subjects, {num_fewshot}-shot)")
+    t0 = time.perf_counter()
+    result, _ = evaluate(
+        task,
+        found,
+        model,
+        tok,
+        num_fewshot,
+        max_seq_len or model.arch.max_position_embeddings,
+        batch_size,
+        progress,
+    )
+    progress.close()
+    return {"task": task, "num_fewshot": num_fewshot, **result, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _print_benchmark(result: Dict[str, Any]) -> None:
+    for name, s in result["subjects"].items():
+        typer.echo(
+            f"{name:40s} acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['questions']} questions)"
+        )
+    typer.echo(
+        f"{result['task']} ({result['num_fewshot']}-shot): acc {result['acc']:.4f}  acc_norm "
+        f"{result['acc_norm']:.4f} over {result['questions']} questions; mean of subjects' acc "
+        f"{result['acc_subject_mean']:.4f}"
+    )
 
 
 def _is_static(model: Any) -> bool:
@@ -136,9 +183,25 @@ def register(app: typer.Typer) -> None:
         data_format: str = typer.Option("auto", "--data_format", "--data-format"),
         tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+        task: Optional[str] = typer.Option(
+            None,
+            "--task",
+            help="A multiple-choice benchmark on local files: mmlu, ceval, cmmlu or multiple_choice "
+            "(--data_path is then its directory or one subject's file; docs/eval.md).",
+        ),
+        num_fewshot: int = typer.Option(0, "--num_fewshot", "--num-fewshot", min=0, help="With --task."),
+        subject: Optional[List[str]] = typer.Option(None, "--subject", help="With --task: only these."),
     ) -> None:
         """Mean token loss and perplexity over a JSONL file (answers of instruction records, all
-        tokens of {"text": ...} records)."""
+        tokens of {"text": ...} records), or with --task a benchmark's accuracy (acc, acc_norm)."""
+        if task is not None:
+            args = (num_fewshot, subject, batch_size, max_seq_len, tokenizer_path, dtype)
+            bench = _benchmark(model_path, task, data_path, *args)
+            if as_json:
+                typer.echo(json.dumps(bench))
+            else:
+                _print_benchmark(bench)
+            return
         from bmtrain_cli.data.encode import encode_scored_file
         from bmtrain_cli.models.scoring import score
 

@@ -107,6 +107,8 @@ def test_wandb_offline_run_files(run):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {i.key: json.loads(i.value_json) for i in rec.history.item}
+            if "_step" not in items:
+                continue
             step = int(items.pop("_step"))
             for key, value in items.items():
                 if not key.startswith("_"):
@@ -130,7 +132,7 @@ def test_swanlab_local_files(run):
     for data in reader:
         rec = Record()
         rec.ParseFromString(data)
-        if rec.HasField("scalar"):
+        if rec.HasField("scalar") and not rec.scalar.key.startswith("__swanlab__"):  # its own system stats
             series.setdefault(rec.scalar.key, []).append((rec.scalar.step, rec.scalar.value.number))
     reader.close()
     _same(series, _tensorboard(run))

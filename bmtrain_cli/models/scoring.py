@@ -115,19 +115,28 @@ def padded_batches(samples: List[Sample], batch_size: int) -> Iterator[Dict[str,
 
 
 def sample_logps(
-    model: Any, samples: List[Sample], batch_size: int = 8, on_batch: Optional[Callable[[int], None]] = None
-) -> np.ndarray:
+    model: Any,
+    samples: List[Sample],
+    batch_size: int = 8,
+    on_batch: Optional[Callable[[int], None]] = None,
+    greedy: bool = False,
+) -> Any:
     """Summed log p of each sample's scored tokens (labels != IGNORE_INDEX), in the order of ``samples``:
     lm-evaluation-harness's loglikelihood of a continuation. Only the positions that predict a scored token
     go through the LM head. A logits-only model (``logits`` attribute, no ``hidden_states``) runs each
-    sample alone. ``on_batch(n)`` is told how many samples each batch held (a progress bar)."""
+    sample alone. ``on_batch(n)`` is told how many samples each batch held (a progress bar). With
+    ``greedy``: (log-probs, whether every scored token is the most likely one), lm-eval's is_greedy."""
     out = np.zeros(len(samples), dtype=np.float64)
+    misses = np.zeros(len(samples), dtype=np.int64)
     if not hasattr(model, "hidden_states"):
         for k, (ids, labels) in enumerate(samples):
-            out[k] = -next_token_loss_sum(model.logits(ids[None, :])[0], labels)[0]
+            logits = model.logits(ids[None, :])[0]
+            out[k] = -next_token_loss_sum(logits, labels)[0]
+            scored = labels[1:] != IGNORE_INDEX
+            misses[k] = int((logits[:-1][scored].argmax(-1) != labels[1:][scored]).sum())
             if on_batch is not None:
                 on_batch(1)
-        return out
+        return (out, misses == 0) if greedy else out
     import paddle
     import paddle.nn.functional as F
 
@@ -142,14 +151,15 @@ def sample_logps(
                 logits = model.logits_from_hidden(picked).astype("float32")
                 target = paddle.to_tensor(batch["labels"][rows, cols + 1].reshape([-1, 1]))
                 token = -F.cross_entropy(logits, target, reduction="none").reshape([-1]).numpy()
-                sums = np.bincount(rows, weights=token.astype(np.float64), minlength=len(index))
-                out[index] = sums
+                out[index] = np.bincount(rows, weights=token.astype(np.float64), minlength=len(index))
+                wrong = (logits.argmax(axis=-1).numpy() != target.numpy().reshape([-1])).astype(np.float64)
+                misses[index] = np.bincount(rows, weights=wrong, minlength=len(index)).astype(np.int64)
                 if on_batch is not None:
                     on_batch(len(index))
     finally:
         if was_training:
             model.train()
-    return out
+    return (out, misses == 0) if greedy else out
 
 
 def _report(loss: float, count: int, records: int) -> Dict[str, Any]:

@@ -106,7 +106,8 @@ def test_wandb_offline_run_files(run):
     for rec in _wandb_records(run):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            items = {i.key: json.loads(i.value_json) for i in rec.history.item}
+            # W&B writes a key with "/" as its nested_key
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
             if "_step" not in items:
                 continue
             step = int(items.pop("_step"))

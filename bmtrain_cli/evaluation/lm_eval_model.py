@@ -63,7 +63,8 @@ class BmtrainLM(TemplateLM):
 
         samples = []
         for _key, context_enc, continuation_enc in requests:
-            whole = (list(context_enc) + list(continuation_enc))[-self.max_length :]
+            # lm-eval's cut: max_length + 1 tokens, the last only a target
+            whole = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1) :]
             ids = np.asarray(whole, dtype=np.int64)
             labels = ids.copy()
             labels[: len(ids) - len(continuation_enc)] = IGNORE_INDEX

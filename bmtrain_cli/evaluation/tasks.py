@@ -42,11 +42,12 @@ def encode_request(
 ) -> Tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) scoring ``continuation`` after ``ctx``: the whole text encoded, the context's
     tokens the prefix (lm-eval's _encode_pair; a BOS when the tokenizer adds one), cut on the left to
-    ``max_len`` tokens."""
+    ``max_len`` + 1 tokens, as lm-eval cuts them: the last token is only a target, so the model reads
+    ``max_len``."""
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
     whole = bos + list(tokenizer.encode(ctx + continuation))
     n_ctx = len(bos) + len(tokenizer.encode(ctx))
-    ids = np.asarray(whole[-max_len:], dtype=np.int64)
+    ids = np.asarray(whole[-(max_len + 1) :], dtype=np.int64)
     labels = ids.copy()
     labels[: max(0, len(ids) - (len(whole) - n_ctx))] = IGNORE_INDEX
     return ids, labels

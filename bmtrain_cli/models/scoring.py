@@ -123,14 +123,17 @@ def sample_logps(
 ) -> Any:
     """Summed log p of each sample's scored tokens (labels != IGNORE_INDEX), in the order of ``samples``:
     lm-evaluation-harness's loglikelihood of a continuation. Only the positions that predict a scored token
-    go through the LM head. A logits-only model (``logits`` attribute, no ``hidden_states``) runs each
+    go through the LM head, and the model reads each sample but its last token (only a target, so a sample
+    may be one token longer than the model's context, as lm-eval's are). A logits-only model (``logits`` attribute, no ``hidden_states``) runs each
     sample alone. ``on_batch(n)`` is told how many samples each batch held (a progress bar). With
     ``greedy``: (log-probs, whether every scored token is the most likely one), lm-eval's is_greedy."""
     out = np.zeros(len(samples), dtype=np.float64)
     misses = np.zeros(len(samples), dtype=np.int64)
     if not hasattr(model, "hidden_states"):
         for k, (ids, labels) in enumerate(samples):
-            logits = model.logits(ids[None, :])[0]
+            # the last token is only a target: the model reads the others (and a row is added for it)
+            logits = model.logits(ids[None, :-1])[0]
+            logits = np.concatenate([logits, np.zeros_like(logits[:1])])
             out[k] = -next_token_loss_sum(logits, labels)[0]
             scored = labels[1:] != IGNORE_INDEX
             misses[k] = int((logits[:-1][scored].argmax(-1) != labels[1:][scored]).sum())
@@ -146,7 +149,8 @@ def sample_logps(
         with paddle.no_grad():
             for index, batch in indexed_batches(samples, batch_size):
                 rows, cols = np.nonzero(batch["labels"][:, 1:] != IGNORE_INDEX)
-                hidden = model.hidden_states(paddle.to_tensor(batch["input_ids"]))
+                # the last column is only a target: the model reads the others
+                hidden = model.hidden_states(paddle.to_tensor(batch["input_ids"][:, :-1]))
                 picked = hidden[paddle.to_tensor(rows), paddle.to_tensor(cols)]
                 logits = model.logits_from_hidden(picked).astype("float32")
                 target = paddle.to_tensor(batch["labels"][rows, cols + 1].reshape([-1, 1]))

@@ -201,7 +201,7 @@ def _register_preview(app: typer.Typer) -> None:
         [[brackets]] when piped), with their token counts."""
         import sys
 
-        from bmtrain_cli.data.preview import preview
+        from bmtrain_cli.commands.data_preview import preview
 
         with _load(config, set_, data_path, tokenizer) as (cfg, tok):
             for line in preview(cfg, tok, n, sys.stdout.isatty()):

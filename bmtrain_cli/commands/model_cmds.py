@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import typer
 
 from bmtrain_cli.commands.common import user_errors
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.export.any_model import load_model_and_tokenizer
 
 MODEL_HELP = (
     "Model directory: config.json + *.safetensors + tokenizer files (e.g. a checkpoint), or a "
@@ -18,48 +19,51 @@ MODEL_HELP = (
 )
 
 
-def _load(model_path: Path, tokenizer_path: Optional[Path], dtype: str) -> Tuple[Any, Any]:
-    if not model_path.exists():
-        raise UserError(f"--model_path {model_path} does not exist")
-    if not model_path.is_dir():
-        raise UserError(f"--model_path {model_path} is not a directory")
-    from bmtrain_cli.data.tokenizers import load_tokenizer
-    from bmtrain_cli.export.hf import is_quantized, load_quantized
-    from bmtrain_cli.export.loading import is_paddle_inference_export, load_for_inference, resolve_checkpoint
-    from bmtrain_cli.lora.adapter_store import is_lora_checkpoint
-    from bmtrain_cli.models import load_pretrained
+def _benchmark(
+    model_path: Path,
+    task: str,
+    data_path: Path,
+    num_fewshot: int,
+    subjects: Optional[List[str]],
+    batch_size: int,
+    max_seq_len: Optional[int],
+    tokenizer_path: Optional[Path],
+    dtype: str,
+) -> Dict[str, Any]:
+    """`bmtrain eval --task`: a multiple-choice benchmark from local files (docs/eval.md)."""
+    from bmtrain_cli.evaluation.layouts import read_task
+    from bmtrain_cli.evaluation.progress import Progress
+    from bmtrain_cli.evaluation.tasks import evaluate
 
-    if dtype in ("bfloat16", "float16"):
-        from bmtrain_cli.machine import paddle_has_gpu
+    found = read_task(task, data_path, subjects)
+    model, tok = load_model_and_tokenizer(model_path, tokenizer_path, dtype)
+    n = sum(len(q.choices) for s in found for q in s.test)
+    progress = Progress(n, f"{task} ({len(found)} subjects, {num_fewshot}-shot)")
+    t0 = time.perf_counter()
+    result, _ = evaluate(
+        task,
+        found,
+        model,
+        tok,
+        num_fewshot,
+        max_seq_len or model.arch.max_position_embeddings,
+        batch_size,
+        progress,
+    )
+    progress.close()
+    return {"task": task, "num_fewshot": num_fewshot, **result, "seconds": round(time.perf_counter() - t0, 3)}
 
-        if not paddle_has_gpu(import_paddle=True):
-            raise UserError(
-                f"--dtype {dtype} needs a GPU: Paddle's CPU build has no {dtype} matmul or norm kernels; "
-                "use --dtype float32 here"
-            )
-    if (model_path / "checkpoints").is_dir() or (model_path / "latest").exists():
-        model_path = resolve_checkpoint(str(model_path))  # a run's output_dir or checkpoints dir: the latest
-    tok_src = tokenizer_path or model_path
-    try:
-        tokenizer = load_tokenizer(str(tok_src))
-    except UserError as exc:
-        raise UserError(f"{exc} (pass --tokenizer_path if the tokenizer lives elsewhere)") from None
-    if is_paddle_inference_export(model_path):  # bmtrain export --format paddle-inference
-        model = load_for_inference(str(model_path))
-    elif is_lora_checkpoint(model_path):  # LoRA adapters (+ the recorded base): merged for inference
-        from bmtrain_cli.lora.adapter_store import load_lora_checkpoint
 
-        model = load_lora_checkpoint(model_path, merge=True, dtype=dtype)
-    elif is_quantized(model_path):  # bmtrain export --format hf --quantize int8
-        model = load_quantized(str(model_path))
-    else:
-        model = load_pretrained(model_path, dtype=dtype)
-    if tokenizer.vocab_size > model.arch.vocab_size:
-        raise UserError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model.arch.vocab_size}: they do not belong together"
+def _print_benchmark(result: Dict[str, Any]) -> None:
+    for name, s in result["subjects"].items():
+        typer.echo(
+            f"{name:40s} acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['questions']} questions)"
         )
-    return model, tokenizer
+    typer.echo(
+        f"{result['task']} ({result['num_fewshot']}-shot): acc {result['acc']:.4f}  acc_norm "
+        f"{result['acc_norm']:.4f} over {result['questions']} questions; mean of subjects' acc "
+        f"{result['acc_subject_mean']:.4f}"
+    )
 
 
 def _is_static(model: Any) -> bool:
@@ -113,7 +117,7 @@ def register(app: typer.Typer) -> None:
         """Generate text from a prompt (KV-cached incremental decoding)."""
         from bmtrain_cli.models.generate import generate
 
-        model, tok = _load(model_path, tokenizer_path, dtype)
+        model, tok = load_model_and_tokenizer(model_path, tokenizer_path, dtype)
         if chat:
             from bmtrain_cli.data.encode import encode_prompt
 
@@ -186,16 +190,32 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: int = typer.Option(
             32, "--max_new_tokens", "--max-new-tokens", min=1, help="Longest decoded answer for exact match."
         ),
+        task: Optional[str] = typer.Option(
+            None,
+            "--task",
+            help="A multiple-choice benchmark on local files: mmlu, ceval, cmmlu or multiple_choice "
+            "(--data_path is then its directory or one subject's file; docs/eval.md).",
+        ),
+        num_fewshot: int = typer.Option(0, "--num_fewshot", "--num-fewshot", min=0, help="With --task."),
+        subject: Optional[List[str]] = typer.Option(None, "--subject", help="With --task: only these."),
     ) -> None:
         """Mean token loss and perplexity over a JSONL file (answers of instruction records, all
-        tokens of {"text": ...} records), and the exact-match accuracy of greedy answers where records
-        have a reference answer."""
+        tokens of {"text": ...} records) and the exact-match accuracy of greedy answers where records
+        have a reference answer; or with --task a benchmark's accuracy (acc, acc_norm)."""
+        if task is not None:
+            args = (num_fewshot, subject, batch_size, max_seq_len, tokenizer_path, dtype)
+            bench = _benchmark(model_path, task, data_path, *args)
+            if as_json:
+                typer.echo(json.dumps(bench))
+            else:
+                _print_benchmark(bench)
+            return
         from bmtrain_cli.data.encode import encode_scored_file
         from bmtrain_cli.models.scoring import score
 
         if not data_path.is_file():
             raise UserError(f"--data_path {data_path} does not exist or is not a file")
-        model, tok = _load(model_path, tokenizer_path, dtype)
+        model, tok = load_model_and_tokenizer(model_path, tokenizer_path, dtype)
         t0 = time.perf_counter()
         samples = encode_scored_file(
             str(data_path),

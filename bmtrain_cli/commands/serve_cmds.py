@@ -21,11 +21,11 @@ SERVE_EXTRA = "pip install 'bmtrain-cli[serve]'"
 def _load_engine(
     model_path: Path, adapter: Optional[Path], tokenizer_path: Optional[Path], dtype: str, template: str
 ) -> Any:
-    from bmtrain_cli.commands.model_cmds import _load
+    from bmtrain_cli.export.any_model import load_model_and_tokenizer
     from bmtrain_cli.serve.engine import Engine
 
     if adapter is None:
-        model, tok = _load(model_path, tokenizer_path, dtype)
+        model, tok = load_model_and_tokenizer(model_path, tokenizer_path, dtype)
         return Engine(model, tok, model_path.resolve().name, template)
     model, tok = _load_adapter(model_path, adapter, tokenizer_path, dtype)
     return Engine(model, tok, adapter.resolve().name, template)

@@ -22,6 +22,7 @@ from bmtrain_cli.models.arch import (
     arch_projections,
 )
 from bmtrain_cli.models.families import family
+from bmtrain_cli.trackers import missing as missing_trackers
 
 
 def _nearest_multiples(value: int, unit: int) -> str:
@@ -425,6 +426,12 @@ def check_config(  # noqa: C901
         )
     if t.eval_steps is not None and t.eval_data_path is None and t.demo_data is None:
         warn("train_config.eval_steps", "eval_steps is set but there is no eval_data_path; no eval will run")
+    for backend in missing_trackers(t.report_to):
+        err(
+            "train_config.report_to",
+            f"report_to: {backend.name} needs the {backend.package} package, which is not installed",
+            f"{backend.install} (or remove {backend.name} from report_to)",
+        )
     if strict and t.data_path is None and t.demo_data is None:
         err(
             "train_config.data_path",

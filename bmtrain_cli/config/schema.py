@@ -12,9 +12,11 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_orig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bmtrain_cli.models.families import FAMILY_NAMES
+from bmtrain_cli.trackers import NONE, REPORT_TO_NAMES
 
 Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # one choice per module in models/families/
 Dtype = Literal["float32", "bfloat16", "float16"]
+Tracker = Literal[REPORT_TO_NAMES]  # type: ignore[valid-type]  # the names of the trackers' registry
 
 
 def _allows_bool(tp: Any) -> bool:
@@ -208,6 +210,11 @@ class TrainConfig(_Section):
     # bookkeeping
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed of Python, NumPy and Paddle (0 .. 2**32-1).")
     logging_steps: int = Field(10, gt=0)
+    report_to: List[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers (docs/training.md): tensorboard, visualdl, wandb, swanlab, mlflow, "
+        "or none; a single name is a list of one.",
+    )
     eval_steps: Optional[int] = Field(None, gt=0)
     save_steps: Optional[int] = Field(500, gt=0)
     save_total_limit: Optional[int] = Field(3, gt=0)
@@ -221,6 +228,20 @@ class TrainConfig(_Section):
             raise ValueError("must name at least one file")
         if isinstance(v, str) and not v.strip():
             raise ValueError("must not be empty")
+        return v
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("report_to")
+    @classmethod
+    def _none_alone(cls, v: List[str]) -> List[str]:
+        if NONE in v and len(v) > 1:
+            raise ValueError("none reports to no tracker: list trackers or none, not both")
+        if len(set(v)) != len(v):
+            raise ValueError("a tracker is listed twice")
         return v
 
     @field_validator("lora_rank")

@@ -5,6 +5,8 @@ t + 1 lie in different segments):
 
 - :func:`eval_loss`: a model with ``loss_sum`` over collated batches (the trainer's eval loss, summed over
   data ranks) and :func:`score` over encoded samples (``bmtrain eval``);
+- :func:`sample_logps`: each sample's summed log-probability of its scored tokens (``bmtrain eval --task``,
+  multiple-choice benchmarks scored as lm-evaluation-harness does);
 - :func:`logits_loss`: any ``logits(ids) -> np.ndarray`` function, for what has no ``loss_sum`` (a
   paddle-inference export, the INT8 check of ``bmtrain export --quantize``).
 
@@ -89,18 +91,79 @@ def eval_loss(
     return (total / count if count else float("nan")), int(count)
 
 
-def padded_batches(samples: List[Sample], batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
-    """Samples as right-padded batches, shortest first (less padding)."""
+def indexed_batches(
+    samples: List[Sample], batch_size: int
+) -> Iterator[Tuple[List[int], Dict[str, np.ndarray]]]:
+    """(indices into ``samples``, right-padded batch), shortest first (less padding)."""
     order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
     for start in range(0, len(order), batch_size):
-        batch = [samples[i] for i in order[start : start + batch_size]]
+        index = order[start : start + batch_size]
+        batch = [samples[i] for i in index]
         width = max(len(ids) for ids, _ in batch)
         ids = np.zeros((len(batch), width), dtype=np.int64)
         labels = np.full((len(batch), width), IGNORE_INDEX, dtype=np.int64)
         mask = np.zeros((len(batch), width), dtype=np.int64)
         for r, (i, lab) in enumerate(batch):
             ids[r, : len(i)], labels[r, : len(i)], mask[r, : len(i)] = i, lab, 1
-        yield {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        yield index, {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def padded_batches(samples: List[Sample], batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
+    """Samples as right-padded batches, shortest first (less padding)."""
+    for _, batch in indexed_batches(samples, batch_size):
+        yield batch
+
+
+def sample_logps(
+    model: Any,
+    samples: List[Sample],
+    batch_size: int = 8,
+    on_batch: Optional[Callable[[int], None]] = None,
+    greedy: bool = False,
+) -> Any:
+    """Summed log p of each sample's scored tokens (labels != IGNORE_INDEX), in the order of ``samples``:
+    lm-evaluation-harness's loglikelihood of a continuation. Only the positions that predict a scored token
+    go through the LM head, and the model reads each sample but its last token (only a target, so a sample
+    may be one token longer than the model's context, as lm-eval's are). A logits-only model (``logits`` attribute, no ``hidden_states``) runs each
+    sample alone. ``on_batch(n)`` is told how many samples each batch held (a progress bar). With
+    ``greedy``: (log-probs, whether every scored token is the most likely one), lm-eval's is_greedy."""
+    out = np.zeros(len(samples), dtype=np.float64)
+    misses = np.zeros(len(samples), dtype=np.int64)
+    if not hasattr(model, "hidden_states"):
+        for k, (ids, labels) in enumerate(samples):
+            # the last token is only a target: the model reads the others (and a row is added for it)
+            logits = model.logits(ids[None, :-1])[0]
+            logits = np.concatenate([logits, np.zeros_like(logits[:1])])
+            out[k] = -next_token_loss_sum(logits, labels)[0]
+            scored = labels[1:] != IGNORE_INDEX
+            misses[k] = int((logits[:-1][scored].argmax(-1) != labels[1:][scored]).sum())
+            if on_batch is not None:
+                on_batch(1)
+        return (out, misses == 0) if greedy else out
+    import paddle
+    import paddle.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    try:
+        with paddle.no_grad():
+            for index, batch in indexed_batches(samples, batch_size):
+                rows, cols = np.nonzero(batch["labels"][:, 1:] != IGNORE_INDEX)
+                # the last column is only a target: the model reads the others
+                hidden = model.hidden_states(paddle.to_tensor(batch["input_ids"][:, :-1]))
+                picked = hidden[paddle.to_tensor(rows), paddle.to_tensor(cols)]
+                logits = model.logits_from_hidden(picked).astype("float32")
+                target = paddle.to_tensor(batch["labels"][rows, cols + 1].reshape([-1, 1]))
+                token = -F.cross_entropy(logits, target, reduction="none").reshape([-1]).numpy()
+                out[index] = np.bincount(rows, weights=token.astype(np.float64), minlength=len(index))
+                wrong = (logits.argmax(axis=-1).numpy() != target.numpy().reshape([-1])).astype(np.float64)
+                misses[index] = np.bincount(rows, weights=wrong, minlength=len(index)).astype(np.int64)
+                if on_batch is not None:
+                    on_batch(len(index))
+    finally:
+        if was_training:
+            model.train()
+    return (out, misses == 0) if greedy else out
 
 
 def _report(loss: float, count: int, records: int) -> Dict[str, Any]:

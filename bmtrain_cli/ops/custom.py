@@ -17,8 +17,8 @@ from typing import Optional, Tuple
 import paddle
 from paddle.autograd import PyLayer
 
-from bmtrain_cli.models.loss_chunks import chunk_tokens as lm_chunk_tokens
 from bmtrain_cli.ops.build import load_extension
+from bmtrain_cli.ops.loss_chunks import chunk_tokens as lm_chunk_tokens
 
 try:  # True while paddle.jit.to_static's SOT translator simulates the code (Paddle >= 3.0)
     from paddle.base.dygraph.base import in_sot_simulation_mode
@@ -177,7 +177,7 @@ def cross_entropy_sum(
 
 
 def _chunks(n: int, vocab: int, chunk_tokens: Optional[int], on_gpu: bool = False):
-    """(lo, hi) token ranges of the fused LM-head loss (models/loss_chunks.chunk_tokens)."""
+    """(lo, hi) token ranges of the fused LM-head loss (ops/loss_chunks.chunk_tokens)."""
     step = chunk_tokens or lm_chunk_tokens(vocab, n, on_gpu)
     for lo in range(0, n, step):
         yield lo, min(n, lo + step)

@@ -12,7 +12,7 @@ from bmtrain_cli.models.arch import (
     lora_parameters_per_layer,
 )
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
-from bmtrain_cli.models.loss_chunks import chunk_tokens
+from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
 
@@ -213,7 +213,7 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
         logits = n * vocab
         return int(final + n * h * e + logits * 4), int(logits * (e + 4))
     if layout.tp == 1 and w.kernels != "reference":
-        # fused linear + cross-entropy in chunks (ops/custom.py, models/loss_chunks.chunk_tokens): keeps
+        # fused linear + cross-entropy in chunks (ops/custom.py, ops/loss_chunks.chunk_tokens): keeps
         # d(hidden) and d(weight) (the weight's accumulator is fp32 for fp32 weights, the compute dtype for
         # fp16/bf16); transient: a contiguous copy of the hidden states, a chunk's fp32 logits and their
         # gradient, and the chunk's weight-gradient part

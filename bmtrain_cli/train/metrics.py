@@ -1,4 +1,5 @@
-"""Training monitoring: TensorBoard (tensorboardX), metrics.jsonl, progress output, summary.json, loss plot.
+"""Training monitoring: metrics.jsonl, the experiment trackers of ``report_to`` (bmtrain_cli/trackers:
+TensorBoard by default), progress output, summary.json, loss plot.
 
 Only the main rank writes. On a terminal a one-line progress bar (loss, lr, tokens/s, ETA) is redrawn;
 otherwise a plain line is printed every ``logging_steps``. On resume, metrics.jsonl is cut back to the
@@ -14,7 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 from bmtrain_cli.checkpoint_layout import write_atomic, write_text_atomic
 from bmtrain_cli.models.scoring import perplexity
@@ -187,7 +188,7 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Writes metrics.jsonl, TensorBoard events and progress output for the main rank."""
+    """Writes metrics.jsonl, the trackers' records and progress output for the main rank."""
 
     def __init__(
         self,
@@ -199,7 +200,7 @@ class MetricsWriter:
         resume_step: Optional[int] = None,
         stream: Optional[TextIO] = None,
         tty: Optional[bool] = None,
-        tensorboard: bool = True,
+        report_to: Sequence[str] = ("tensorboard",),
     ):
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
@@ -208,7 +209,7 @@ class MetricsWriter:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.metrics_path = self.output_dir / "metrics.jsonl"
-        self.tb = None
+        self.trackers: List[Any] = []
         self._bar_open = False
         # the ETA is measured from the first step this process logs: the first step (kernel set-up, the
         # allocator's first blocks) is several times slower than the rest and would inflate it
@@ -221,13 +222,9 @@ class MetricsWriter:
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
-        if tensorboard:
-            from tensorboardX import SummaryWriter
+        from bmtrain_cli.trackers import open_trackers
 
-            kwargs: Dict[str, Any] = {"flush_secs": 10}
-            if resume_step is not None:
-                kwargs["purge_step"] = resume_step + 1
-            self.tb = SummaryWriter(logdir=str(self.output_dir / "logs"), **kwargs)
+        self.trackers = open_trackers(report_to, self.output_dir, resume_step)
 
     # -- records
     def _write_record(self, record: Dict[str, Any]) -> None:
@@ -240,17 +237,24 @@ class MetricsWriter:
             return
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
-        if self.tb is not None and self._is_logging_step(step):
-            for key in TRAIN_KEYS + COMPRESSION_KEYS + PREFERENCE_KEYS:
-                v = values.get(key)
-                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(f"train/{key}", v, step)
-            if values.get("loss_scale") is not None:
-                self.tb.add_scalar("train/loss_scale", values["loss_scale"], step)
+        if self._is_logging_step(step):
+            keys = TRAIN_KEYS + COMPRESSION_KEYS + PREFERENCE_KEYS + ("loss_scale",)
+            self._scalars({f"train/{k}": values.get(k) for k in keys}, step)
         self._progress(step, values)
 
+    def _scalars(self, values: Dict[str, Any], step: int) -> None:
+        """The finite numbers of ``values`` to every tracker."""
+        clean = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        if clean:
+            for tracker in self.trackers:
+                tracker.log_scalars(clean, step)
+
     def _is_logging_step(self, step: int) -> bool:
-        """TensorBoard scalars and plain progress lines: every logging_steps, the first and the last step
+        """Tracker scalars and plain progress lines: every logging_steps, the first and the last step
         (metrics.jsonl gets every step: it is one small line and resume checks compare step by step)."""
         return step % self.logging_steps == 0 or step == 1 or step == self.total_steps
 
@@ -266,13 +270,10 @@ class MetricsWriter:
         if ppl is not None:
             record["eval_ppl"] = _clean(ppl)
         self._write_record(record)
-        if self.tb is not None:
-            self.tb.add_scalar("eval/loss", loss, step)
-            if ppl is not None:
-                self.tb.add_scalar("eval/ppl", ppl, step)
-            for k, v in (extra or {}).items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"eval/{k}", v, step)
+        scalars = {"eval/loss": loss, **{f"eval/{k}": v for k, v in (extra or {}).items()}}
+        if ppl is not None:
+            scalars["eval/ppl"] = ppl
+        self._scalars(scalars, step)
         self.message(f"eval step {step}: loss {loss:.4f}" + (f" ppl {ppl:.2f}" if ppl is not None else ""))
 
     def log_event(self, step: int, event: str, **fields: Any) -> None:
@@ -280,15 +281,19 @@ class MetricsWriter:
         if self.enabled:
             self._write_record({"step": step, "event": event, **{k: _clean(v) for k, v in fields.items()}})
 
-    def add_text(self, tag: str, text: str) -> None:
-        if self.enabled and self.tb is not None:
-            self.tb.add_text(tag, text, 0)
-
-    def add_hparams(self, hparams: Dict[str, Any], metrics: Dict[str, float]) -> None:
-        if self.enabled and self.tb is not None:
+    def add_hparams(self, hparams: Dict[str, Any], metrics: Dict[str, Optional[float]]) -> None:
+        """The headline hyper-parameters and final figures, to each tracker at the end of a run."""
+        if self.enabled:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-            mets = {f"hparam/{k}": float(v) for k, v in metrics.items() if v is not None}
-            self.tb.add_hparams(clean, mets, name="hparams")
+            finals = {k: float(v) for k, v in metrics.items() if v is not None}
+            for tracker in self.trackers:
+                tracker.log_summary(clean, finals)
+
+    def log_config(self, config: Dict[str, Any]) -> None:
+        """The resolved config, as each tracker's run parameters."""
+        if self.enabled:
+            for tracker in self.trackers:
+                tracker.log_config(config)
 
     # -- console
     def message(self, text: str) -> None:
@@ -325,8 +330,8 @@ class MetricsWriter:
     def flush(self) -> None:
         if self.enabled:
             self._jsonl.flush()
-            if self.tb is not None:
-                self.tb.flush()
+            for tracker in self.trackers:
+                tracker.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -335,8 +340,9 @@ class MetricsWriter:
             self.stream.write("\n")
             self._bar_open = False
         self._jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         self.enabled = False
 
 

@@ -400,9 +400,10 @@ def setup(
         enabled=ctx.is_main,
         resume_step=state.step if rt.resume_from is not None else None,
         stream=console.stream,
+        report_to=t.report_to,
     )
     console.metrics = metrics
-    metrics.add_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "```")
+    metrics.log_config(config.to_dict())
     parts = Parts(
         config=config,
         runtime=rt,

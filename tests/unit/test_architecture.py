@@ -19,6 +19,7 @@ FUNCTION_ALLOWANCE = {
     "bmtrain_cli/commands/model_cmds.py::register": "typer registration: the commands are nested functions",
     "bmtrain_cli/commands/plan_cmd.py::register": "typer registration: the command is a nested function",
     "bmtrain_cli/commands/plan_cmd.py::plan": "the `bmtrain plan` command: its typer options are most of it",
+    "bmtrain_cli/commands/model_cmds.py::eval_cmd": "the `bmtrain eval` command: its typer options are most of it",
     "bmtrain_cli/config/load.py::load_config": "read, merge overrides, validate, check, freeze: each step named",
     "bmtrain_cli/parallel/cpu_compat.py::_build_pylayers": "four small PyLayer classes built after import",
     "bmtrain_cli/parallel/pipeline.py::_build_items": "the pipeline stage classes, defined where paddle is imported",

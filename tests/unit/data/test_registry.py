@@ -72,8 +72,8 @@ def test_refused_entries_named(tmp_path, lf_dir, name, match):
 
 @pytest.mark.parametrize("stage, name", [("sft", "glaive_toolcall_en_demo"), ("dpo", "dpo_en_demo")])
 def test_data_preview_marks_trained_tokens(tmp_path, lf_dir, stage, name):
+    from bmtrain_cli.commands.data_preview import mark, preview
     from bmtrain_cli.config.schema import Config
-    from bmtrain_cli.data.preview import mark, preview
     from bmtrain_cli.data.registry import materialize
 
     train = {"data_path": materialize(name, str(lf_dir)), "stage": stage}

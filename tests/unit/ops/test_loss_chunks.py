@@ -1,14 +1,14 @@
-"""Chunk sizes of the fused LM-head loss (models/loss_chunks.py), shared by ops/custom.py and the planner."""
+"""Chunk sizes of the fused LM-head loss (ops/loss_chunks.py), shared by ops/custom.py and the planner."""
 
 from __future__ import annotations
 
-from bmtrain_cli.models.loss_chunks import (
+from bmtrain_cli.ops.custom import _chunks
+from bmtrain_cli.ops.loss_chunks import (
     CPU_CHUNK_ELEMENTS,
     GPU_CHUNK_ELEMENTS,
     GPU_MIN_CHUNK_TOKENS,
     chunk_tokens,
 )
-from bmtrain_cli.ops.custom import _chunks
 
 QWEN_VOCAB = 151936
 

@@ -17,7 +17,7 @@ PROMPT = "1 + 2 ="
 def client(model_dir):
     from starlette.testclient import TestClient
 
-    from bmtrain_cli.commands.model_cmds import _load
+    from bmtrain_cli.export.any_model import load_model_and_tokenizer as _load
     from bmtrain_cli.serve.app import Server, build_app
     from bmtrain_cli.serve.engine import Engine
 

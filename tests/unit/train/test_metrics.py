@@ -34,6 +34,7 @@ def test_jsonl_tensorboard_and_plot(tmp_path, monkeypatch):
     for step in range(1, 5):
         w.log_train(step, _vals(step))
     w.log_eval(4, 0.7)
+    w.log_config({"train_config": {"learning_rate": 1e-3, "precision": "fp32"}})
     w.add_hparams({"learning_rate": 1e-3, "precision": "fp32"}, {"final_loss": 0.5})
     w.close()
     recs = read_metrics(tmp_path / "metrics.jsonl")
@@ -51,6 +52,7 @@ def test_jsonl_tensorboard_and_plot(tmp_path, monkeypatch):
     # TensorBoard gets the logging steps (every 2nd), the first and the last step; metrics.jsonl every step
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 4]
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([2.0, 1.0, 0.5])
+    assert "config/text_summary" in acc.Tags()["tensors"]  # the config as a text panel
     assert (tmp_path / "logs" / "hparams").is_dir()
 
     import matplotlib.pyplot as plt
@@ -76,15 +78,13 @@ def test_eval_of_a_non_nll_loss_has_no_perplexity(tmp_path):
 
 
 def test_resume_truncates_later_records(tmp_path):
-    w = MetricsWriter(tmp_path, total_steps=10, stream=io.StringIO(), tty=False, tensorboard=False)
+    w = MetricsWriter(tmp_path, total_steps=10, stream=io.StringIO(), tty=False, report_to=())
     for step in range(1, 8):
         w.log_train(step, _vals(step))
     w.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 8, "loss"')  # a line cut by kill -9
-    w = MetricsWriter(
-        tmp_path, total_steps=10, stream=io.StringIO(), tty=False, tensorboard=False, resume_step=5
-    )
+    w = MetricsWriter(tmp_path, total_steps=10, stream=io.StringIO(), tty=False, report_to=(), resume_step=5)
     w.log_train(6, _vals(6))
     w.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
@@ -92,7 +92,7 @@ def test_resume_truncates_later_records(tmp_path):
 
 def test_tty_progress_bar_and_summary(tmp_path):
     out = io.StringIO()
-    w = MetricsWriter(tmp_path, total_steps=2, stream=out, tty=True, tensorboard=False)
+    w = MetricsWriter(tmp_path, total_steps=2, stream=out, tty=True, report_to=())
     w.log_train(1, _vals(1))
     w.message("hello")
     w.close()
@@ -126,7 +126,7 @@ def test_eta_is_measured_from_the_first_logged_step(tmp_path, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(m.time, "time", lambda: clock[0])
     out = io.StringIO()
-    w = MetricsWriter(tmp_path, total_steps=20, stream=out, tty=False, tensorboard=False, logging_steps=5)
+    w = MetricsWriter(tmp_path, total_steps=20, stream=out, tty=False, report_to=(), logging_steps=5)
     clock[0] += 10.0  # the first step
     w.log_train(1, _vals(1))
     clock[0] += 9.0  # steps 2..10 at 1 s each

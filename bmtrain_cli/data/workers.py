@@ -52,6 +52,7 @@ class EncodeSpec:
     max_seq_len: Optional[int] = None  # None: keep samples whole (the token cache)
     truncation: str = "left"
     bos_id: Optional[int] = None
+    chat_template_file: Optional[str] = None  # named in the chat template's errors
 
     @classmethod
     def of(
@@ -85,6 +86,7 @@ class EncodeSpec:
             max_seq_len,
             truncation,
             tok.bos_id,
+            getattr(tok, "chat_template_file", None),
         )
 
     def build(self) -> Encoder:
@@ -94,6 +96,7 @@ class EncodeSpec:
         if isinstance(tok, tuple):
             kind, payload, settings = tok
             tok = kind(payload, settings)
+            tok.chat_template_file = self.chat_template_file
         if tok.fingerprint() != self.fingerprint:
             raise RuntimeError("a data worker rebuilt a different tokenizer than the trainer's")
         template = get_template(self.template, tok) if isinstance(self.template, str) else self.template
@@ -210,6 +213,9 @@ def _worker_main(spec: EncodeSpec, tasks: Any, results: Any, parent: int) -> Non
             return
         try:
             answer: Tuple[str, Any] = ("ok", encode_items(encoder, spec, items))
+        except UserError as exc:  # e.g. the chat template hit a limit: the parent says it in one line
+            put(("user error", str(exc)))
+            return
         except BaseException:
             put(("error", traceback.format_exc()))
             return
@@ -257,6 +263,8 @@ class OrderedPool:
                         f"data worker {k} died (exit code {self._procs[k].exitcode}); "
                         "lower data_workers if the machine ran out of memory"
                     ) from None
+        if status == "user error":
+            raise UserError(value)
         if status == "error":
             if "a data worker rebuilt a different tokenizer" in value:
                 raise UserError("a data worker rebuilt a different tokenizer than the trainer's")
@@ -272,7 +280,7 @@ class OrderedPool:
         it = iter(tasks)
         sent = got = 0
         limit = self.workers * self.depth
-        exhausted = False
+        exhausted = failed = False
         try:
             while True:
                 while not exhausted and sent - got < limit:
@@ -284,11 +292,15 @@ class OrderedPool:
                     sent += 1
                 if got == sent:
                     return
-                answer = self._get(got % self.workers)
+                try:
+                    answer = self._get(got % self.workers)
+                except Exception:
+                    failed = True
+                    raise
                 got += 1
                 yield answer
         finally:  # abandoned early: take the answers still in flight, so the next map starts clean
-            if all(p.is_alive() for p in self._procs):
+            if not failed and all(p.is_alive() for p in self._procs):
                 while got < sent:
                     self._get(got % self.workers)
                     got += 1

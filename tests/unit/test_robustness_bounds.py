@@ -1,0 +1,181 @@
+"""Hostile inputs that must stay within bounds (issue 28): chat templates that loop, recurse or build huge
+strings; records far longer than max_seq_len; damaged compressed data. Each ends in exit 2 with one line
+naming the file, in seconds and without a large allocation. docs/training.md ("Guarantees") states what
+these check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from bmtrain_cli.cli import app
+from bmtrain_cli.data import templates
+from bmtrain_cli.data.formats import Conversation
+from bmtrain_cli.data.templates import JinjaTemplate
+from bmtrain_cli.errors import UserError
+from tests.robustness import assert_clean_exit, run_config
+from tests.tree import tree_digest
+
+# ----------------------------------------------------------------------------- hostile chat templates
+
+# (name, template, what the error says): the issue's cases and variants of each class
+HOSTILE_TEMPLATES = [
+    (
+        "nested range loops",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "loop",
+    ),
+    (
+        "nested loops printing",
+        "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}",
+        "",
+    ),
+    (
+        "loops over a built string",
+        "{% set s = 'ab' * 4000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+        "loop",
+    ),
+    (
+        "captured loop output",
+        "{% set x %}{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}{% endset %}{{ x }}",
+        "loop",
+    ),
+    ("string times 10**10", "{{ 'x' * 10**10 }}", "'*'"),
+    ("list times 10**9", "{{ ([1] * 10**9) | length }}", "'*'"),
+    ("range(10**9)", "{{ range(10**9) | length }}", "range()"),
+    ("range over the item limit", "{{ range(200000) | length }}", "range()"),
+    ("infinite macro recursion", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "nested deeper"),
+    (
+        "mutual recursion",
+        "{% macro a() %}{{ b() }}{% endmacro %}{% macro b() %}{{ a() }}{% endmacro %}{{ a() }}",
+        "nested",
+    ),
+    (
+        "doubling with ~",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "'~'",
+    ),
+    (
+        "doubling with +",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "'+'",
+    ),
+    ("center filter", "{{ 'x' | center(10**10) }}", "center"),
+    ("ljust method", "{{ 'x'.ljust(10**10) }}", "ljust"),
+    ("percent width", "{{ '%*d' % (10**10, 1) }}", "'%'"),
+    ("huge power", "{{ 2 ** (10 ** 9) }}", "**"),
+    ("output over the limit", "{% for i in range(90000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),
+    ("raises", "{{ raise_exception('no system role') }}", "no system role"),
+    ("type error", "{{ messages + 1 }}", "failed"),
+]
+
+
+def _conv() -> Conversation:
+    return Conversation(system=None, messages=[("user", "1+1="), ("assistant", "2")])
+
+
+@pytest.mark.parametrize("name, source, says", HOSTILE_TEMPLATES, ids=[c[0] for c in HOSTILE_TEMPLATES])
+def test_a_hostile_template_stops_within_its_limits(name, source, says):
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as err:
+        JinjaTemplate(source, "model/chat_template.jinja").render(_conv())
+    took = time.monotonic() - t0
+    msg = str(err.value)
+    assert msg.startswith("model/chat_template.jinja: the chat template"), msg
+    assert says in msg and "\n" not in msg, msg
+    assert took < templates.MAX_RENDER_SECONDS, f"{name}: {took:.1f} s"
+
+
+def test_the_time_limit_stops_a_slow_render(monkeypatch):
+    """Loops under the step limit that still take long (each step slow) end at the wall-clock limit."""
+    monkeypatch.setattr(templates, "MAX_RENDER_SECONDS", 0.2)
+    src = "{% for i in range(99999) %}{% for j in range(9) %}{{ ('%05d' % j) | replace('0', 'ab') }}{% endfor %}{% endfor %}"
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="ran longer than 0.2 s"):
+        JinjaTemplate(src, "t.jinja").render(_conv())
+    assert time.monotonic() - t0 < 2
+
+
+def test_an_ordinary_template_renders_under_the_limits():
+    src = (
+        "{% for m in messages %}{% if loop.first and m.role != 'system' %}<s>sys</s>{% endif %}"
+        "<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    long = Conversation(system=None, messages=[("user", "q" * 100000), ("assistant", "a" * 100000)] * 20)
+    pieces = JinjaTemplate(src).render(long)
+    assert "".join(p for p, _ in pieces).count("<assistant>") == 20
+    assert [p for p, trained in pieces if trained][0] == "a" * 100000 + "</assistant>"
+
+
+def _tokenizer_with(ws: Path, source: str) -> Path:
+    tok = ws / "hostile-tok"
+    if tok.exists():
+        shutil.rmtree(tok)
+    shutil.copytree(ws / "run" / "tokenizer", tok)
+    cfg = tok / "tokenizer_config.json"
+    settings = json.loads(cfg.read_text(encoding="utf-8"))
+    settings.pop("chat_template", None)
+    cfg.write_text(json.dumps(settings), encoding="utf-8")
+    (tok / "chat_template.jinja").write_text(source, encoding="utf-8")
+    return tok
+
+
+CLI_TEMPLATES = [
+    c
+    for c in HOSTILE_TEMPLATES
+    if c[0] in ("nested range loops", "string times 10**10", "range(10**9)", "infinite macro recursion")
+]
+
+
+@pytest.fixture(scope="module")
+def bounds_ws(robust_run, tmp_path_factory) -> Path:
+    tmp, out, data = robust_run
+    ws = tmp_path_factory.mktemp("bounds")
+    shutil.copytree(out, ws / "run")
+    shutil.copy(data, ws / "data.jsonl")
+    return ws
+
+
+@pytest.mark.parametrize("name, source, says", CLI_TEMPLATES, ids=[c[0] for c in CLI_TEMPLATES])
+def test_a_hostile_template_is_one_line_through_the_commands(bounds_ws, name, source, says):
+    """`generate --chat`, `data-stats` and `train` with the tokenizer's chat template hostile: exit 2 with
+    one line naming chat_template.jinja; nothing outside the new output changes."""
+    ws = bounds_ws
+    tok = _tokenizer_with(ws, source)
+    cfg = run_config(ws, ws / "out-hostile", ws / "data.jsonl", 1)
+    text = (
+        Path(cfg)
+        .read_text(encoding="utf-8")
+        .replace("model_config:\n", f"model_config:\n  tokenizer_path: {tok}\n", 1)
+    )
+    text = text.replace("train_config:\n", "train_config:\n  template: tokenizer\n", 1)
+    Path(cfg).write_text(text, encoding="utf-8")
+    before = tree_digest(ws / "run")
+    for args in (
+        [
+            "generate",
+            "--model_path",
+            str(ws / "run/checkpoints/step-2"),
+            "--tokenizer_path",
+            str(tok),
+            "--chat",
+            "--prompt",
+            "1+1=",
+            "--max_new_tokens",
+            "1",
+        ],
+        ["data-stats", "--config", cfg],
+        ["train", "--config", cfg, "--overwrite"],
+    ):
+        t0 = time.monotonic()
+        res = CliRunner().invoke(app, args)
+        assert_clean_exit(res, f"{args[0]} {name}")
+        assert res.exit_code == 2 and "chat_template.jinja: the chat template" in res.output, res.output
+        assert says in res.output, res.output
+        assert time.monotonic() - t0 < 60
+    assert tree_digest(ws / "run") == before

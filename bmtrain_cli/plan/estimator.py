@@ -321,6 +321,24 @@ def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:
     )
 
 
+def check_memory_fits(est: Optional[MemoryEstimate], allow_overcommit: bool) -> Optional[str]:
+    """Refuse, before anything is allocated, a run whose memory plan exceeds the device's (or, on a CPU,
+    the host's) memory, unless ``train_config.allow_memory_overcommit`` is set: then the warning to print.
+    None when it fits or there is no plan."""
+    from bmtrain_cli.errors import UserError
+
+    if est is None or est.fits:
+        return None
+    if allow_overcommit:
+        return memory_warning(est)
+    raise UserError(
+        f"the memory plan estimates {format_bytes(est.required)} per device, more than the "
+        f"{format_bytes(est.device.memory_bytes)} of {est.device.name}: refused before allocating; run "
+        "`bmtrain plan --config ... --search` for a layout that fits (recompute, sharding, offload, LoRA), "
+        "or set train_config.allow_memory_overcommit: true to start anyway"
+    )
+
+
 def weights_exceed_device(est: MemoryEstimate) -> bool:
     """The weights alone (not an estimate: their exact size; with stage dpo's frozen reference copy) are
     larger than the device's memory."""

@@ -179,3 +179,67 @@ def test_a_hostile_template_is_one_line_through_the_commands(bounds_ws, name, so
         assert says in res.output, res.output
         assert time.monotonic() - t0 < 60
     assert tree_digest(ws / "run") == before
+
+
+# ----------------------------------------------------------------------------- memory plans over the machine
+
+
+def test_a_plan_over_the_memory_is_refused_unless_overcommit_is_allowed(tmp_path):
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.plan.devices import get_device
+    from bmtrain_cli.plan.estimator import check_memory_fits, training_estimate
+
+    path = tmp_path / "big.yaml"
+    path.write_text(
+        BIG_MODEL.format(layers=32, out=tmp_path / "out", data=tmp_path / "d.jsonl"), encoding="utf-8"
+    )
+    cfg = load_config(str(path)).config
+    plan = training_estimate(cfg, device=get_device("RTX4090"))
+    with pytest.raises(UserError, match="refused before allocating.*allow_memory_overcommit: true"):
+        check_memory_fits(plan, allow_overcommit=False)
+    assert "warning: the memory plan" in check_memory_fits(plan, allow_overcommit=True)
+    path.write_text(
+        BIG_MODEL.format(layers=2, out=tmp_path / "out", data=tmp_path / "d.jsonl"), encoding="utf-8"
+    )
+    small = training_estimate(load_config(str(path)).config, device=get_device("A100-80GB"))
+    assert check_memory_fits(small, allow_overcommit=False) is None
+
+
+BIG_MODEL = """model_config:
+  family: llama
+  hidden_size: 4096
+  intermediate_size: 11008
+  num_hidden_layers: {layers}
+  num_attention_heads: 32
+  max_seq_len: 1024
+train_config:
+  data_path: {data}
+  output_dir: {out}
+  max_steps: 1
+  micro_batch_size: 8
+  num_workers: 0
+"""
+
+
+def test_train_refuses_a_fresh_model_whose_plan_exceeds_the_ram(tmp_path):
+    """A fresh model whose weights fit in RAM (about 0.4 of it) but whose plan (weights, gradients, Adam
+    moments, activations) does not: refused in seconds before the model is built (it allocated 11 GB in
+    200 s before); no run files written."""
+    from bmtrain_cli.plan.devices import host_memory_bytes
+
+    ram = host_memory_bytes()
+    if not ram:
+        pytest.skip("host memory unknown")
+    layers = max(1, int(0.4 * ram / (0.81 * 2**30)))  # ~202M fp32 parameters a layer
+    from tests.robustness import write_arithmetic
+
+    data = write_arithmetic(tmp_path / "d.jsonl")
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text(BIG_MODEL.format(layers=layers, out=tmp_path / "out", data=data), encoding="utf-8")
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["train", "--config", str(cfg)])
+    assert_clean_exit(res, "train big")
+    assert res.exit_code == 2 and "allow_memory_overcommit" in res.output, res.output
+    assert time.monotonic() - t0 < 60
+    out = tmp_path / "out"  # only the generated tokenizer (made before the plan can be sized) is there
+    assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()

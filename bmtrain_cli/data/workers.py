@@ -13,9 +13,12 @@ spawned; they only parse and tokenise, never touch Paddle. They rebuild the enco
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -187,8 +190,31 @@ def encode_items(encoder: Encoder, spec: EncodeSpec, items: Sequence[Item]) -> E
     )
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a worker: die with the parent whatever kills it (SIGKILL too), and let SIGTERM end the worker.
+
+    A forked worker inherits the trainer's signal handlers (SIGTERM would run the trainer's graceful stop
+    in the worker, which then waits forever); Linux's parent-death signal kills it the moment its parent
+    thread exits, and the bounded waits in the loop (queue timeouts that check the parent pid) cover the
+    other platforms. Ctrl-C reaches the whole process group: the parent handles it and stops the workers.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the pid checks remain
+            pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(0)
+
+
 def _worker_main(spec: EncodeSpec, tasks: Any, results: Any, parent: int) -> None:
     """Encode tasks until told to stop; exit by itself when the parent is gone (e.g. killed)."""
+    _end_with_parent(parent)
 
     def put(answer: Tuple[str, Any]) -> bool:
         while os.getppid() == parent:

@@ -6,9 +6,14 @@ these check."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import List
 
 import pytest
 from typer.testing import CliRunner
@@ -243,3 +248,71 @@ def test_train_refuses_a_fresh_model_whose_plan_exceeds_the_ram(tmp_path):
     assert time.monotonic() - t0 < 60
     out = tmp_path / "out"  # only the generated tokenizer (made before the plan can be sized) is there
     assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------- no process outlives its run
+
+
+def _children(pid: int) -> List[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_no_data_worker_outlives_a_killed_trainer(tmp_path, sig):
+    """A streaming `bmtrain train` with two forked data workers, killed mid-stream (SIGKILL, or SIGTERM /
+    SIGINT, which stop it gracefully): every process it started is gone within 5 s of the trainer's end
+    (a worker stayed forever blocked in a queue put, with parent pid 1)."""
+    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+    from tests.integration.test_stream_kill_resume import CONFIG, _last_step
+
+    train, heldout = write_demo_data(str(tmp_path), task="arithmetic", seed=0)
+    train_demo_tokenizer(str(tmp_path / "tok"), [train, heldout])
+    out = tmp_path / "run"
+    cfg = tmp_path / "stream.yaml"
+    text = CONFIG.format(tok=tmp_path / "tok", data=train, workers=2, on_bad="error", out=out)
+    cfg.write_text(text.replace("max_steps: 12", "max_steps: 400"), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    cmd = [sys.executable, "-m", "bmtrain_cli", "train", "--config", str(cfg)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while proc.poll() is None and _last_step(out) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        kids = _children(proc.pid)
+        assert len(kids) >= 2, kids  # the data workers
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=120)
+        deadline = time.time() + 5
+        while any(_alive(k) for k in kids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert [k for k in kids if _alive(k)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in _children(proc.pid):
+            os.kill(k, signal.SIGKILL)

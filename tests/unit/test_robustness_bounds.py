@@ -316,3 +316,92 @@ def test_no_data_worker_outlives_a_killed_trainer(tmp_path, sig):
             proc.kill()
         for k in _children(proc.pid):
             os.kill(k, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- huge and damaged data files
+
+
+def _records(n: int = 40) -> bytes:
+    return "".join(json.dumps({"input": f"{i}+{i}=", "output": str(2 * i)}) + "\n" for i in range(n)).encode()
+
+
+def _gz_cases(tmp: Path):
+    import gzip
+
+    gz = gzip.compress(_records())
+    flipped = bytearray(gz)
+    for k in range(len(gz) // 3, len(gz) // 3 + 8):
+        flipped[k] ^= 0xA5
+    yield "truncated.jsonl.gz", gz[: len(gz) // 2], "truncated"
+    yield "truncated-header.jsonl.gz", gz[:6], "truncated"
+    yield "corrupt.jsonl.gz", bytes(flipped), "corrupt compressed data"
+    yield "not-gzip.jsonl.gz", _records(), "corrupt compressed data"
+    try:
+        import zstandard
+    except ImportError:
+        return
+    zs = zstandard.ZstdCompressor().compress(_records())
+    yield "corrupt.jsonl.zst", zs[:8] + bytes(64) + zs[72:], "corrupt compressed data"
+
+
+def test_damaged_compressed_data_is_one_line_naming_the_file(bounds_ws, tmp_path):
+    """A truncated .jsonl.gz printed only `Aborted.`; corrupt bytes gave a zlib.error traceback."""
+    cfg = run_config(tmp_path, tmp_path / "out", tmp_path / "x.jsonl", 1)
+    text = (
+        Path(cfg)
+        .read_text(encoding="utf-8")
+        .replace("model_config:\n", f"model_config:\n  tokenizer_path: {bounds_ws / 'run/tokenizer'}\n", 1)
+    )
+    Path(cfg).write_text(text, encoding="utf-8")
+    for name, content, says in _gz_cases(tmp_path):
+        (tmp_path / name).write_bytes(content)
+        for extra in ([], ["--set", "train_config.streaming=true"]):
+            args = ["data-stats", "--config", cfg, "--data_path", str(tmp_path / name), *extra]
+            res = CliRunner().invoke(app, args)
+            assert_clean_exit(res, f"{name} {extra}")
+            assert res.exit_code == 2 and f"{name}: {says}" in res.output, f"{name} {extra}: {res.output}"
+
+
+HUGE_RECORD = """
+import json, resource, sys
+from bmtrain_cli.data.readers import raw_records, read_records, line_limit
+from bmtrain_cli.data.stream_reader import RecordStream
+path, mode = sys.argv[1], sys.argv[2]
+if mode == "stream":
+    s = RecordStream([[path]], None, 0, limit=line_limit(512))
+    got = [s.readers[0].next() for _ in range(41)]
+    bad = [g for g in got if g and len(g[2]) == 0]
+    print(json.dumps({"bad_lines": [g[1] for g in bad]}))
+else:
+    recs = list(read_records(path, line_limit(512)))
+    print(json.dumps({"bad_lines": [r.line for r in recs if r.error], "reason": [r.error for r in recs if r.error]}))
+print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["records", "stream"])
+def test_a_200_mb_record_is_rejected_without_reading_it_whole(tmp_path, mode):
+    """A 200 MB single JSONL line took over 7 GB to tokenise, then std::bad_alloc: it is a bad record
+    (over line_limit(max_seq_len) bytes) read a block at a time, and peak memory stays far below its size."""
+    path = tmp_path / "huge.jsonl"
+    recs = _records(40).splitlines(keepends=True)
+    with open(path, "wb") as f:
+        f.writelines(recs[:20])
+        f.write(b'{"input": "1+1=", "output": "')
+        block = b"x" * 2**20
+        for _ in range(200):
+            f.write(block)
+        f.write(b'"}\n')
+        f.writelines(recs[20:])
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    res = subprocess.run(
+        [sys.executable, "-c", HUGE_RECORD, str(path), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    first, second = (json.loads(x) for x in res.stdout.splitlines())
+    assert first["bad_lines"] == [21], first
+    assert second["maxrss_mb"] < 100, second

@@ -405,3 +405,50 @@ def test_a_200_mb_record_is_rejected_without_reading_it_whole(tmp_path, mode):
     first, second = (json.loads(x) for x in res.stdout.splitlines())
     assert first["bad_lines"] == [21], first
     assert second["maxrss_mb"] < 100, second
+
+
+# ----------------------------------------------------------------------------- hostile model directories
+
+
+@pytest.mark.parametrize("vocab", [10**12, 1e12, 2**40])
+def test_a_huge_vocab_size_is_refused_by_generate_and_eval_as_by_train(bounds_ws, tmp_path, vocab):
+    """config.json with vocab_size 1e12: `generate` and `eval` ended in Paddle's MemoryError; they refuse it
+    by train's rule (the weights alone exceed the memory), in one line."""
+    model = tmp_path / "model"
+    shutil.copytree(bounds_ws / "run/checkpoints/step-2", model)
+    cfg = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    cfg["vocab_size"] = vocab
+    (model / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    before = tree_digest(tmp_path)
+    for args in (
+        ["generate", "--model_path", str(model), "--prompt", "1+1=", "--max_new_tokens", "1"],
+        ["eval", "--model_path", str(model), "--data_path", str(bounds_ws / "data.jsonl")],
+    ):
+        res = CliRunner().invoke(app, args)
+        assert_clean_exit(res, f"{args[0]} vocab {vocab}")
+        assert res.exit_code == 2, res.output
+        assert "weights alone need" in res.output or "vocab_size" in res.output, res.output
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_safetensors_shape_that_disagrees_with_its_bytes_is_one_line(bounds_ws, tmp_path):
+    """A header whose shape disagrees with its byte range gave `cannot reshape` tracebacks."""
+    model = tmp_path / "model"
+    shutil.copytree(bounds_ws / "run/checkpoints/step-2", model)
+    st = model / "model.safetensors"
+    data = st.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2)
+    header[name]["shape"] = [header[name]["shape"][0] + 1, header[name]["shape"][1]]
+    text = json.dumps(header).encode()  # offsets count from the header's end: a new length is fine
+    st.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+    for args in (
+        ["generate", "--model_path", str(model), "--prompt", "1+1=", "--max_new_tokens", "1"],
+        ["eval", "--model_path", str(model), "--data_path", str(bounds_ws / "data.jsonl")],
+    ):
+        res = CliRunner().invoke(app, args)
+        assert_clean_exit(res, f"{args[0]} reshape")
+        assert res.exit_code == 2 and "damaged safetensors header" in res.output and name in res.output, (
+            res.output
+        )

@@ -139,6 +139,11 @@ class TrainConfig(_Section):
         description="CPU training: keep freed tensor memory for reuse (faster, higher peak RSS), return it "
         "to the OS (release), or reuse when twice the memory plan fits in RAM (auto).",
     )
+    allow_memory_overcommit: bool = Field(
+        False,
+        description="Start even when the memory plan exceeds the device's memory (the host's on a CPU); "
+        "by default such a run is refused before anything is allocated.",
+    )
     data_cache_dir: Optional[str] = Field(
         None, description="Token cache directory (default: beside the data)."
     )

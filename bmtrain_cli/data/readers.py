@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
@@ -89,11 +90,112 @@ def data_suffix(name: str) -> str:
     return p.suffix
 
 
-def open_binary(path: str) -> BinaryIO:
+# The longest JSONL line read whole: longer ones become bad records (``on_bad_record``) without being held
+# in memory. Readers that know max_seq_len pass ``line_limit(max_seq_len)``; others use the default.
+BYTES_PER_TOKEN_BOUND = 256
+DEFAULT_MAX_LINE_BYTES = 64 * 2**20
+_LINE_BLOCK = 1 << 20
+
+
+def line_limit(max_seq_len: Optional[int]) -> int:
+    """The byte bound of one record's line: 256 x max_seq_len (at least 1 MiB), else the default."""
+    if not max_seq_len:
+        return DEFAULT_MAX_LINE_BYTES
+    return max(_LINE_BLOCK, BYTES_PER_TOKEN_BOUND * int(max_seq_len))
+
+
+class LongLine(bytes):
+    """The start of a line over the limit (the rest was read and dropped); ``size`` is its full length."""
+
+    size: int = 0
+    limit: int = 0
+
+    def reason(self) -> str:
+        return (
+            f"record of {self.size} bytes, over the limit of {self.limit} bytes for one record; not tokenised"
+        )
+
+
+def _compression_error(path: str, exc: BaseException) -> UserError:
+    if isinstance(exc, EOFError):
+        return UserError(
+            f"{path}: truncated: the compressed data ends before its end marker (re-copy the file)"
+        )
+    return UserError(f"{path}: corrupt compressed data ({type(exc).__name__}: {exc}); re-copy the file")
+
+
+class DataFile(io.RawIOBase):
+    """A data file's bytes (decompressed), where a truncated or corrupt compressed stream is one
+    UserError naming the file, and :meth:`readline` never holds more than a limit of one line."""
+
+    def __init__(self, path: str, inner: BinaryIO):
+        super().__init__()
+        self.path = path
+        self._inner = inner
+        self._errors: Tuple[type, ...] = (EOFError, zlib.error, gzip.BadGzipFile)
+        if path.endswith(".zst"):
+            import zstandard
+
+            self._errors = (*self._errors, zstandard.ZstdError)
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except self._errors as exc:
+            raise _compression_error(self.path, exc) from None
+        except OSError as exc:
+            if self.path.endswith(COMPRESSED_SUFFIXES):
+                raise _compression_error(self.path, exc) from None
+            raise UserError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        return self._call(self._inner.read, n)
+
+    def peek(self, n: int = 0) -> bytes:
+        return self._call(self._inner.peek, n)  # type: ignore[attr-defined]
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._call(self._inner.seek, offset, whence)
+
+    def tell(self) -> int:
+        return self._call(self._inner.tell)
+
+    def readline(self, limit: Optional[int] = None) -> bytes:  # type: ignore[override]
+        """The next line; over ``limit`` bytes (default: DEFAULT_MAX_LINE_BYTES) a LongLine."""
+        cap = DEFAULT_MAX_LINE_BYTES if limit is None or limit < 0 else limit
+        line = self._call(self._inner.readline, cap + 1)
+        if len(line) <= cap or line.endswith(b"\n"):
+            return line
+        size = len(line)
+        while not line.endswith(b"\n"):  # drop the rest of the line, a block at a time
+            line = self._call(self._inner.readline, _LINE_BLOCK)
+            if not line:
+                break
+            size += len(line)
+        out = LongLine(b"")
+        out.size, out.limit = size, cap
+        return out
+
+    def lines(self, limit: Optional[int] = None) -> Iterator[bytes]:
+        while True:
+            line = self.readline(limit)
+            if not line and not isinstance(line, LongLine):
+                return
+            yield line
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+
+def open_binary(path: str) -> DataFile:
     """A data file opened for binary reading, decompressed when it ends in .gz or .zst."""
     try:
         if path.endswith(".gz"):
-            return gzip.open(path, "rb")  # type: ignore[return-value]
+            return DataFile(path, gzip.open(path, "rb"))  # type: ignore[arg-type]
         if path.endswith(".zst"):
             try:
                 import zstandard
@@ -102,8 +204,10 @@ def open_binary(path: str) -> BinaryIO:
                     f"{path}: reading .zst files needs the zstandard package (pip install zstandard)"
                 ) from None
             raw = open(path, "rb")
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-        return open(path, "rb")
+            return DataFile(
+                path, io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+            )
+        return DataFile(path, open(path, "rb"))
     except OSError as exc:
         raise UserError(f"{path}: cannot open: {exc.strerror}") from None
 
@@ -154,6 +258,8 @@ def _loads(text: str) -> Any:
 
 def parse_line(path: str, lineno: int, line: bytes) -> RawRecord:
     """One JSONL line (not blank) parsed, or with the reason it is bad."""
+    if isinstance(line, LongLine):
+        return RawRecord(path, lineno, "", None, line.reason())
     if lineno == 1 and line.startswith(BOM):
         line = line[3:]
     try:
@@ -176,6 +282,8 @@ BOM = b"\xef\xbb\xbf"
 
 def is_blank(lineno: int, line: bytes) -> bool:
     """A line that holds no record (only whitespace, or a byte-order mark on line 1)."""
+    if isinstance(line, LongLine):
+        return False
     return not (line[3:] if lineno == 1 and line.startswith(BOM) else line).strip()
 
 
@@ -187,10 +295,11 @@ def is_json_array(f: BinaryIO) -> bool:
     return head.startswith(b"[")
 
 
-def _jsonl_lines(f: BinaryIO) -> Iterator[Tuple[int, Optional[bytes]]]:
-    """(line number, line) of every non-blank line of an open JSONL file; (1, None) alone when it has none."""
+def _jsonl_lines(f: DataFile, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes]]]:
+    """(line number, line) of every non-blank line of an open JSONL file; (1, None) alone when it has none.
+    Lines over ``limit`` bytes come as LongLine."""
     empty = True
-    for lineno, line in enumerate(f, start=1):
+    for lineno, line in enumerate(f.lines(limit), start=1):
         if not is_blank(lineno, line):
             empty = False
             yield lineno, line
@@ -198,10 +307,11 @@ def _jsonl_lines(f: BinaryIO) -> Iterator[Tuple[int, Optional[bytes]]]:
         yield 1, None
 
 
-def read_records(path: str) -> Iterator[RawRecord]:
+def read_records(path: str, limit: Optional[int] = None) -> Iterator[RawRecord]:
     """Every non-blank record of a JSONL (or JSON-array) file, parsed or with the reason it is bad.
 
-    An empty file (no record at all) yields one bad record at line 1.
+    An empty file (no record at all) yields one bad record at line 1; a line over ``limit`` bytes
+    (line_limit) a bad record, without reading it whole.
     """
     if is_columnar(path):
         yield from (
@@ -212,7 +322,7 @@ def read_records(path: str) -> Iterator[RawRecord]:
         if is_json_array(f):
             yield from _read_json_array(path, f.read())
             return
-        for lineno, line in _jsonl_lines(f):
+        for lineno, line in _jsonl_lines(f, limit):
             yield (
                 parse_line(path, lineno, line)
                 if line is not None
@@ -220,7 +330,9 @@ def read_records(path: str) -> Iterator[RawRecord]:
             )
 
 
-def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional[bytes]]]]:
+def raw_records(
+    path: str, limit: Optional[int] = None
+) -> Iterator[Union[RawRecord, Tuple[str, int, Optional[bytes]]]]:
     """The records of a file unparsed, as (file, line, bytes) for a worker to parse (bytes None: the file
     holds no record); a JSON array is parsed here, and its bad records come as RawRecord."""
     if is_columnar(path):
@@ -231,7 +343,11 @@ def raw_records(path: str) -> Iterator[Union[RawRecord, Tuple[str, int, Optional
             for rec in _read_json_array(path, f.read()):
                 yield rec if rec.error is not None else (path, rec.line, rec.raw.encode("utf-8"))
             return
-        yield from ((path, lineno, line) for lineno, line in _jsonl_lines(f))
+        for lineno, line in _jsonl_lines(f, limit):
+            if isinstance(line, LongLine):
+                yield RawRecord(path, lineno, "", None, line.reason())
+            else:
+                yield (path, lineno, line)
 
 
 def read_values(path: str) -> List[Any]:

@@ -35,7 +35,7 @@ import numpy as np
 from bmtrain_cli.data.background import in_background, put_unless_stopped
 from bmtrain_cli.data.cache import template_id
 from bmtrain_cli.data.collate import collate, pack
-from bmtrain_cli.data.readers import is_json_array, open_binary
+from bmtrain_cli.data.readers import is_json_array, line_limit, open_binary
 from bmtrain_cli.data.rejected_log import REJECTED_FILE, RejectedLog
 from bmtrain_cli.data.stream_reader import JSON_ARRAY, RecordStream
 from bmtrain_cli.data.workers import Encoded, EncodeSpec, Item, OrderedPool
@@ -203,7 +203,13 @@ class StreamLoader:
     def _chunks(self) -> Iterator[_Chunk]:
         pos = self._pos
         stream = RecordStream(
-            self.sources, self.weights, self.seed, self.data_rank, self.data_world, state=pos["reader"]
+            self.sources,
+            self.weights,
+            self.seed,
+            self.data_rank,
+            self.data_world,
+            state=pos["reader"],
+            limit=line_limit(self.spec.max_seq_len),
         )
         metas: Deque[Any] = deque()
         answers = self._pool.map(self._tasks(stream, metas))  # type: ignore[union-attr]

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from bmtrain_cli.data.readers import is_blank, is_json_array, open_binary
+from bmtrain_cli.data.readers import LongLine, is_blank, is_json_array, open_binary
 from bmtrain_cli.data.workers import Item
 from bmtrain_cli.errors import UserError
 
@@ -45,9 +45,10 @@ class SourceReader:
     """The records of one source's files in order, from a cursor; ``next()`` is None at the end of a pass
     (the cursor then points at the first file again)."""
 
-    def __init__(self, files: Sequence[str], cursor: Cursor):
+    def __init__(self, files: Sequence[str], cursor: Cursor, limit: Optional[int] = None):
         self.files = list(files)
         self.cursor = cursor
+        self.limit = limit  # bytes of one line (readers.line_limit)
         self._f: Optional[BinaryIO] = None
 
     def _open(self) -> BinaryIO:
@@ -72,9 +73,9 @@ class SourceReader:
         while True:
             if self._f is None:
                 self._f = self._open()
-            line = self._f.readline()
-            if line:
-                c.offset += len(line)
+            line = self._f.readline(self.limit)
+            if line or isinstance(line, LongLine):
+                c.offset += line.size if isinstance(line, LongLine) else len(line)
                 c.line += 1
                 if is_blank(c.line, line):
                     continue
@@ -108,6 +109,7 @@ class RecordStream:
         data_rank: int = 0,
         data_world: int = 1,
         state: Optional[Dict[str, Any]] = None,
+        limit: Optional[int] = None,
     ):
         if weights is not None and len(weights) != len(sources):
             raise UserError(f"{len(weights)} data_weights for {len(sources)} data sources")
@@ -117,7 +119,7 @@ class RecordStream:
         cursors = [Cursor(**c) for c in st.get("cursors", [])] or [Cursor() for _ in groups]
         if len(cursors) != len(groups):
             raise UserError("cannot resume the stream: the number of data sources changed")
-        self.readers = [SourceReader(g, c) for g, c in zip(groups, cursors)]
+        self.readers = [SourceReader(g, c, limit) for g, c in zip(groups, cursors)]
         p = np.asarray(weights if self.weighted else [1.0], dtype=np.float64)
         self._p = p / p.sum()
         self.seed = int(seed)

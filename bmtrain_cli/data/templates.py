@@ -10,8 +10,11 @@ Qwen's default system prompt), llama2, baichuan (Baichuan2-Chat's reserved user/
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.errors import UserError
@@ -136,37 +139,223 @@ BUILTIN_TEMPLATES = {
 }
 
 
+# Limits on rendering a chat template (a template comes with a downloaded model: treat it as hostile).
+# Each limit applies to one render (one call of the template); docs/data.md lists them.
+MAX_RENDER_SECONDS = 10.0  # wall clock
+MAX_RENDER_STEPS = 1_000_000  # template lines executed (each loop iteration counts)
+MAX_RENDER_CHARS = 8_000_000  # the rendered text, and any one string or list the template builds
+MAX_RENDER_DEPTH = 64  # nested macro calls
+MAX_RANGE = 100_000  # items in one range(...)
+_TEMPLATE_CODE = "<template>"  # the file name Jinja gives the code it compiles from a string
+
+
+class _LimitHit(BaseException):
+    """A render limit was hit. A BaseException, so no ``except Exception`` on the way out swallows it."""
+
+
+def _sized(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+def _check_size(value: Any, what: str) -> Any:
+    if _sized(value) > MAX_RENDER_CHARS:
+        raise _LimitHit(
+            f"{what} builds a value of {_sized(value)} items, over the limit of {MAX_RENDER_CHARS}"
+        )
+    return value
+
+
+def _check_int_args(args: Sequence[Any], kwargs: Dict[str, Any], what: str) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
+            raise _LimitHit(f"{what} is given {value}, over the limit of {MAX_RENDER_CHARS}")
+
+
+def _bounded_range(*args: int) -> range:
+    rng = range(*args)
+    if len(rng) > MAX_RANGE:
+        raise _LimitHit(f"range() of {len(rng)} items, over the limit of {MAX_RANGE}")
+    return rng
+
+
+_bounded_range.__name__ = "range"  # as errors name it
+
+
+def _bounded_filter(func: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _check_int_args(args[1:], kwargs, f"filter {name}")
+        return _check_size(func(*args, **kwargs), f"filter {name}")
+
+    return functools.update_wrapper(wrapper, func)  # keeps Jinja's pass_context / pass_eval_context marks
+
+
+def _binop_size(operator: str, left: Any, right: Any) -> int:
+    """The number of items ``left <operator> right`` would build (0 when it builds no sequence)."""
+    if operator == "+":
+        return _sized(left) + _sized(right)
+    seq, times = (left, right) if _sized(left) else (right, left)
+    if isinstance(times, int) and not isinstance(times, bool):
+        return _sized(seq) * times
+    return 0
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    if operator in ("*", "+"):
+        n = _binop_size(operator, left, right)
+        if n > MAX_RENDER_CHARS:
+            raise _LimitHit(f"'{operator}' builds a value of {n} items, over the limit of {MAX_RENDER_CHARS}")
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+        if right * abs(left).bit_length() > 65536:
+            raise _LimitHit(f"{left} ** {right} is over the limit of 65536 bits")
+    elif operator == "%" and isinstance(left, str):
+        _check_int_args(right if isinstance(right, tuple) else (right,), {}, "'%' formatting")
+
+
+class _RenderBudget:
+    """The steps (loop iterations and calls), call depth and time of the render running in this thread."""
+
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
+        self.steps = 0
+        self.depth = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_RENDER_STEPS:
+            raise _LimitHit(
+                f"ran more than {MAX_RENDER_STEPS} loop iterations and calls (a loop without end?)"
+            )
+        if not self.steps & 255 and time.monotonic() > self.deadline:
+            raise _LimitHit(f"ran longer than {MAX_RENDER_SECONDS:g} s")
+
+
+_BUDGET = threading.local()  # .current: the _RenderBudget of the render in progress
+
+
+def _budget() -> _RenderBudget:
+    current = getattr(_BUDGET, "current", None)
+    if current is None:  # rendered outside JinjaTemplate._text (not done here): bound it anyway
+        current = _BUDGET.current = _RenderBudget()
+    return current
+
+
+def _bounded_iter(iterable: Any) -> Iterator[Any]:
+    """Wraps the iterable of every ``{% for %}``: each iteration is a step."""
+    budget = _budget()
+    for item in iterable:
+        budget.step()
+        yield item
+
+
+def _guard_loops(node: Any) -> Any:
+    """Wrap the iterable of every for loop in the template's syntax tree in ``environment.bounded_iter``
+    (an environment attribute: no template can name or rebind it)."""
+    from jinja2 import nodes
+
+    for loop in node.find_all(nodes.For):
+        loop.iter = nodes.Call(nodes.EnvironmentAttribute("bounded_iter"), [loop.iter], [], None, None)
+    return node
+
+
+def _bounded_env():  # -> jinja2.sandbox.ImmutableSandboxedEnvironment
+    """A Jinja sandbox whose ``range``, ``*``, ``**``, ``+``, ``%``, ``~``, filters and calls cannot build
+    values over MAX_RENDER_CHARS items, and whose loops and calls count against the render's budget."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedCodeGenerator(CodeGenerator):
+        def visit_Concat(self, node: Any, frame: Any) -> None:  # the ``~`` operator
+            self.write("environment.bounded_concat(")
+            super().visit_Concat(node, frame)
+            self.write(")")
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        code_generator_class = BoundedCodeGenerator
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+        bounded_iter = staticmethod(_bounded_iter)
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.globals["range"] = _bounded_range
+            self.filters = {k: _bounded_filter(f, k) for k, f in self.filters.items()}
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return _check_size(super().call_binop(context, operator, left, right), f"'{operator}'")
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if __obj is _bounded_iter:
+                return super().call(__context, __obj, *args, **kwargs)
+            what = f"calling {getattr(__obj, '__name__', 'a function')}()"
+            _check_int_args(args, kwargs, what)
+            budget = _budget()
+            budget.step()
+            budget.depth += 1
+            try:
+                if budget.depth > MAX_RENDER_DEPTH:
+                    raise _LimitHit(
+                        f"calls nested deeper than {MAX_RENDER_DEPTH} (a macro recursing without end?)"
+                    )
+                return _check_size(super().call(__context, __obj, *args, **kwargs), what)
+            finally:
+                budget.depth -= 1
+
+        @staticmethod
+        def bounded_concat(value: Any) -> Any:
+            return _check_size(value, "'~'")
+
+    return BoundedSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        extensions=["jinja2.ext.loopcontrols"],
+    )
+
+
+def _bounded_join(chunks: Iterator[str]) -> str:
+    out: List[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS:
+            raise _LimitHit(f"rendered more than {MAX_RENDER_CHARS} characters")
+        out.append(chunk)
+    return "".join(out)
+
+
 class JinjaTemplate:
-    """A Hugging Face chat template (Jinja) rendered in a sandbox.
+    """A Hugging Face chat template (Jinja) rendered in a sandbox, under the MAX_RENDER_* limits.
 
     Trainable spans are found by rendering prefixes: for assistant turn i, the text of messages[:i] with
     the generation prompt is the prompt, and the text of messages[:i+1] ends with the answer.
+    ``origin`` names the template's file in errors.
     """
 
     name = "tokenizer"
     specials: Tuple[str, ...] = ()
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, origin: Optional[str] = None):
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            keep_trailing_newline=True,
-            extensions=["jinja2.ext.loopcontrols"],
-        )
+        self.origin = origin or "the tokenizer's chat_template"
+        env = _bounded_env()
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         env.filters["tojson"] = tojson  # as transformers: no HTML escaping, keys in order, ensure_ascii off
         try:
-            self._template = env.from_string(source)
-        except TemplateError as exc:
-            raise UserError(f"the tokenizer's chat_template does not parse: {exc}") from None
+            self._template = env.from_string(_guard_loops(env.parse(source)))
+        except (TemplateError, RecursionError, MemoryError) as exc:
+            raise UserError(f"{self.origin}: the chat template does not parse: {exc}") from None
         self.source = source
+
+    def __getstate__(self) -> Dict[str, Any]:  # compiled templates do not pickle: workers recompile
+        return {"source": self.source, "origin": self.origin}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["source"], state["origin"])
 
     def _text(
         self,
@@ -175,18 +364,23 @@ class JinjaTemplate:
         generation_prompt: bool,
         extra: Optional[dict] = None,
     ) -> str:
-        from jinja2 import TemplateError
-
+        chunks = self._template.generate(
+            messages=messages,
+            add_generation_prompt=generation_prompt,
+            bos_token=(tokenizer.bos_token or "") if tokenizer else "",
+            eos_token=(tokenizer.eos_token or "") if tokenizer else "",
+            **(extra or {}),
+        )
+        _BUDGET.current = _RenderBudget()
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=generation_prompt,
-                bos_token=(tokenizer.bos_token or "") if tokenizer else "",
-                eos_token=(tokenizer.eos_token or "") if tokenizer else "",
-                **(extra or {}),
-            )
-        except TemplateError as exc:
-            raise UserError(f"the tokenizer's chat_template failed: {exc}") from None
+            return _bounded_join(chunks)
+        except _LimitHit as exc:
+            raise UserError(f"{self.origin}: the chat template stopped: {exc}") from None
+        except (Exception, RecursionError) as exc:  # the template's own errors: raise_exception, bad types
+            raise UserError(f"{self.origin}: the chat template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            _BUDGET.current = None
+            chunks.close()
 
     @staticmethod
     def _messages(conv: Conversation) -> List[dict]:
@@ -202,7 +396,7 @@ class JinjaTemplate:
         from bmtrain_cli.data.tools import has_tools
 
         if has_tools(conv) and not ("tools" in self.source or "tool_calls" in self.source):
-            raise UserError(f"template {self.name!r} (the chat_template) does not render tools or tool calls")
+            raise UserError(f"{self.origin}: the chat template does not render tools or tool calls")
         out: dict = {"tools": list(conv.tools) if conv.tools else None}
         if options is not None and options.enable_thinking is not None:
             out["enable_thinking"] = options.enable_thinking
@@ -253,7 +447,7 @@ def get_template(name: str, tokenizer: Optional[Tokenizer] = None):  # -> Builti
     if name in ("auto", "tokenizer"):
         source = tokenizer.chat_template if tokenizer is not None else None
         if source:
-            return JinjaTemplate(source)
+            return JinjaTemplate(source, getattr(tokenizer, "chat_template_file", None))
         if name == "tokenizer":
             raise UserError("template: tokenizer, but the tokenizer has no chat_template")
         return BUILTIN_TEMPLATES["plain"]

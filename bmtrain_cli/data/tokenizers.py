@@ -69,6 +69,7 @@ class Tokenizer:
     def __init__(self, settings: Dict[str, Any]):
         self.settings = dict(settings)  # tokenizer_config.json contents, kept for save()
         self.chat_template: Optional[str] = _pick_chat_template(settings.get("chat_template"))
+        self.chat_template_file: Optional[str] = None  # where the chat template was read (named in errors)
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
         self.pad_token = _token_text(settings.get("pad_token"))
@@ -343,6 +344,18 @@ def load_tokenizer(path: str) -> Tokenizer:
     else:
         directory = p.parent
     settings = _settings_beside(directory)
+    tok = _load_backend(p, settings)
+    if tok.chat_template is not None:
+        in_config = (
+            _read_json(directory / TOKENIZER_CONFIG).get("chat_template")
+            if (directory / TOKENIZER_CONFIG).is_file()
+            else None
+        )
+        tok.chat_template_file = str(directory / (TOKENIZER_CONFIG if in_config else CHAT_TEMPLATE_FILE))
+    return tok
+
+
+def _load_backend(p: Path, settings: Dict[str, Any]) -> Tokenizer:
     if p.suffix == ".json":
         try:
             text = p.read_text(encoding="utf-8")

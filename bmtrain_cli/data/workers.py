@@ -13,9 +13,12 @@ spawned; they only parse and tokenise, never touch Paddle. They rebuild the enco
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -54,6 +57,7 @@ class EncodeSpec:
     truncation: str = "left"
     bos_id: Optional[int] = None
     options: Any = None  # RenderOptions (data/turns.py)
+    chat_template_file: Optional[str] = None  # named in the chat template's errors
 
     @classmethod
     def of(
@@ -88,6 +92,7 @@ class EncodeSpec:
             truncation,
             tok.bos_id,
             encoder.options,
+            getattr(tok, "chat_template_file", None),
         )
 
     def build(self) -> Encoder:
@@ -97,6 +102,7 @@ class EncodeSpec:
         if isinstance(tok, tuple):
             kind, payload, settings = tok
             tok = kind(payload, settings)
+            tok.chat_template_file = self.chat_template_file
         if tok.fingerprint() != self.fingerprint:
             raise RuntimeError("a data worker rebuilt a different tokenizer than the trainer's")
         template = get_template(self.template, tok) if isinstance(self.template, str) else self.template
@@ -187,8 +193,31 @@ def encode_items(encoder: Encoder, spec: EncodeSpec, items: Sequence[Item]) -> E
     )
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a worker: die with the parent whatever kills it (SIGKILL too), and let SIGTERM end the worker.
+
+    A forked worker inherits the trainer's signal handlers (SIGTERM would run the trainer's graceful stop
+    in the worker, which then waits forever); Linux's parent-death signal kills it the moment its parent
+    thread exits, and the bounded waits in the loop (queue timeouts that check the parent pid) cover the
+    other platforms. Ctrl-C reaches the whole process group: the parent handles it and stops the workers.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the pid checks remain
+            pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(0)
+
+
 def _worker_main(spec: EncodeSpec, tasks: Any, results: Any, parent: int) -> None:
     """Encode tasks until told to stop; exit by itself when the parent is gone (e.g. killed)."""
+    _end_with_parent(parent)
 
     def put(answer: Tuple[str, Any]) -> bool:
         while os.getppid() == parent:
@@ -213,6 +242,9 @@ def _worker_main(spec: EncodeSpec, tasks: Any, results: Any, parent: int) -> Non
             return
         try:
             answer: Tuple[str, Any] = ("ok", encode_items(encoder, spec, items))
+        except UserError as exc:  # e.g. the chat template hit a limit: the parent says it in one line
+            put(("user error", str(exc)))
+            return
         except BaseException:
             put(("error", traceback.format_exc()))
             return
@@ -260,6 +292,8 @@ class OrderedPool:
                         f"data worker {k} died (exit code {self._procs[k].exitcode}); "
                         "lower data_workers if the machine ran out of memory"
                     ) from None
+        if status == "user error":
+            raise UserError(value)
         if status == "error":
             if "a data worker rebuilt a different tokenizer" in value:
                 raise UserError("a data worker rebuilt a different tokenizer than the trainer's")
@@ -275,7 +309,7 @@ class OrderedPool:
         it = iter(tasks)
         sent = got = 0
         limit = self.workers * self.depth
-        exhausted = False
+        exhausted = failed = False
         try:
             while True:
                 while not exhausted and sent - got < limit:
@@ -287,11 +321,15 @@ class OrderedPool:
                     sent += 1
                 if got == sent:
                     return
-                answer = self._get(got % self.workers)
+                try:
+                    answer = self._get(got % self.workers)
+                except Exception:
+                    failed = True
+                    raise
                 got += 1
                 yield answer
         finally:  # abandoned early: take the answers still in flight, so the next map starts clean
-            if all(p.is_alive() for p in self._procs):
+            if not failed and all(p.is_alive() for p in self._procs):
                 while got < sent:
                     self._get(got % self.workers)
                     got += 1

@@ -47,6 +47,10 @@ def load_model_and_tokenizer(model_path: Path, tokenizer_path: Optional[Path], d
     elif is_quantized(model_path):  # bmtrain export --format hf --quantize int8
         model = load_quantized(str(model_path))
     else:
+        from bmtrain_cli.models.arch import read_hf_config
+        from bmtrain_cli.plan.estimator import check_arch_fits
+
+        check_arch_fits(read_hf_config(str(model_path)), 2 if dtype in ("bfloat16", "float16") else 4)
         model = load_pretrained(model_path, dtype=dtype)
     if tokenizer.vocab_size > model.arch.vocab_size:
         raise UserError(

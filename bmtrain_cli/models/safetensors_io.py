@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -60,6 +60,8 @@ class SafetensorsFile:
             needed = max((int(v["data_offsets"][1]) for v in self.header.values()), default=0)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise UserError(f"{self.path}: not a readable safetensors file (bad header: {exc})") from None
+        for name, info in self.header.items():
+            self._check_entry(name, info)
         have = self.path.stat().st_size - self._offset
         if needed > have:
             raise UserError(
@@ -67,6 +69,31 @@ class SafetensorsFile:
                 f"tensor data, the file holds {max(have, 0)}); copy or download it again"
             )
         self._data: Optional[np.memmap] = None
+
+    def _check_entry(self, name: str, info: Any) -> None:
+        """A tensor's shape and dtype must fill its byte range exactly (else reading it fails to reshape)."""
+        try:
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            code = info["dtype"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(
+                f"{self.path}: not a readable safetensors file (bad entry {name}: {exc})"
+            ) from None
+        size = 2 if code == "BF16" else np.dtype(_NP_DTYPES[code]).itemsize if code in _NP_DTYPES else None
+        if size is None:
+            raise UserError(f"{self.path}: tensor {name} has unsupported dtype {code}")
+        if (
+            any(d < 0 for d in shape)
+            or start < 0
+            or end < start
+            or int(np.prod(shape, dtype=object)) * size != end - start
+        ):
+            raise UserError(
+                f"{self.path}: damaged safetensors header: tensor {name} of shape {shape} ({code}) needs "
+                f"{int(np.prod(shape, dtype=object)) * size} bytes, its byte range holds {end - start}; copy or "
+                "download the file again"
+            )
 
     def names(self) -> List[str]:
         return list(self.header)

@@ -321,6 +321,24 @@ def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:
     )
 
 
+def check_memory_fits(est: Optional[MemoryEstimate], allow_overcommit: bool) -> Optional[str]:
+    """Refuse, before anything is allocated, a run whose memory plan exceeds the device's (or, on a CPU,
+    the host's) memory, unless ``train_config.allow_memory_overcommit`` is set: then the warning to print.
+    None when it fits or there is no plan."""
+    from bmtrain_cli.errors import UserError
+
+    if est is None or est.fits:
+        return None
+    if allow_overcommit:
+        return memory_warning(est)
+    raise UserError(
+        f"the memory plan estimates {format_bytes(est.required)} per device, more than the "
+        f"{format_bytes(est.device.memory_bytes)} of {est.device.name}: refused before allocating; run "
+        "`bmtrain plan --config ... --search` for a layout that fits (recompute, sharding, offload, LoRA), "
+        "or set train_config.allow_memory_overcommit: true to start anyway"
+    )
+
+
 def weights_exceed_device(est: MemoryEstimate) -> bool:
     """The weights alone (not an estimate: their exact size; with stage dpo's frozen reference copy) are
     larger than the device's memory."""
@@ -330,17 +348,37 @@ def weights_exceed_device(est: MemoryEstimate) -> bool:
 def check_weights_fit(est: Optional[MemoryEstimate]) -> None:
     """Refuse, before anything is allocated, a model whose weights alone exceed the device's memory
     (building it would end in a MemoryError or the kernel's out-of-memory kill)."""
+    if est is not None and weights_exceed_device(est):
+        refuse_weights(
+            est.parameters + est.reference_weights,
+            est.device,
+            " (with the frozen reference copy of stage dpo)" if est.reference_weights else "",
+            f" (the memory plan estimates {format_bytes(est.required)} in all)",
+        )
+
+
+def refuse_weights(weight_bytes: int, device: Device, why: str = "", plan: str = "") -> None:
+    """The one refusal of weights that cannot fit (train's plan, generate's and eval's model)."""
     from bmtrain_cli.errors import UserError
 
-    if est is not None and weights_exceed_device(est):
-        raise UserError(
-            f"the model's weights alone need {format_bytes(est.parameters + est.reference_weights)} per device"
-            + (" (with the frozen reference copy of stage dpo)" if est.reference_weights else "")
-            + ", more than the "
-            f"{format_bytes(est.device.memory_bytes)} of {est.device.name} (the memory plan estimates "
-            f"{format_bytes(est.required)} in all); use a smaller model or more devices "
-            "(`bmtrain plan --config ... --search`)"
-        )
+    raise UserError(
+        f"the model's weights alone need {format_bytes(weight_bytes)} per device{why}, more than the "
+        f"{format_bytes(device.memory_bytes)} of {device.name}{plan}; use a smaller model or more devices "
+        "(`bmtrain plan --config ... --search`)"
+    )
+
+
+def check_arch_fits(arch: Any, bytes_per_param: int = 4, device: Optional[Device] = None) -> None:
+    """Refuse a model to load for inference (`generate`, `eval`) whose weights alone exceed this machine's
+    memory, by the same rule as train: e.g. a config.json with vocab_size 1e12. Does not import Paddle
+    when ``device`` is given."""
+    from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.plan.devices import detect_device
+
+    dev = device if device is not None else detect_device()
+    need = count_parameters(arch) * bytes_per_param
+    if dev.memory_bytes and need > dev.memory_bytes:
+        refuse_weights(need, dev, f" ({arch.vocab_size} vocabulary, {arch.num_hidden_layers} layers)")
 
 
 def default_device(config: Any) -> Device:

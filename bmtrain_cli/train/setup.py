@@ -347,7 +347,7 @@ def setup(
     import paddle
 
     from bmtrain_cli.parallel.topology import init_parallel
-    from bmtrain_cli.plan.estimator import check_weights_fit, memory_warning, training_estimate
+    from bmtrain_cli.plan.estimator import check_memory_fits, check_weights_fit, training_estimate
     from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
     from bmtrain_cli.train.optim import check_precision_supported
     from bmtrain_cli.train.saving import restore
@@ -371,7 +371,7 @@ def setup(
     longest = data.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
     plan = training_estimate(config, vocab_size=getattr(tokenizer, "vocab_size", None), seq_len=longest)
     check_weights_fit(plan)
-    warning = memory_warning(plan)
+    warning = check_memory_fits(plan, t.allow_memory_overcommit)
     if warning:
         console.say(warning)
     if not rt.has_gpu:

@@ -27,7 +27,9 @@ def test_init_lists_then_writes_a_config_that_validates(tmp_path, monkeypatch):
     r = runner.invoke(app, ["init", "quickstart"])
     assert r.exit_code == 0, r.output
     written = tmp_path / "quickstart.yaml"
-    assert written.read_text() == (REPO / "configs/quickstart.yaml").read_text()
+    shipped = (REPO / "configs/quickstart.yaml").read_text()
+    assert written.read_text() == shipped.replace("configs/quickstart.yaml", "quickstart.yaml")
+    assert "# Run:  bmtrain train --config quickstart.yaml" in written.read_text()
     assert "bmtrain train --config quickstart.yaml" in r.output
     assert runner.invoke(app, ["validate-config", "quickstart.yaml"]).exit_code == 0
     # never overwritten without --force

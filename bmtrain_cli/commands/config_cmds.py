@@ -33,7 +33,9 @@ def write_example(name: Optional[str], output: Optional[Path], force: bool) -> N
     if target.exists() and not force:
         raise UserError(f"{target} exists; pass --force to replace it, or --output another file")
     try:
-        target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+        # the header's "Run:" line names the file as it lies in a checkout; name the written one instead
+        text = source.read_text(encoding="utf-8").replace(f"configs/{source.stem}.yaml", str(target))
+        target.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot write {target}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {target} ({describe(source)})")

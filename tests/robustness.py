@@ -31,7 +31,8 @@ def assert_clean_exit(result: Any, what: str) -> None:
     if result.exit_code == 2:
         lines = [x for x in out.splitlines() if x.strip()]
         assert lines, f"{what}: exit 2 without a message"
-        if lines[0].startswith("Usage: ") or "─ Error ─" in lines[0]:
+        # click's usage error: "Usage: ..." then "Error: ...", or the "Error: ..." line alone
+        if lines[0].startswith(("Usage: ", "Error: ")) or "─ Error ─" in lines[0]:
             assert len(lines) <= 8 and any(u in out for u in USAGE_ERRORS), f"{what}:\n{out}"
             return
         errors = [x for x in lines if x.startswith("error: ") or ": error: " in x]

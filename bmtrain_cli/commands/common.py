@@ -20,6 +20,21 @@ def set_option() -> Any:
     return typer.Option(None, "--set", "-s", help=SET_HELP, metavar="KEY.PATH=VALUE")
 
 
+def tokenizer_path_option() -> Any:
+    """``--tokenizer_path`` of the commands that use a model directory (generate, eval, serve, chat)."""
+    return typer.Option(
+        None,
+        "--tokenizer_path",
+        "--tokenizer-path",
+        help="Tokenizer (sentencepiece .model, tokenizer.json or a directory); default: the model's.",
+    )
+
+
+def config_tokenizer_option() -> Any:
+    """``--tokenizer`` of the data commands, which otherwise take the config's."""
+    return typer.Option(None, "--tokenizer", help="Tokenizer path (overrides config).")
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print a user-facing error and exit (no traceback)."""
     typer.echo(message, err=True)

@@ -10,7 +10,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import typer
 
-from bmtrain_cli.commands.common import set_option, user_errors
+from bmtrain_cli.commands.common import config_tokenizer_option, set_option, user_errors
 from bmtrain_cli.errors import UserError
 
 
@@ -136,9 +136,7 @@ def register(app: typer.Typer) -> None:
     def prepare_data(
         config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
         data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Training JSONL."),
-        tokenizer: Optional[str] = typer.Option(
-            None, "--tokenizer", help="Tokenizer path (overrides config)."
-        ),
+        tokenizer: Optional[str] = config_tokenizer_option(),
         set_: Optional[List[str]] = set_option(),
     ) -> None:
         """Validate and tokenise the training (and eval) data once into the memory-mapped token cache."""
@@ -150,9 +148,7 @@ def register(app: typer.Typer) -> None:
     def data_stats_cmd(
         config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
         data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="JSONL to inspect."),
-        tokenizer: Optional[str] = typer.Option(
-            None, "--tokenizer", help="Tokenizer path (overrides config)."
-        ),
+        tokenizer: Optional[str] = config_tokenizer_option(),
         set_: Optional[List[str]] = set_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
         sample: Optional[int] = typer.Option(
@@ -192,9 +188,7 @@ def _register_preview(app: typer.Typer) -> None:
         config: Path = typer.Option(..., "--config", "-c", help="The config YAML file."),
         n: int = typer.Option(3, "-n", min=1, max=10_000, help="Records to show."),
         data_path: Optional[str] = typer.Option(None, "--data_path", "--data-path", help="Data to show."),
-        tokenizer: Optional[str] = typer.Option(
-            None, "--tokenizer", help="Tokenizer path (overrides config)."
-        ),
+        tokenizer: Optional[str] = config_tokenizer_option(),
         set_: Optional[List[str]] = set_option(),
     ) -> None:
         """Print the first records as the model sees them, trained tokens marked (colour on a terminal,

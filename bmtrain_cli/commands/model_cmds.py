@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import typer
 
-from bmtrain_cli.commands.common import user_errors
+from bmtrain_cli.commands.common import tokenizer_path_option, user_errors
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.export.any_model import load_model_and_tokenizer
 
@@ -106,12 +106,7 @@ def register(app: typer.Typer) -> None:
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
         template: str = typer.Option("auto", "--template", help="With --chat: auto or a built-in name."),
         seed: int = typer.Option(0, "--seed", min=0, help="Sampling seed (0 or more)."),
-        tokenizer_path: Optional[Path] = typer.Option(
-            None,
-            "--tokenizer_path",
-            "--tokenizer-path",
-            help="Tokenizer (sentencepiece .model, tokenizer.json or a directory); default: the model's.",
-        ),
+        tokenizer_path: Optional[Path] = tokenizer_path_option(),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Generate text from a prompt (KV-cached incremental decoding)."""
@@ -174,12 +169,7 @@ def register(app: typer.Typer) -> None:
         data_format: str = typer.Option(
             "auto", "--data_format", "--data-format", help="auto, input_output, alpaca, chat or text."
         ),
-        tokenizer_path: Optional[Path] = typer.Option(
-            None,
-            "--tokenizer_path",
-            "--tokenizer-path",
-            help="Tokenizer (sentencepiece .model, tokenizer.json or a directory); default: the model's.",
-        ),
+        tokenizer_path: Optional[Path] = tokenizer_path_option(),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
         exact_match: bool = typer.Option(
             True,

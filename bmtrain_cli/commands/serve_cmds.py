@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple
 
 import typer
 
-from bmtrain_cli.commands.common import user_errors
+from bmtrain_cli.commands.common import tokenizer_path_option, user_errors
 from bmtrain_cli.commands.model_cmds import MODEL_HELP
 from bmtrain_cli.errors import UserError
 
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
             64, "--max-queue", "--max_queue", min=1, help="Requests waiting at most."
         ),
         template: str = typer.Option("auto", "--template", help="Chat template: auto or a built-in name."),
-        tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
+        tokenizer_path: Optional[Path] = tokenizer_path_option(),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /."""
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", min=0),
         system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
         template: str = typer.Option("auto", "--template", help="Chat template: auto or a built-in name."),
-        tokenizer_path: Optional[Path] = typer.Option(None, "--tokenizer_path", "--tokenizer-path"),
+        tokenizer_path: Optional[Path] = tokenizer_path_option(),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Chat with the model in the terminal (streamed replies, multi-turn)."""

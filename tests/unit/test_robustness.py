@@ -62,6 +62,9 @@ FIELDS = [(section, name) for section, model in SECTION_MODELS.items() for name 
 
 def _validate(tmp_path: Path, data: Dict[str, Any]) -> Any:
     path = tmp_path / "mutated.yaml"
+    if data.get("train_config", {}).get("data_path") == "train.jsonl":  # validate-config wants it to exist
+        (tmp_path / "train.jsonl").write_text('{"input": "a", "output": "b"}\n', encoding="utf-8")
+        data = {**data, "train_config": {**data["train_config"], "data_path": str(tmp_path / "train.jsonl")}}
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return CliRunner().invoke(app, ["validate-config", str(path)])
 

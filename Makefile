@@ -63,13 +63,13 @@ bench: venv
 kernels: venv
 	$(PY) -m bmtrain_cli.ops.build
 
-# A separate environment with torch (CPU) + transformers, used only by the Hugging Face interop tests
+# A separate environment with torch (CPU) + transformers (+ gguf, lm-eval), used only by the interop tests
 # (they skip without it) and by tests/fixtures/hf/make_fixtures.py. Never installed into .venv.
 REF_VENV ?= .venv-ref
 ref-venv: $(REF_VENV)/.installed
 $(REF_VENV)/.installed:
 	@test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
-	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf
+	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval
 	@touch $@
 
 clean:

@@ -64,7 +64,8 @@ def generate(
     use_cache: bool = True,
     on_token: Optional[TokenCallback] = None,
 ) -> List[List[int]]:
-    """New token ids for each prompt (stopping after ``eos_token_id``, which is included).
+    """New token ids for each prompt (stopping after ``eos_token_id``, which is included, and before the
+    longest prompt's positions pass the model's max_position_embeddings).
 
     ``on_token(row, token)`` is called for each new token as soon as it is chosen (streaming); when it
     returns True that row stops there (a stop string, a client gone). ``use_cache=False`` recomputes the
@@ -81,7 +82,7 @@ def generate(
     done = np.zeros(len(prompts), dtype=bool)
     step_ids, step_pos = ids, pos
     try:
-        for _ in range(max_new_tokens):
+        for _ in range(min(max_new_tokens, model.arch.max_position_embeddings - ids.shape[1])):
             logits = model(
                 paddle.to_tensor(step_ids),
                 attention_mask=paddle.to_tensor(mask),

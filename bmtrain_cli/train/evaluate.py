@@ -4,61 +4,35 @@ perplexity are models/scoring.py's.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import numpy as np
-import paddle
+from bmtrain_cli.models.generate import generate
 
 
-@paddle.no_grad()
 def greedy_complete(
     model: Any,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
     eos_id: Optional[int],
-    pad_id: int = 0,
     batch_size: int = 64,
+    give_up: Optional[Callable[[int, List[int]], bool]] = None,
 ) -> List[List[int]]:
-    """Greedy continuation of each prompt (left-padded batches, full re-encoding per token: the prompts
-    and answers of an evaluation set are short, so this costs little and needs no cache)."""
-    was_training = model.training
-    model.eval()
+    """Greedy continuation of each prompt, without its ``eos_id``: models/generate.generate (KV-cached,
+    left-padded batches of ``batch_size``), which stops at ``eos_id``, after ``max_new_tokens`` or where the
+    model's positions end; and a row stops after the token for which ``give_up(prompt index, its tokens so
+    far)`` is true."""
     results: List[List[int]] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = [list(p) for p in prompts[start : start + batch_size]]
-            outs: List[List[int]] = [[] for _ in chunk]
-            done = [False] * len(chunk)
-            for _ in range(max_new_tokens):
-                seqs = [p + o for p, o in zip(chunk, outs)]
-                width = max(len(s) for s in seqs)
-                ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-                mask = np.zeros((len(seqs), width), dtype=np.int64)
-                pos = np.zeros((len(seqs), width), dtype=np.int64)
-                for i, s in enumerate(seqs):
-                    ids[i, width - len(s) :] = s
-                    mask[i, width - len(s) :] = 1
-                    pos[i, width - len(s) :] = np.arange(len(s))
-                logits = model(
-                    paddle.to_tensor(ids),
-                    attention_mask=paddle.to_tensor(mask),
-                    position_ids=paddle.to_tensor(pos),
-                )
-                nxt = paddle.argmax(logits[:, -1, :].astype("float32"), axis=-1).numpy().tolist()
-                for i, tok in enumerate(nxt):
-                    if done[i]:
-                        continue
-                    if eos_id is not None and tok == eos_id:
-                        done[i] = True
-                    else:
-                        outs[i].append(int(tok))
-                if all(done):
-                    break
-            results.extend(outs)
-    finally:
-        if was_training:
-            model.train()
+    for start in range(0, len(prompts), batch_size):
+        so_far: Dict[int, List[int]] = {}
+
+        def on_token(row: int, token: int, start: int = start, so_far: Dict[int, List[int]] = so_far) -> bool:
+            so_far.setdefault(row, []).append(token)
+            return give_up is not None and give_up(start + row, so_far[row])
+
+        chunk = prompts[start : start + batch_size]
+        outs = generate(model, chunk, max_new_tokens, eos_token_id=eos_id, on_token=on_token)
+        results.extend(o[:-1] if eos_id is not None and o and o[-1] == eos_id else o for o in outs)
     return results
 
 
@@ -72,7 +46,10 @@ def answer_accuracy(
     max_new_tokens: int = 8,
     batch_size: int = 64,
 ) -> Dict[str, Any]:
-    """Share of records whose greedy answer equals the expected one (whitespace-stripped)."""
+    """Share of records whose greedy answer equals the expected one (whitespace-stripped). A record's
+    decoding stops as soon as its text can no longer become the expected answer (the text so far, less an
+    unfinished character, is not a start of it), so ``got`` in the examples ends at the first wrong
+    token."""
     from bmtrain_cli.data.encode import encode_prompt
 
     prompts, answers = [], []
@@ -84,14 +61,17 @@ def answer_accuracy(
         answers.append(answer.strip())
     if not prompts:
         return {"accuracy": float("nan"), "n": 0, "examples": []}
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+
+    def cannot_match(i: int, tokens: List[int]) -> bool:
+        return not answers[i].startswith(tokenizer.decode(tokens).rstrip("\ufffd").strip())
+
     outs = greedy_complete(
         model,
         prompts,
         max_new_tokens=max_new_tokens,
         eos_id=tokenizer.eos_id,
-        pad_id=pad,
         batch_size=batch_size,
+        give_up=cannot_match,
     )
     preds = [tokenizer.decode(o).strip() for o in outs]
     correct = sum(p == a for p, a in zip(preds, answers))

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
-from bmtrain_cli.models import build, save_pretrained
+from bmtrain_cli.models import build, load_pretrained, save_pretrained
 from bmtrain_cli.models.generate import generate, sample_next
 from tests.unit.models.tiny import TINY
 
@@ -58,6 +58,23 @@ def test_cached_logits_equal_full_forward():
     for t in range(5, 8):
         parts.append(m(ids[:, t : t + 1], cache=cache).numpy())
     np.testing.assert_allclose(np.concatenate(parts, axis=1), full, atol=2e-5)
+
+
+def test_decoding_stops_where_the_positions_end():
+    """A huge max_new_tokens (eval --max_new_tokens 10**22) ends where the longest prompt fills
+    max_position_embeddings, in generate and in the evaluation's greedy completion (which drops the eos)."""
+    from bmtrain_cli.train.evaluate import greedy_complete
+
+    m = _model(replace(TINY, max_position_embeddings=12))
+    prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
+    outs = generate(m, prompts, max_new_tokens=10**22)
+    assert [len(o) for o in outs] == [6, 6]
+    assert greedy_complete(m, prompts, max_new_tokens=10**22, eos_id=None) == outs
+    assert [len(o) for o in greedy_complete(m, prompts[1:], max_new_tokens=10**22, eos_id=None)] == [10]
+    eos = outs[0][2]
+    got = greedy_complete(m, prompts[:1], max_new_tokens=10**22, eos_id=eos)
+    assert got == [outs[0][: outs[0].index(eos)]]
+    assert greedy_complete(m, [list(range(1, 13))], max_new_tokens=5, eos_id=None) == [[]]
 
 
 def test_eos_stops_and_sampling_rules():
@@ -119,7 +136,6 @@ def test_generate_command(model_dir):
 
 def test_eval_command(model_dir, tmp_path):
     from bmtrain_cli.data.tokenizers import load_tokenizer
-    from bmtrain_cli.models import load_pretrained
 
     data = tmp_path / "d.jsonl"
     data.write_text(
@@ -187,3 +203,24 @@ def test_half_precision_on_cpu_is_a_clear_error(model_dir):
         app, ["generate", "--model_path", str(model_dir), "--prompt", "x", "--dtype", "bfloat16"]
     )
     assert r.exit_code == 2 and "needs a GPU" in r.output and "Traceback" not in r.output
+
+
+def test_exact_match_stops_hopeless_answers_early_with_the_same_accuracy(model_dir):
+    """answer_accuracy stops a record's decoding once its text cannot become the answer; the accuracy
+    equals the one from decoding every record to the end."""
+    from bmtrain_cli.data.encode import encode_prompt
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.train.evaluate import answer_accuracy, greedy_complete
+
+    tok, m = load_tokenizer(str(model_dir)), load_pretrained(model_dir)
+    inputs = [f"{a} + {a} =" for a in range(8)]
+    prompts = [encode_prompt({"input": x, "output": "-"}, tok, "auto", "auto")[0] for x in inputs]
+    full = [tok.decode(o).strip() for o in greedy_complete(m, prompts, max_new_tokens=12, eos_id=tok.eos_id)]
+    assert all(len(f) > 2 for f in full)
+    # the model's own answer (matches), the same with a late change, and a different first character
+    outputs = [f if i % 3 == 0 else f[:-1] + "#" if i % 3 == 1 else "#" + f for i, f in enumerate(full)]
+    records = [{"input": x, "output": y} for x, y in zip(inputs, outputs)]
+    acc = answer_accuracy(m, tok, records, max_new_tokens=12)
+    assert acc["n"] == 8 and acc["accuracy"] == sum(i % 3 == 0 for i in range(8)) / 8
+    assert [e["got"] for e in acc["examples"]][::3] == full[:5][::3]
+    assert all(full[i].startswith(e["got"]) for i, e in enumerate(acc["examples"]))

@@ -69,7 +69,7 @@ REF_VENV ?= .venv-ref
 ref-venv: $(REF_VENV)/.installed
 $(REF_VENV)/.installed:
 	@test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
-	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval
+	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval accelerate
 	@touch $@
 
 clean:

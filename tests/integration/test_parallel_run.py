@@ -92,7 +92,8 @@ def test_bmtrain_run_tensor_parallel_from_a_checkpoint(tmp_path, single, name, n
     ckpt = out / "checkpoints" / "step-3"
     whole = load_pretrained(str(ckpt), kernels="reference")  # tp1 reads the tp2 checkpoint
     ref = load_pretrained(str(ref_out / "checkpoints" / "step-3"), kernels="reference")
-    # AdamW normalises each gradient, so an element whose gradient is ~0 moves by up to lr from summation-
-    # order noise alone: 1e-4 (1% of the lr) still catches a wrong shard (its weights are off by ~1e-2)
+    # AdamW normalises each gradient, so an element whose gradient is ~0 moves by up to lr (1e-2) from
+    # summation-order noise alone (seen: 2e-4 on one element of 2048); 1e-3 (10% of the lr) still catches
+    # a wrong shard, whose weights are off by ~1e-2 nearly everywhere
     for (n, a), (_, b) in zip(whole.state_dict().items(), ref.state_dict().items()):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-4, err_msg=n)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-3, err_msg=n)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 
@@ -43,9 +45,9 @@ def stop_on_signals() -> None:
     """Right after Paddle is imported (it installs C++ handlers that print a fatal-signal dump and end the
     process without flushing what was printed): SIGINT/SIGTERM end setup as a clean exit 130/143 through
     the usual paths (the output_dir lock released, printed lines flushed). The training loop replaces
-    these with its own (save, then stop: train/stopping.py) and puts them back after."""
+    these with its own (save, then stop: train/stopping.py) and puts them back after; train_main puts
+    back the caller's when it returns (restored_signals)."""
     import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
@@ -63,6 +65,21 @@ def stop_on_signals() -> None:
         signal.signal(sig, stop)
 
 
+@contextlib.contextmanager
+def restored_signals() -> Iterator[None]:
+    """SIGINT/SIGTERM handlers as they were before, once the block ends (an in-process run, e.g. the
+    Python API or a test, leaves the caller's Ctrl-C as it found it)."""
+    import signal
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
 def train_main(
     config: str,
     set_: Optional[List[str]] = None,
@@ -71,34 +88,35 @@ def train_main(
     resume: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    from bmtrain_cli.config import load_config
-    from bmtrain_cli.parallel.context import launched_world_size
+    with restored_signals():  # the handlers set below are this run's
+        from bmtrain_cli.config import load_config
+        from bmtrain_cli.parallel.context import launched_world_size
 
-    stop_on_signals()  # before Paddle's import, which is the longest part of setup
-    default_threads()
-    from bmtrain_cli.quiet import import_paddle
+        stop_on_signals()  # before Paddle's import, which is the longest part of setup
+        default_threads()
+        from bmtrain_cli.quiet import import_paddle
 
-    import_paddle()
-    stop_on_signals()  # again: importing Paddle replaced them
-    overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
-    world = launched_world_size()
-    loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
-    for w in loaded.warnings:
-        typer.echo("  " + w.format(), err=True)
-    resolved = Path(loaded.config.train.output_dir) / "config.yaml"
-    if resolved.is_file() and os.path.samefile(resolved, loaded.source):
-        raise UserError(
-            f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
-            "config; choose another --output_dir or copy the config elsewhere"
-        )
-    from bmtrain_cli.checkpoint_layout import own_output_dir
-    from bmtrain_cli.train.run import run_training
+        import_paddle()
+        stop_on_signals()  # again: importing Paddle replaced them
+        overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
+        world = launched_world_size()
+        loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
+        for w in loaded.warnings:
+            typer.echo("  " + w.format(), err=True)
+        resolved = Path(loaded.config.train.output_dir) / "config.yaml"
+        if resolved.is_file() and os.path.samefile(resolved, loaded.source):
+            raise UserError(
+                f"the config file {config} is output_dir's config.yaml, which the run replaces with the resolved "
+                "config; choose another --output_dir or copy the config elsewhere"
+            )
+        from bmtrain_cli.checkpoint_layout import own_output_dir
+        from bmtrain_cli.train.run import run_training
 
-    # one run owns output_dir (taken before anything there is read, replaced or deleted); under a
-    # multi-node launch without a launcher-held lock, global rank 0 holds it for the job
-    take = world <= 1 or os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
-    with own_output_dir(Path(loaded.config.train.output_dir), take=take):
-        return run_training(loaded)
+        # one run owns output_dir (taken before anything there is read, replaced or deleted); under a
+        # multi-node launch without a launcher-held lock, global rank 0 holds it for the job
+        take = world <= 1 or os.environ.get("PADDLE_TRAINER_ID", "0") == "0"
+        with own_output_dir(Path(loaded.config.train.output_dir), take=take):
+            return run_training(loaded)
 
 
 def register(app: typer.Typer) -> None:

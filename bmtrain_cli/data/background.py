@@ -64,9 +64,14 @@ def in_background(
             yield item
     finally:
         stop.set()
-        while t.is_alive():
-            try:
-                q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        t.join()
+        try:
+            while t.is_alive():
+                try:
+                    q.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            t.join()
+        except KeyboardInterrupt:
+            # a second Ctrl-C while the reader stops (often in a garbage-collected close, where it would
+            # print a traceback): the daemon thread sees ``stop`` and ends on its own
+            pass

@@ -173,7 +173,15 @@ def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = No
     from paddle.distributed.sharding import group_sharded_parallel
 
     kwargs = group_sharded_arguments(ctx.config)
-    group = ctx.hcg.get_sharding_parallel_group() if ctx.hcg is not None else None
-    model, optimizer, scaler = group_sharded_parallel(model, optimizer, scaler=scaler, group=group, **kwargs)
+    group = dp_group = None
+    if ctx.hcg is not None:
+        group = ctx.hcg.get_sharding_parallel_group()
+        # data parallel x sharding: Paddle all-reduces the sharded gradients over the data-parallel group
+        # only when it is given one (without it the data-parallel replicas would drift apart)
+        if ctx.hcg.get_data_parallel_world_size() > 1:
+            dp_group = ctx.hcg.get_data_parallel_group()
+    model, optimizer, scaler = group_sharded_parallel(
+        model, optimizer, scaler=scaler, group=group, dp_group=dp_group, **kwargs
+    )
     # the sum over data ranks comes from the loss (backward_factor): the reduced gradients are not rescaled
     return model, GradSumOptimizer(optimizer, ctx, factor=1.0), scaler

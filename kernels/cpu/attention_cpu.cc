@@ -9,8 +9,10 @@
 // Work items are (batch, kv head[, chunk]): an item packs its K and V once (K^T and V^T [d, s] for the
 // score tiles, K and V [s, d] for the row products, zero-padded to whole tiles) and runs every block of
 // its rep query heads, so its K/V gradients are private (a thread's buffer, written out at the item's
-// end). When b * hk would leave threads idle, an item's query blocks are dealt round-robin to several
-// chunks, each with its own K/V gradient buffers, summed after the parallel loop. The micro-kernels
+// end). When b * hk is below kItems (threads would idle), an item's query blocks are dealt round-robin to
+// several chunks, each with its own K/V gradient buffers, summed in chunk order after the parallel loop.
+// The chunking depends on the shape alone, never on the thread count, so the gradients are the same bits
+// for any OMP_NUM_THREADS and any scheduling. The micro-kernels
 // hold a kQB x kKB (or kQB x kDC) accumulator tile in registers (compile-time sizes, so GCC unrolls and
 // vectorises them); the exp is simd_math.h's.
 #include <algorithm>
@@ -19,10 +21,6 @@
 #include <limits>
 #include <unordered_map>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "bmt_kernels.h"
 #include "parallel.h"
@@ -36,13 +34,7 @@ constexpr int kDC = 16;  // head-dim columns per row-product tile
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
+constexpr int64_t kItems = 64;  // work items wanted for a parallel call (enough for 16 threads x 4)
 
 struct Shape {
   int64_t b, s, h, hk, d, rep;
@@ -58,10 +50,9 @@ Shape make_shape(int64_t b, int64_t s, int64_t h, int64_t hk, int64_t d) {
   Shape sh{b, s, h, hk, d, h / hk, round_up(s, kKB), round_up(d, kDC), false, 1};
   // multiply-adds of one causal score pass: tiny calls stay on one thread (parallel.h)
   sh.parallel = b * h * s * (s + 1) / 2 * d >= bmt::kParallelMin;
-  const int64_t nt = sh.parallel ? max_threads() : 1;
   const int64_t pairs = b * hk;
-  if (nt > 1 && pairs % nt != 0 && pairs < 4 * nt)
-    sh.chunks = std::min((4 * nt + pairs - 1) / pairs, std::max<int64_t>(1, sh.rep * sh.qblocks()));
+  if (sh.parallel && pairs < kItems)
+    sh.chunks = std::min((kItems + pairs - 1) / pairs, std::max<int64_t>(1, sh.rep * sh.qblocks()));
   return sh;
 }
 

@@ -9,10 +9,6 @@
 #include <cstring>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "bmt_kernels.h"
 #include "parallel.h"
 #include "simd_math.h"
@@ -21,22 +17,6 @@ namespace {
 
 constexpr int64_t kBlock = 4096;
 using bmt::kParallelMin;  // parallel.h: one thread below it
-
-inline int num_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-inline int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 using bmt::exp_approx;  // simd_math.h
 
@@ -67,18 +47,24 @@ void rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64
   }
 }
 
+// The weight gradient sums dy * x * rstd over the rows. The rows are cut into kDwBlocks blocks fixed by
+// the row count alone; each block is summed in row order into its own slot, and the slots are added in
+// block order: the result is the same for any thread count and any scheduling (bit-reproducible runs).
+constexpr int64_t kDwBlocks = 64;
+
 template <typename T>
 void rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw, int64_t rows,
                   int64_t cols) {
   using A = typename Acc<T>::type;
   const bool par = rows * cols >= kParallelMin;
-  const int nt = par ? num_threads() : 1;
-  std::vector<A> parts(static_cast<size_t>(nt) * cols, static_cast<A>(0));
-#pragma omp parallel if (par)
-  {
-    A* dwp = parts.data() + static_cast<int64_t>(thread_id()) * cols;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+  const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(kDwBlocks, rows));
+  const int64_t per = (rows + nblocks - 1) / nblocks;
+  std::vector<A> parts(static_cast<size_t>(nblocks) * cols, static_cast<A>(0));
+#pragma omp parallel for schedule(static) if (par)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    A* dwp = parts.data() + b * cols;
+    const int64_t end = std::min(rows, (b + 1) * per);
+    for (int64_t r = b * per; r < end; ++r) {
       const T* xr = x + r * cols;
       const T* dyr = dy + r * cols;
       T* dxr = dx + r * cols;
@@ -97,7 +83,7 @@ void rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx,
 #pragma omp parallel for schedule(static) if (par && cols >= 4096)
   for (int64_t c = 0; c < cols; ++c) {
     A s = 0;
-    for (int t = 0; t < nt; ++t) s += parts[static_cast<int64_t>(t) * cols + c];
+    for (int64_t b = 0; b < nblocks; ++b) s += parts[b * cols + c];
     dw[c] = static_cast<T>(s);
   }
 }

@@ -4,6 +4,11 @@
 // The tensors are cut into chunks of at most kChunk elements and one OpenMP region sums the chunks (in
 // double), so a model's few hundred gradients cost one parallel region, not one per tensor, and no squared
 // copy is allocated (Paddle's square + sum writes a temporary the size of every gradient).
+//
+// Deterministic: each chunk's sum goes to its own slot and the slots are added in chunk order on one
+// thread, so the result depends only on the tensors, never on the thread count or on which thread
+// finishes first (an OpenMP `reduction` combines the threads' sums in an unspecified order).
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -30,16 +35,18 @@ double sum_squares(const void* const* ptrs, const int64_t* sizes, int64_t count)
     total += sizes[t];
   }
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
-  double acc = 0.0;
-#pragma omp parallel for schedule(static) reduction(+ : acc) if (total >= kParallelMin)
+  std::vector<double> slots(static_cast<size_t>(nchunks), 0.0);
+#pragma omp parallel for schedule(static) if (total >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
     const T* p = chunks[c].p;
     const int64_t n = chunks[c].n;
     T part = T(0);  // a chunk in the tensor's own precision (vectorised), the chunks in double
 #pragma omp simd reduction(+ : part)
     for (int64_t i = 0; i < n; ++i) part += p[i] * p[i];
-    acc += static_cast<double>(part);
+    slots[c] = static_cast<double>(part);
   }
+  double acc = 0.0;
+  for (int64_t c = 0; c < nchunks; ++c) acc += slots[c];
   return acc;
 }
 

@@ -210,9 +210,12 @@ def test_sigterm_saves_a_checkpoint(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(recipe, "train_step", step_then_signal)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     res = CliRunner().invoke(app, ["train", "--config", _config(tmp_path, steps=8)])
     assert res.exit_code == 143, res.output
     assert "SIGTERM received: stopped at step 2/8" in res.output
+    # the in-process run leaves the caller's handlers as it found them
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     ck = tmp_path / "out" / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step-2"
 

@@ -74,6 +74,37 @@ def test_group_sharded_gets_the_scaler_and_returns_paddles(monkeypatch):
     assert seen["scaler"] is scaler and seen["level"] == "os_g"
     assert got == ("GroupShardedScaler", scaler)
     assert isinstance(opt, sharding.GradSumOptimizer)
+    assert seen["group"] is None and seen["dp_group"] is None  # one process: no groups
+
+
+class _Hcg:
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_sharding_parallel_group(self) -> str:
+        return "sharding-group"
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self) -> str:
+        return "dp-group"
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_group_sharded_reduces_over_the_data_parallel_group_too(monkeypatch, dp):
+    """data_parallel x sharding stage 2/3: group_sharded_parallel gets the data-parallel group, whose
+    all-reduce (averaging, like the sharding reduce) the loss's data_world factor turns into the sum."""
+    import paddle.distributed.sharding as pds
+
+    seen = {}
+    monkeypatch.setattr(pds, "group_sharded_parallel", lambda m, o, **kw: seen.update(kw) or (m, o, None))
+    par = {"data_parallel": dp, "sharding_parallel": 2, "sharding_stage": 3}
+    ctx = ParallelContext(world_size=2 * dp, data_world=2 * dp, hcg=_Hcg(dp), config=_cfg(par))
+    ctx.wrap_model_and_optimizer("model", "opt", None)
+    assert seen["group"] == "sharding-group"
+    assert seen["dp_group"] == ("dp-group" if dp > 1 else None)
+    assert sharding.backward_factor(ctx) == 2 * dp
 
 
 class _RecordingPrecision:

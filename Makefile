@@ -47,6 +47,7 @@ test-all: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy
 
 # Repeated code in bmtrain_cli/ against a small allowance (.ci/duplicates-check; skipped, and says so,
 # where the `duplicates` command is not installed).

@@ -66,7 +66,7 @@ def shard_staging_dir(root: Path, step: int) -> Path:
 def step_dirs(root: Path) -> List[Tuple[int, Path]]:
     """Complete checkpoints under ``root`` as (step, path), oldest first."""
     root = Path(root)
-    out = []
+    out: List[Tuple[int, Path]] = []
     if not root.is_dir():
         return out
     for child in root.iterdir():
@@ -176,7 +176,7 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """``write(tmp)`` a hidden temporary beside ``path``, fsync it and rename it to ``path``: ``path`` is
     the old or the new complete file, never a part. A failure (e.g. a full disk) removes the temporary."""
     path = Path(path)

@@ -71,6 +71,7 @@ class PipelineLoss:
         self.row_sums: List[float] = []
 
     def __call__(self, output: Any, labels: Any) -> Any:
+        assert self.loss_fn is not None  # train_step sets it before fleet's train_batch calls this
         loss = scalar_loss(self.loss_fn(output, labels))
         rows = int(labels.shape[0])
         self.row_sums.append(float(loss) * rows)

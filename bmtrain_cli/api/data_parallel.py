@@ -16,6 +16,7 @@ def DataParallel(model: Any, group_size: Optional[int] = None, sharding_stage: O
     optimizer state is split over sharding_parallel ranks (fleet's sharding optimizer); stages 2/3 are
     available through ``bmtrain train`` (parallel_config.sharding_stage) only."""
     ctx = context("DataParallel")
+    assert ctx.config is not None  # init_distributed's context holds its layout as a config
     par = ctx.config.parallel
     if group_size is not None and group_size != ctx.data_world:
         raise UserError(

@@ -158,6 +158,7 @@ def init_distributed_mode() -> DistributedMode:
     from bmtrain_cli.machine import gpu_available
 
     ctx = _CTX if _CTX is not None else init_distributed()
+    assert ctx.config is not None  # init_distributed's context holds its layout as a config
     par = ctx.config.parallel
     gpu = gpu_available()
     cuda = paddle.version.cuda()

@@ -84,7 +84,7 @@ def _pipeline_step(
     hook: PipelineLoss,
     inputs: Any,
     labels: Any,
-    loss_fn: Optional[Callable[[Any, Any], Any]],
+    loss_fn: Callable[[Any, Any], Any],
     wrapped: Any,
     total_rows: float,
 ) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Set, Tuple
 
 from bmtrain_cli.api.common import broadcast_parameters, has_parameters, linear_types, spec_of
 from bmtrain_cli.api.distributed import context
@@ -87,12 +87,12 @@ def resolve_plan(model: Any, plan: Optional[Mapping[str, str]], degree: int) -> 
                 f"{', '.join(layers) or 'none'})"
             )
     for n, layer in layers.items():
-        kind = next((k for p, k in (plan or {}).items() if fnmatch.fnmatchcase(n, p)), None)
-        if kind is None:
+        picked = next((k for p, k in (plan or {}).items() if fnmatch.fnmatchcase(n, p)), None)
+        if picked is None:
             continue
-        _check_kind(n, layer, kind, degree)
-        kinds[n] = kind
-    paired = set()
+        _check_kind(n, layer, picked, degree)
+        kinds[n] = picked
+    paired: Set[str] = set()
     for na, a, nb, b in _adjacent_linears(model):
         if kinds[na] == "column" and kinds[nb] == "row" and _in_out(a)[1] == _in_out(b)[0]:
             paired.update((na, nb))
@@ -185,8 +185,9 @@ def _split_layer(old: Any, split: Split, group: Any, rank: int, degree: int) -> 
 
     weight = old.weight
     bias = getattr(old, "bias", None)
+    new: paddle.nn.Layer
     previous_dtype = paddle.get_default_dtype()
-    paddle.set_default_dtype(str(weight.dtype).replace("paddle.", ""))
+    paddle.set_default_dtype(str(weight.dtype).replace("paddle.", ""))  # type: ignore[arg-type]  # a dtype name
     try:
         if split.kind == "vocab":
             new = VocabParallelEmbedding(int(weight.shape[0]), int(weight.shape[1]), mp_group=group)

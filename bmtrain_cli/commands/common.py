@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 import typer
 
@@ -77,6 +77,7 @@ def user_errors(fn: F) -> F:
 def refuse_undecodable(params: Dict[str, Any]) -> None:
     """Command-line bytes that are not UTF-8 (a Latin-1 file name, a binary paste) reach Python as lone
     surrogates, which cannot be printed, written or tokenised: refuse them, naming the option."""
+    values: Sequence[Any]
     for name, value in params.items():
         if isinstance(value, typer.Context):  # `bmtrain run` passes its extra arguments on
             where, values = "argument", list(value.args)

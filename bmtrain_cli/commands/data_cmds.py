@@ -6,12 +6,15 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple, Union
 
 import typer
 
 from bmtrain_cli.commands.common import config_tokenizer_option, set_option, user_errors
 from bmtrain_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from bmtrain_cli.preference.loader import PreferenceLoader
 
 
 def _overrides(set_: Optional[List[str]], data_path: Optional[str]) -> List[str]:
@@ -57,6 +60,7 @@ def _load(
             from bmtrain_cli.preference.demo import write_demo_pairs
 
             pairs = Path(inputs["tmp"]) / "pairs"
+            assert cfg.train.demo_data is not None  # no data_path: the demo data (checked above)
             write_demo_pairs(str(pairs), task=cfg.train.demo_data, seed=0)
             inputs["data"] = str(pairs / "pairs_train.jsonl")
         typer.echo(
@@ -102,19 +106,22 @@ def _sampled_stats(cfg: Any, tok: Any, n: int) -> Any:
 
 def _prepare(cfg: Any, tok: Any) -> None:
     """prepare-data: tokenise each split into the token cache and say what was done."""
-    from bmtrain_cli.data.loader import build_loader
+    from bmtrain_cli.data.loader import Loader, build_loader
 
     if cfg.train.streaming is True:
         typer.echo("note: this config streams (streaming: true), so training will not read this cache")
     splits = ["train"] + (["eval"] if cfg.train.eval_data_path else [])
     for split in splits:
         t0 = time.perf_counter()
+        loader: Union[PreferenceLoader, Loader]
         if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
             from bmtrain_cli.preference.loader import build_preference_loader
 
             loader = build_preference_loader(cfg, tok, split=split)
         else:
-            loader = build_loader(cfg, tok, split=split, streaming=False)
+            cached = build_loader(cfg, tok, split=split, streaming=False)
+            assert isinstance(cached, Loader)  # streaming=False: always the token cache
+            loader = cached
         st = loader.stats()
         for s in loader.dataset.stores:
             state = "tokenised" if s.built else "reused"

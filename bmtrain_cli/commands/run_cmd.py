@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Set, Tuple
 
 import typer
+import typer.core
 
 from bmtrain_cli.commands.common import user_errors
 from bmtrain_cli.errors import UserError
@@ -101,7 +102,12 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.parallel.launch import plan_launch, run_plan
 
         extra = list(ctx.args)
-        train_cmd = ctx.parent.command.get_command(ctx.parent, "train") if ctx.parent else None
+        parent = ctx.parent
+        train_cmd = (
+            parent.command.get_command(parent, "train")
+            if parent is not None and isinstance(parent.command, typer.core.TyperGroup)
+            else None
+        )
         train_options = (
             {opt for p in train_cmd.params for opt in p.opts + p.secondary_opts} if train_cmd else None
         )

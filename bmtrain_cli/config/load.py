@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from bmtrain_cli.config.examples import example_path
 from bmtrain_cli.config.schema import SECTION_MODELS, Config
@@ -266,7 +267,7 @@ def _short_input(value: Any) -> str:
 
 
 def _problem_from_pydantic(
-    err: Dict[str, Any], positions: Dict[Loc, Pos], file_section: Dict[str, str]
+    err: ErrorDetails, positions: Dict[Loc, Pos], file_section: Dict[str, str]
 ) -> Problem:
     loc: Loc = tuple(str(x) for x in err["loc"] if not str(x).startswith("function-"))
     # pydantic reports union members (e.g. "str", "list[str]") as loc parts; drop them.
@@ -453,7 +454,7 @@ def load_config(
         config = validate_data(data, positions)
         early: List[Problem] = []
     except ConfigError as exc:
-        if exc.partial is None:
+        if not isinstance(exc.partial, Config):  # None: nothing valid to check further
             raise
         config, early = exc.partial, exc.problems
         emptied = getattr(exc, "emptied_sections", set())

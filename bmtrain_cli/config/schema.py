@@ -7,7 +7,7 @@ section live in ``checks.py`` so that each section here stays a plain descriptio
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Dict, List, Literal, Optional, Type, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -356,4 +356,8 @@ def json_schema() -> Dict[str, Any]:
     return schema
 
 
-SECTION_MODELS = {"model_config": ModelConfig, "train_config": TrainConfig, "parallel_config": ParallelConfig}
+SECTION_MODELS: Dict[str, Type[BaseModel]] = {
+    "model_config": ModelConfig,
+    "train_config": TrainConfig,
+    "parallel_config": ParallelConfig,
+}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 
 def put_unless_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -20,7 +20,7 @@ def put_unless_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool
 
 
 def in_background(
-    make: Callable[[], Iterator[Any]], ahead: int = 1, name: str = "bmtrain-stream-read"
+    make: Callable[[], Generator[Any, None, None]], ahead: int = 1, name: str = "bmtrain-stream-read"
 ) -> Iterator[Any]:
     """The items of the generator ``make()``, made by a thread ``ahead`` items in advance: an item is
     started only while fewer than ``ahead`` made ones wait untaken, so at most ``ahead + 1`` are alive (the

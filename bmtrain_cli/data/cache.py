@@ -94,6 +94,8 @@ def load_store(directory: Path, path: str, built: bool) -> TokenStore:
     meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
     offsets = np.load(directory / "offsets.npy")
     n_tok = int(offsets[-1])
+    tokens: np.ndarray
+    mask: np.ndarray
     if n_tok:
         tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(n_tok,))
         mask = np.memmap(directory / "mask.bin", dtype=np.uint8, mode="r", shape=(n_tok,))

@@ -12,7 +12,7 @@ A batch is a dict of int64 numpy arrays [rows, width]:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def truncate(ids: np.ndarray, mask: np.ndarray, max_len: int, bos_id: Optional[i
     return (out_ids, out_mask), TRUNC_ANSWER
 
 
-def pack(order: Sequence[int], lengths: np.ndarray, max_len: int, window: int = 16) -> List[List[int]]:
+def pack(order: Iterable[int], lengths: np.ndarray, max_len: int, window: int = 16) -> List[List[int]]:
     """Group samples into rows of at most max_len tokens: first fit over a window of open rows.
 
     Deterministic for a given order; every sample lands in exactly one row. Rows come out in the order

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from bmtrain_cli.data.formats import Conversation
-from bmtrain_cli.data.templates import BOS_MARK, EOS_MARK, Piece
+from bmtrain_cli.data.templates import BOS_MARK, EOS_MARK, ChatTemplate, Piece
 from bmtrain_cli.data.tokenizers import Tokenizer
 from bmtrain_cli.data.turns import DEFAULT, RenderOptions, apply_options, prepare
 from bmtrain_cli.labels import IGNORE_INDEX
@@ -19,7 +19,7 @@ class Encoder:
     """Encodes conversations for one tokenizer/template pair (caches the marker -> id table)."""
 
     tokenizer: Tokenizer
-    template: object
+    template: ChatTemplate
     train_on_prompt: bool = False
     options: RenderOptions = DEFAULT  # mask_history, reasoning and enable_thinking (data/turns.py)
 

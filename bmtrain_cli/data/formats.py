@@ -54,17 +54,20 @@ def detect_format(record: Any) -> str:
     )
 
 
-def _string(record: dict, key: str, *, required: bool = True, non_empty: bool = True) -> Optional[str]:
+def _string(record: dict, key: str, *, non_empty: bool = True) -> str:
     if key not in record or record[key] is None:
-        if required:
-            raise BadRecord(f'missing field "{key}"')
-        return None
+        raise BadRecord(f'missing field "{key}"')
     value = record[key]
     if not isinstance(value, str):
         raise BadRecord(f'field "{key}" must be a string, got {type(value).__name__}')
     if non_empty and not value.strip():
         raise BadRecord(f'field "{key}" is empty')
     return value
+
+
+def _optional_string(record: dict, key: str) -> Optional[str]:
+    """The string ``record[key]`` (empty too), or None when the field is missing or null."""
+    return None if record.get(key) is None else _string(record, key, non_empty=False)
 
 
 def parse_record(record: Any, data_format: str = "auto") -> Conversation:
@@ -75,13 +78,13 @@ def parse_record(record: Any, data_format: str = "auto") -> Conversation:
     if fmt == "input_output":
         prompt = _string(record, "input", non_empty=False)
         answer = _string(record, "output")
-        system = _string(record, "system", required=False, non_empty=False)
+        system = _optional_string(record, "system")
         return Conversation(messages=(("user", prompt), ("assistant", answer)), system=system or None)
     if fmt == "alpaca":
         instruction = _string(record, "instruction")
-        extra = _string(record, "input", required=False, non_empty=False)
+        extra = _optional_string(record, "input")
         answer = _string(record, "output")
-        system = _string(record, "system", required=False, non_empty=False)
+        system = _optional_string(record, "system")
         prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
         return Conversation(messages=(("user", prompt), ("assistant", answer)), system=system or None)
     if fmt == "text":
@@ -100,7 +103,7 @@ def parse_chat(record: dict) -> Conversation:
         raise BadRecord(f'field "{key}" must be a list, got {type(msgs).__name__}')
     if not msgs:
         raise BadRecord(f'field "{key}" is empty')
-    system: Optional[str] = _string(record, "system", required=False, non_empty=False) or None
+    system: Optional[str] = _optional_string(record, "system") or None
     turns: List[Tuple[str, str]] = []
     extras: List[dict] = []
     for i, m in enumerate(msgs):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -222,7 +222,7 @@ class Loader(StoreLoader[Dataset]):
             yield epoch, offset, nxt_epoch, nxt
             epoch, offset = nxt_epoch, nxt
 
-    def _produce(self) -> Iterator[Tuple[Dict[str, np.ndarray], int, int]]:
+    def _produce(self) -> Generator[Tuple[Dict[str, np.ndarray], int, int], None, None]:
         for epoch, offset, e2, o2 in self._positions():
             yield self._batch_at(epoch, offset), e2, o2
 

@@ -17,7 +17,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 from bmtrain_cli.data.columnar import (
     COLUMNAR_SUFFIXES,
@@ -132,7 +132,7 @@ class DataFile(io.RawIOBase):
         super().__init__()
         self.path = path
         self._inner = inner
-        self._errors: Tuple[type, ...] = (EOFError, zlib.error, gzip.BadGzipFile)
+        self._errors: Tuple[Type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile)
         if path.endswith(".zst"):
             import zstandard
 
@@ -163,7 +163,7 @@ class DataFile(io.RawIOBase):
     def tell(self) -> int:
         return self._call(self._inner.tell)
 
-    def readline(self, limit: Optional[int] = None) -> bytes:  # type: ignore[override]
+    def readline(self, limit: Optional[int] = None) -> bytes:
         """The next line; over ``limit`` bytes (default: DEFAULT_MAX_LINE_BYTES) a LongLine."""
         cap = DEFAULT_MAX_LINE_BYTES if limit is None or limit < 0 else limit
         line = self._call(self._inner.readline, cap + 1)
@@ -287,9 +287,9 @@ def is_blank(lineno: int, line: bytes) -> bool:
     return not (line[3:] if lineno == 1 and line.startswith(BOM) else line).strip()
 
 
-def is_json_array(f: BinaryIO) -> bool:
+def is_json_array(f: DataFile) -> bool:
     """Whether an open data file holds one JSON array (peeked: the position stays at the start)."""
-    head = f.peek(4096)[:4096].lstrip()  # type: ignore[attr-defined]
+    head = f.peek(4096)[:4096].lstrip()
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
     return head.startswith(b"[")

@@ -116,7 +116,7 @@ def _alpaca(rec: dict, cols: Dict[str, Any], ranking: bool) -> dict:
 def _turn(m: Any, tags: Dict[str, str]) -> dict:
     if not isinstance(m, dict):
         return {"role": None, "content": m}
-    role = m.get(tags["role_tag"])
+    role: Any = m.get(tags["role_tag"])
     names = {
         tags["user_tag"]: "user",
         tags["assistant_tag"]: "assistant",
@@ -176,9 +176,9 @@ def materialize(name: str, dataset_dir: str) -> str:
         records = islice(cycle(list(records)), n)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8") as fh:
         for rec in _convert(entry, records):
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
     os.replace(tmp, out)
     return str(out)
 

@@ -28,7 +28,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -200,7 +200,7 @@ class StreamLoader:
                 yield items[j * TASK_RECORDS : (j + 1) * TASK_RECORDS]
             k += 1
 
-    def _chunks(self) -> Iterator[_Chunk]:
+    def _chunks(self) -> Generator[_Chunk, None, None]:
         pos = self._pos
         stream = RecordStream(
             self.sources,

@@ -14,11 +14,11 @@ exactly one rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from bmtrain_cli.data.readers import LongLine, is_blank, is_json_array, open_binary
+from bmtrain_cli.data.readers import DataFile, LongLine, is_blank, is_json_array, open_binary
 from bmtrain_cli.data.workers import Item
 from bmtrain_cli.errors import UserError
 
@@ -49,9 +49,9 @@ class SourceReader:
         self.files = list(files)
         self.cursor = cursor
         self.limit = limit  # bytes of one line (readers.line_limit)
-        self._f: Optional[BinaryIO] = None
+        self._f: Optional[DataFile] = None
 
-    def _open(self) -> BinaryIO:
+    def _open(self) -> DataFile:
         path = self.files[self.cursor.file]
         f = open_binary(path)
         if is_json_array(f):

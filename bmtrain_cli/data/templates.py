@@ -14,7 +14,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.errors import UserError
@@ -355,7 +355,7 @@ class JinjaTemplate:
         return {"source": self.source, "origin": self.origin}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["source"], state["origin"])
+        JinjaTemplate.__init__(self, state["source"], state["origin"])
 
     def _text(
         self,
@@ -420,6 +420,9 @@ class JinjaTemplate:
         return [(self._text(msgs, tokenizer, True, self._kwargs(conv, options)), False)]
 
 
+ChatTemplate = Union[BuiltinTemplate, JinjaTemplate]
+
+
 def tojson(
     x: Any,
     ensure_ascii: bool = False,
@@ -442,7 +445,7 @@ def template_names() -> List[str]:
     return ["auto", "tokenizer", *BUILTIN_TEMPLATES]
 
 
-def get_template(name: str, tokenizer: Optional[Tokenizer] = None):  # -> BuiltinTemplate | JinjaTemplate
+def get_template(name: str, tokenizer: Optional[Tokenizer] = None) -> ChatTemplate:
     """``auto``: the tokenizer's chat template if it has one, else ``plain``. ``tokenizer``: require it."""
     if name in ("auto", "tokenizer"):
         source = tokenizer.chat_template if tokenizer is not None else None

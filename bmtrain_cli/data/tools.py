@@ -90,7 +90,7 @@ def parse_message(m: Any, where: str) -> Tuple[str, str, dict]:
     tool_call_id and ``loss: False`` when the turn is not trained."""
     if not isinstance(m, dict):
         raise BadRecord(f"{where} must be an object, got {type(m).__name__}")
-    role = m.get("role", m.get("from"))
+    role: Any = m.get("role", m.get("from"))
     content = m.get("content", m.get("value"))
     role = ROLE_ALIASES.get(role, role)
     if role not in ROLES:

@@ -21,7 +21,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class EncodeSpec:
         elif isinstance(tok, HFTokenizer):
             recipe = (HFTokenizer, tok._json, tok.settings)
         template: Any = encoder.template
-        name = getattr(template, "name", None)
+        name: Any = getattr(template, "name", None)
         if BUILTIN_TEMPLATES.get(name) is template:
             template = name
         elif isinstance(template, JinjaTemplate) and template.source == tok.chat_template:
@@ -171,7 +171,8 @@ def encode_items(encoder: Encoder, spec: EncodeSpec, items: Sequence[Item]) -> E
             dropped.append(i)
             continue
         if long_:
-            (a, m), kind = truncate(a, m.astype(bool), int(limit), spec.bos_id)
+            assert limit is not None  # long_: over the limit
+            (a, m), kind = truncate(a, m.astype(bool), limit, spec.bos_id)
             m = m.astype(np.uint8)
             answer_cut = kind == TRUNC_ANSWER
         ids_out.append(a)
@@ -270,7 +271,7 @@ class OrderedPool:
         if self.workers <= 0:
             self._encoder = encoder if encoder is not None else spec.build()
             return
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
         for k in range(self.workers):
             tq, rq = ctx.Queue(maxsize=self.depth), ctx.Queue(maxsize=self.depth)
             p = ctx.Process(
@@ -300,7 +301,7 @@ class OrderedPool:
             raise RuntimeError(f"data worker {k} failed:\n{value}")
         return value
 
-    def map(self, tasks: Iterable[Sequence[Item]]) -> Iterator[Encoded]:
+    def map(self, tasks: Iterable[Sequence[Item]]) -> Generator[Encoded, None, None]:
         """The answers to ``tasks`` in their order; at most workers x depth tasks are in flight."""
         if self._encoder is not None:
             for items in tasks:
@@ -313,11 +314,11 @@ class OrderedPool:
         try:
             while True:
                 while not exhausted and sent - got < limit:
-                    items = next(it, None)
-                    if items is None:
+                    task = next(it, None)
+                    if task is None:
                         exhausted = True
                         break
-                    self._tasks[sent % self.workers].put(list(items))
+                    self._tasks[sent % self.workers].put(list(task))
                     sent += 1
                 if got == sent:
                     return

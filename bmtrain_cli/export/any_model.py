@@ -38,6 +38,7 @@ def load_model_and_tokenizer(model_path: Path, tokenizer_path: Optional[Path], d
         tokenizer = load_tokenizer(str(tok_src))
     except UserError as exc:
         raise UserError(f"{exc} (pass --tokenizer_path if the tokenizer lives elsewhere)") from None
+    model: Any  # a CausalLM, an INT8 one or a Paddle Inference predictor: each has arch and generates
     if is_paddle_inference_export(model_path):  # bmtrain export --format paddle-inference
         model = load_for_inference(str(model_path))
     elif is_lora_checkpoint(model_path):  # LoRA adapters (+ the recorded base): merged for inference

@@ -79,7 +79,7 @@ def export_paddle_inference(
             if name in previous:
                 layer.use_kernel = previous[name]
     files = model_files(out)
-    info = {
+    info: Dict[str, Any] = {
         "format": "paddle-inference",
         "input": INPUT_NAME,
         "output": "logits",

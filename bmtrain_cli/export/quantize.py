@@ -15,7 +15,7 @@ Not quantised: norms and biases (tiny, kept fp32).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import paddle
@@ -84,7 +84,7 @@ class QuantLinear(paddle.nn.Layer):
         w = linear.weight.numpy()
         layer = cls(w.shape[0], w.shape[1], linear.bias is not None, use_kernel)
         layer.set_quantized(*quantize_array(w, axis=1))
-        if linear.bias is not None:
+        if layer.bias is not None:  # made with one where linear has one
             layer.bias.set_value(linear.bias.astype("float32"))
         return layer
 
@@ -219,8 +219,10 @@ def _tensor_bytes(layer: paddle.nn.Layer) -> int:
     return sum(int(np.prod(t.shape)) * t.element_size() for t in layer.state_dict().values())
 
 
-def _quantizable(model: paddle.nn.Layer, embeddings: bool) -> List[Tuple[str, paddle.nn.Layer]]:
-    found = []
+def _quantizable(
+    model: paddle.nn.Layer, embeddings: bool
+) -> List[Tuple[str, Union[paddle.nn.Linear, paddle.nn.Embedding]]]:
+    found: List[Tuple[str, Union[paddle.nn.Linear, paddle.nn.Embedding]]] = []
     for name, layer in model.named_sublayers():
         if type(layer) is paddle.nn.Linear or (embeddings and type(layer) is paddle.nn.Embedding):
             found.append((name, layer))

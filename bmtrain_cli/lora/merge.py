@@ -177,17 +177,17 @@ def load_adapter_weights(model: nn.Layer, arrays: Dict[str, np.ndarray], source:
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise UserError(f"{source}: the adapters do not fit this model ({detail})")
-    owners = {}
+    owners: Dict[str, LoRALinear] = {}
     for lname, layer in lora_layers(model):
         owners[f"{lname}.lora_A.weight"] = layer
         owners[f"{lname}.lora_B.weight"] = layer
     for name, p in params.items():
         arr = np.asarray(arrays[name])
         axis = getattr(p, "split_axis", None) if getattr(p, "is_distributed", False) else None
-        layer: Optional[LoRALinear] = owners.get(name)
-        if axis is not None and layer is not None and layer.tp_world > 1:
-            n = arr.shape[axis] // layer.tp_world
-            arr = np.take(arr, np.arange(layer.tp_rank * n, (layer.tp_rank + 1) * n), axis=axis)
+        owner = owners.get(name)
+        if axis is not None and owner is not None and owner.tp_world > 1:
+            n = arr.shape[axis] // owner.tp_world
+            arr = np.take(arr, np.arange(owner.tp_rank * n, (owner.tp_rank + 1) * n), axis=axis)
         if list(arr.shape) != list(p.shape):
             raise UserError(
                 f"{source}: adapter {name} has shape {list(arr.shape)}, the model expects {p.shape}"

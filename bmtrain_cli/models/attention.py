@@ -112,6 +112,7 @@ def _allowed(
     if sliding_window is not None:
         allowed = paddle.logical_and(allowed, (q_idx - k_idx < sliding_window).unsqueeze(0))
     if seg_q is not None:
+        assert seg_k is not None  # segment ids come for the queries and the keys together
         same = seg_q.unsqueeze(-1) == seg_k.unsqueeze(1)  # [b, q, k]
         allowed = paddle.logical_and(allowed, same)
     return allowed
@@ -223,7 +224,9 @@ class BlockedAttention(PyLayer):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: paddle.Tensor) -> Tuple[Optional[paddle.Tensor], ...]:
+    def backward(  # type: ignore[override]  # PyLayer: the forward's output grads in, None grads out
+        ctx: Any, dout: paddle.Tensor
+    ) -> Tuple[Optional[paddle.Tensor], ...]:
         q, k, v, out, lse, seg = ctx.saved_tensor()
         b, s, h, d = q.shape
         hk = k.shape[2]
@@ -391,6 +394,7 @@ def attend(
     )
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "cpu_fused":
+        assert cpu_kernel is not None  # choose_kernel picks cpu_fused only when there is one
         return cpu_kernel(q, k, v, None if kind == "causal" else mask)
     if kernel == "flash":
         from paddle.nn.functional.flash_attention import flash_attention

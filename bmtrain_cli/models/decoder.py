@@ -62,9 +62,10 @@ class KVCache:
         return 0 if k is None else int(k.shape[1])
 
     def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        if self.keys[layer] is not None:
-            k = paddle.concat([self.keys[layer], k], axis=1)
-            v = paddle.concat([self.values[layer], v], axis=1)
+        prev_k, prev_v = self.keys[layer], self.values[layer]
+        if prev_k is not None and prev_v is not None:  # set together
+            k = paddle.concat([prev_k, k], axis=1)
+            v = paddle.concat([prev_v, v], axis=1)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
@@ -131,6 +132,7 @@ class Attention(nn.Layer):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
+            assert cos is not None and sin is not None  # the model passes its rotary tables
             q, k = self.ops.rotary(q, k, cos.astype(q.dtype), sin.astype(q.dtype))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)

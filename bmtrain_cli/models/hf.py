@@ -32,7 +32,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 @contextlib.contextmanager
 def _default_dtype(dtype: str) -> Iterator[None]:
     old = paddle.get_default_dtype()
-    paddle.set_default_dtype(dtype)
+    paddle.set_default_dtype(dtype)  # type: ignore[arg-type]  # a name of DTYPES (_check_dtype)
     try:
         yield
     finally:
@@ -60,7 +60,11 @@ def build(
         attn = attention_implementation or "auto"
     else:
         arch = arch_from_model_config(cfg_or_arch)
-        attn = attention_implementation or getattr(cfg_or_arch, "attention_implementation", "auto")
+        attn = (  # not `or`: mypy types `Optional[str] or Any` as possibly None
+            attention_implementation
+            if attention_implementation
+            else getattr(cfg_or_arch, "attention_implementation", "auto")
+        )
         if kernels == "auto":
             kernels = getattr(cfg_or_arch, "kernels", "auto")
     with _default_dtype(_check_dtype(dtype)):

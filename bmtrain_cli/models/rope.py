@@ -63,12 +63,12 @@ def inv_frequencies(
         original = scaling.get("original_max_position_embeddings") or max_position_embeddings
         factor = float(scaling.get("factor") or max_position_embeddings / original)
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = scaling.get("attention_factor")
-        if attention_factor is None:
-            if mscale and mscale_all:
-                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-            else:
-                attention_factor = _yarn_mscale(factor)
+        if scaling.get("attention_factor") is not None:
+            attention_factor = float(scaling["attention_factor"])
+        elif mscale and mscale_all:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = _yarn_mscale(factor)
         beta_fast = scaling.get("beta_fast") or 32
         beta_slow = scaling.get("beta_slow") or 1
 

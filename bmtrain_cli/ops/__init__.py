@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set
 
 from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.ops import reference
@@ -109,7 +109,7 @@ def _launch_checked(ours: Dict[str, Callable], ref: Dict[str, Callable]) -> Dict
 
 
 def _compose(name: str, layers: list) -> OpSet:
-    chosen: Dict[str, Callable] = {}
+    chosen: Dict[str, Any] = {}  # OpSet's op fields
     sources: Dict[str, str] = {}
     for op in OP_NAMES:
         for source, ops in layers:
@@ -155,7 +155,8 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
         return REFERENCE
     device = device or _device()
     measure = mode == "auto" and shapes is not None and device.startswith("cpu") and _measuring_allowed()
-    key = (mode, device, shapes if measure else None)
+    measured = shapes if measure else None  # the shapes the ops are timed on (auto on a CPU)
+    key = (mode, device, measured)
     if key in _cache:
         return _cache[key]
     from bmtrain_cli.ops import build, paddle_fused
@@ -189,7 +190,7 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
         if ours and device.startswith("gpu"):
             ours = _launch_checked(ours, ref)
         layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
-        opset = _measured(shapes, layers) if measure else _compose("auto", layers)
+        opset = _measured(measured, layers) if measured is not None else _compose("auto", layers)
     if ours and device.startswith("cpu"):
         from bmtrain_cli.ops.fused_attention import fused_attention
 

@@ -111,10 +111,8 @@ def _visible_capabilities() -> List[Tuple[int, int]]:
 
         if not paddle.is_compiled_with_cuda():
             return []
-        return [
-            tuple(paddle.device.cuda.get_device_capability(i))
-            for i in range(paddle.device.cuda.device_count())
-        ]
+        caps = [paddle.device.cuda.get_device_capability(i) for i in range(paddle.device.cuda.device_count())]
+        return [(major, minor) for major, minor in caps]
     except (ImportError, RuntimeError, ValueError, AttributeError):
         return []
 

@@ -42,7 +42,9 @@ class _FusedAttention(PyLayer):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: paddle.Tensor) -> Tuple[Optional[paddle.Tensor], ...]:
+    def backward(  # type: ignore[override]  # PyLayer: the forward's output grads in, None grads out
+        ctx: Any, dout: paddle.Tensor
+    ) -> Tuple[Optional[paddle.Tensor], ...]:
         q, k, v, out, lse, seg = ctx.saved_tensor()
         dq, dk, dv = load_extension().bmt_attention_bwd(q, k, v, seg, out, lse, contiguous(dout), ctx.scale)
         return (dq, dk, dv) if seg is None else (dq, dk, dv, None)

@@ -9,7 +9,7 @@ kernel can (CPU, float32/float64) and leaves the rest to the caller. train/optim
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import paddle
 
@@ -31,7 +31,7 @@ def kernel_available() -> bool:
 def sum_squares(tensors: Sequence[paddle.Tensor]) -> Tuple[Optional[paddle.Tensor], List[paddle.Tensor]]:
     """(0-d fp32 tensor with the sum of the squares of the CPU float32/float64 tensors, or None when there
     are none; the tensors left over: on another device or of another dtype)."""
-    groups = {dt: [] for dt in _KERNEL_DTYPES}
+    groups: Dict[paddle.dtype, List[paddle.Tensor]] = {dt: [] for dt in _KERNEL_DTYPES}
     rest: List[paddle.Tensor] = []
     for t in tensors:
         if t.place.is_cpu_place() and t.dtype in groups:

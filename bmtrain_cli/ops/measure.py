@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import paddle
 
@@ -41,7 +41,7 @@ class OpShapes:
     tied: bool = False
 
     @classmethod
-    def of(cls, arch: object) -> OpShapes:
+    def of(cls, arch: Any) -> OpShapes:
         a = arch
         return cls(
             hidden=int(a.hidden_size),

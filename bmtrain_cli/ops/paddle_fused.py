@@ -9,7 +9,7 @@ follow Paddle's documented signatures; they cannot run on this CPU-only machine 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -48,7 +48,7 @@ def rotary(
 def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
     # paddle.nn.functional.swiglu where Paddle has it (3.3 deprecates the incubate one, with a warning that
     # reached users of `kernels: auto`, whose CPU timing tries this op)
-    fn = getattr(F, "swiglu", None)
+    fn: Any = getattr(F, "swiglu", None)
     if fn is None:
         from paddle.incubate.nn.functional import swiglu as fn
     return fn(gate, up)
@@ -60,7 +60,7 @@ def cross_entropy_sum(
     """softmax_with_cross_entropy (one fused op, zero loss and gradient on ignored tokens), summed."""
     logits = logits.reshape([-1, logits.shape[-1]]).astype("float32")
     labels = labels.reshape([-1, 1]).astype("int64")
-    loss = F.softmax_with_cross_entropy(logits, labels, ignore_index=ignore_index)
+    loss = F.softmax_with_cross_entropy(logits, labels, ignore_index=ignore_index, return_softmax=False)
     return loss.sum(), (labels != ignore_index).astype("float32").sum()
 
 

@@ -66,10 +66,9 @@ class Compressor:
             parts: List[Any] = []
             dist.all_gather(parts, part, group=group)
             gathered.append(parts)
-        total = None
-        for r in range(len(gathered[0])):
-            decoded = self.decode([g[r] for g in gathered], numel)
-            total = decoded if total is None else total + decoded
+        total = self.decode([g[0] for g in gathered], numel)
+        for r in range(1, len(gathered[0])):
+            total = total + self.decode([g[r] for g in gathered], numel)
         offset = 0
         for g in grads:
             n = int(math.prod(g.shape))
@@ -80,7 +79,7 @@ class Compressor:
         """The payload made the same size on every rank of ``group`` (fixed-size encodings already are)."""
         return payload
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> Dict[str, Any]:  # the name, counts and the ratio
         ratio = self.bytes_dense / self.bytes_sent if self.bytes_sent else 0.0
         return {
             "compression": self.name,

@@ -30,7 +30,7 @@ class ParallelContext:
     tp_degree: int = 1
     pp_rank: int = 0
     pp_degree: int = 1
-    hcg: Optional[Any] = None  # fleet's HybridCommunicateGroup when distributed
+    hcg: Any = None  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config] = None
     strategy: Optional[Any] = None
     on_cpu: bool = False
@@ -100,7 +100,7 @@ class ParallelContext:
 
     def data_groups(self) -> List[Any]:
         """Groups whose product spans the data ranks (dp group, then the sharding group)."""
-        groups = []
+        groups: List[Any] = []
         if self.hcg is None:
             return groups
         if self.hcg.get_data_parallel_world_size() > 1:
@@ -292,7 +292,7 @@ class ParallelContext:
         return self.tp_degree == 1 and self.pp_degree == 1 and self.sharding_degree == 1
 
     @property
-    def compression_stats(self) -> Dict[str, float]:
+    def compression_stats(self) -> Dict[str, Any]:
         return self._compressor.stats() if self._compressor is not None else {}
 
 

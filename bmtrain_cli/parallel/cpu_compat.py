@@ -102,7 +102,7 @@ def _patch_device_id() -> None:
         if not hasattr(self, "_device_id"):
             self._device_id = 0
 
-    parallel.ParallelEnv.__init__ = init
+    parallel.ParallelEnv.__init__ = init  # type: ignore[method-assign]  # a patch of Paddle's class
 
 
 def _patch_partial_p2p() -> None:

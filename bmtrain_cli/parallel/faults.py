@@ -189,7 +189,7 @@ def _pid_alive_record(rec: Dict[str, Any]) -> bool:
 
 
 def read_records(directory: Path) -> List[Dict[str, Any]]:
-    out = []
+    out: List[Dict[str, Any]] = []
     if not directory.is_dir():
         return out
     for f in sorted(directory.glob("rank-*.json")):
@@ -213,7 +213,8 @@ def first_failure(records: List[Dict[str, Any]], exclude: Optional[int] = None) 
         return min(aborted, key=lambda r: r.get("time", 0))
     died = [r for r in candidates if r.get("state") == "running" and not _pid_alive_record(r)]
     if died:
-        return dict(min(died, key=lambda r: r.get("time", 0)), state="died")
+        earliest = min(died, key=lambda r: r.get("time", 0))
+        return dict(earliest, state="died")
     failed = [r for r in candidates if r.get("state") == "failed"]
     if failed:
         return min(failed, key=lambda r: r.get("time", 0))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -112,7 +112,7 @@ def _build_items(model: Any) -> PipelineItems:
         cos = sin = None
         if rotary is not None:
             cos, sin = rotary(pos)
-        bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)
+        bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)  # type: ignore[arg-type]  # needs arch, alibi
         return cos, sin, bias
 
     class EmbedStage(nn.Layer):
@@ -169,9 +169,11 @@ def _build_items(model: Any) -> PipelineItems:
         def forward(self, hidden: Any) -> Any:
             return project_to_vocab(hidden, arch, factory, None, self.weight)
 
-    recompute_layers = getattr(model, "_recompute_layers", set())
+    recompute_layers: Set[int] = getattr(model, "_recompute_layers", set())
     embed_tokens = model.model.embed_tokens
-    body = [DecoderStage(layer, i in recompute_layers) for i, layer in enumerate(model.model.layers)]
+    body: List[nn.Layer] = [
+        DecoderStage(layer, i in recompute_layers) for i, layer in enumerate(model.model.layers)
+    ]
     body.append(NormStage(model.model.norm))
     names = {id(p): n for n, p in model.named_parameters()}
     if model.lm_head is not None:
@@ -293,7 +295,7 @@ def to_pipeline_layer(
     item, the same on every rank): cut by them instead of by pipeline_partition (a rebalance);
     ``bounds``: cut there (a resume continuing a rebalanced cut; ignored unless it fits this model)."""
     config = ctx.config
-    method = config.parallel.pipeline_partition if config is not None else "uniform"
+    method: str = config.parallel.pipeline_partition if config is not None else "uniform"
     items = _build_items(model)
     layers = items.decoder_layers
     if costs is not None:

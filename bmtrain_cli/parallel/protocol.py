@@ -24,7 +24,7 @@ class ParallelCtx(Protocol):
     tp_degree: int
     pp_rank: int
     pp_degree: int
-    hcg: Optional[Any]  # fleet's HybridCommunicateGroup when distributed
+    hcg: Any  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config]
     on_cpu: bool
     pipeline_info: Dict[str, Any]
@@ -51,7 +51,7 @@ class ParallelCtx(Protocol):
     def optimizer_state_portable(self) -> bool: ...
 
     @property
-    def compression_stats(self) -> Dict[str, float]: ...
+    def compression_stats(self) -> Dict[str, Any]: ...
 
     def all_reduce_sum(self, value: Any) -> Any: ...
 
@@ -63,7 +63,12 @@ class ParallelCtx(Protocol):
 
     def mark_progress(self) -> None: ...
 
-    def wrap_model(self, model: Any) -> Any: ...
+    def wrap_model(
+        self,
+        model: Any,
+        pipeline_costs: Optional[List[float]] = None,
+        pipeline_bounds: Optional[List[int]] = None,
+    ) -> Any: ...
 
     def wrap_optimizer(self, optimizer: Any) -> Any: ...
 

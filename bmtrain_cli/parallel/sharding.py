@@ -162,8 +162,10 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
 def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = None) -> Tuple[Any, Any, Any]:
     """Stage 2/3 (and offload) through paddle.distributed.sharding.group_sharded_parallel (GPU builds):
     (model, optimizer, scaler); an fp16 ``scaler`` comes back as Paddle's GroupShardedScaler."""
+    config = ctx.config
+    assert config is not None  # the config's sharding_stage chose group sharding
     if ctx.on_cpu:
-        par = ctx.config.parallel
+        par = config.parallel
         raise UserError(
             f"sharding_stage {par.sharding_stage}"
             + (" with offload" if par.offload_optimizer or par.offload_params else "")
@@ -172,7 +174,7 @@ def group_sharded(model: Any, optimizer: Any, ctx: ParallelCtx, scaler: Any = No
         )
     from paddle.distributed.sharding import group_sharded_parallel
 
-    kwargs = group_sharded_arguments(ctx.config)
+    kwargs = group_sharded_arguments(config)
     group = dp_group = None
     if ctx.hcg is not None:
         group = ctx.hcg.get_sharding_parallel_group()

@@ -52,7 +52,8 @@ def build_strategy(config: Config) -> Any:
 
     from bmtrain_cli.parallel.sharding import apply_sharding_strategy
 
-    strategy = fleet.DistributedStrategy()
+    # Any: Paddle's stub types hybrid_configs without the pp_configs and mp_configs it holds
+    strategy: Any = fleet.DistributedStrategy()
     configs = hybrid_configs(config)
     pipeline = configs.pop("_pipeline", None)
     pp_configs = configs.pop("pp_configs", None)

@@ -153,9 +153,9 @@ def cpu_device(memory_bytes: Optional[int] = None) -> Device:
 def get_device(name: Optional[str] = None, memory: Optional[str] = None) -> Device:
     """A preset by name (case-insensitive; 'cpu' is this machine), optionally with another memory size.
     With only a memory size, an A100-class GPU with that much memory."""
-    if name is None and memory is None:
-        return cpu_device()
     if name is None:
+        if memory is None:
+            return cpu_device()
         return PRESETS["A100-80GB"].with_memory(parse_bytes(memory))
     key = name.strip()
     if key.lower() == "cpu":

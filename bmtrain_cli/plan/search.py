@@ -125,7 +125,9 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
 
     offload = 0.0
     if layout.offload_optimizer or layout.offload_params:
-        n = (a.num_hidden_layers * lora_layer_params(w, 1)) if w.finetuning == "lora" else count_parameters(a)
+        n: float = (
+            (a.num_hidden_layers * lora_layer_params(w, 1)) if w.finetuning == "lora" else count_parameters(a)
+        )
         n /= layout.tp * layout.pp * (layout.sharding if layout.sharding > 1 else 1)
         offload = n * (pbytes * 2) / device.host_bw + n * 16 * 2 / device.host_update_bw
         if layout.offload_params:

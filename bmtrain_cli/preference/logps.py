@@ -41,7 +41,8 @@ def token_logps(logits: paddle.Tensor, targets: paddle.Tensor, factory: Any) -> 
 
 def response_positions(index: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(rows, columns) of the positions that predict a response token (``sequence_index`` >= 0)."""
-    return np.nonzero(index >= 0)
+    rows, cols = np.nonzero(index >= 0)
+    return rows, cols
 
 
 def per_sequence(

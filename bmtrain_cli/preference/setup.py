@@ -22,9 +22,14 @@ def build_loaders(
     config: Any, tokenizer: Any, data_rank: int, data_world: int, has_eval: bool
 ) -> Tuple[PreferenceLoader, Optional[PreferenceLoader]]:
     """(training loader, eval loader or None) of one data rank."""
-    kw = {"data_rank": data_rank, "data_world": data_world}
-    train = build_preference_loader(config, tokenizer, split="train", **kw)
-    evaluation = build_preference_loader(config, tokenizer, split="eval", **kw) if has_eval else None
+    train = build_preference_loader(
+        config, tokenizer, split="train", data_rank=data_rank, data_world=data_world
+    )
+    evaluation = (
+        build_preference_loader(config, tokenizer, split="eval", data_rank=data_rank, data_world=data_world)
+        if has_eval
+        else None
+    )
     return train, evaluation
 
 

@@ -235,4 +235,4 @@ def build_app(server: Server) -> Callable:
             return
         await app(scope, receive, send)
 
-    return auth  # type: ignore[return-value]
+    return auth

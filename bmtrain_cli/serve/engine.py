@@ -112,7 +112,7 @@ class Engine:
             ids = [self.tok.bos_id, *ids]
         return ids
 
-    def chat_ids(self, messages: List[Dict[str, str]]) -> List[int]:
+    def chat_ids(self, messages: List[Dict[str, Any]]) -> List[int]:
         """The chat template's prompt for ``messages`` (optional system first, then alternating
         user/assistant turns ending with a user turn), up to the assistant header."""
         if not messages or messages[-1].get("role") != "user":

@@ -110,8 +110,9 @@ def stream_flag(body: Dict[str, Any]) -> bool:
     return value
 
 
-def messages(body: Dict[str, Any]) -> List[Dict[str, str]]:
-    """The chat messages, with content given as a string or as a list of text parts."""
+def messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The chat messages, with content given as a string or as a list of text parts (joined); the roles
+    and the other contents as the request gave them (the engine checks them)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
@@ -121,7 +122,9 @@ def messages(body: Dict[str, Any]) -> List[Dict[str, str]]:
             raise RequestError(400, f"messages[{i}] must be an object", param="messages")
         content = m.get("content")
         if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            parts: List[Any] = [
+                p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"
+            ]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
                 raise RequestError(
                     400, f"messages[{i}].content: only text parts are supported", param="messages"

@@ -19,7 +19,7 @@ class WandbTracker:
             project=os.environ.get("WANDB_PROJECT", "bmtrain"),
             name=run_name(output_dir),
             dir=str(output_dir.resolve()),
-            mode=os.environ.get("WANDB_MODE", "offline"),
+            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]  # W&B checks the value
             # the progress bar stays ours: W&B does not capture the console
             settings=wandb.Settings(console="off", silent=True),
         )

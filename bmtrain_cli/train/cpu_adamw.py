@@ -18,7 +18,7 @@ or, when that cannot be built, by the same formula in Paddle's elementwise ops p
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import paddle
 
@@ -156,7 +156,7 @@ def _update_elementwise(
     lr: float,
     beta1: float,
     beta2: float,
-    epsilon: float,
+    epsilon: Union[float, paddle.Tensor],  # the optimizer's (Paddle accepts a tensor)
     wd: float,
     b1p: float,
     b2p: float,

@@ -263,5 +263,6 @@ class OffloadOptimizer:
                 value = masters[p.name]
                 value = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
                 host.set_value(_to_place(value.astype("float32"), host.place))
-                if self._device_master[i] is not None:
-                    self._device_master[i].set_value(_to_place(host, self._device_master[i].place))
+                master = self._device_master[i]
+                if master is not None:
+                    master.set_value(_to_place(host, master.place))

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import paddle
 
 from bmtrain_cli.errors import UserError
 
-AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+AMP_DTYPES: Dict[str, Literal["bfloat16", "float16"]] = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def decays(name: str, param: paddle.Tensor) -> bool:
@@ -178,11 +178,13 @@ def is_offload_optimizer(optimizer: Any) -> bool:
 class Precision:
     """Everything precision-specific in one place: autocast, loss scaling, the optimizer step."""
 
-    def __init__(self, precision: str = "fp32", amp_level: str = "O2", loss_scale: float = 32768.0):
+    def __init__(
+        self, precision: str = "fp32", amp_level: Literal["O1", "O2"] = "O2", loss_scale: float = 32768.0
+    ):
         self.precision = precision
         self.amp_level = amp_level
         self.enabled = precision in AMP_DTYPES
-        self.dtype = AMP_DTYPES.get(precision, "float32")
+        self.dtype: Literal["bfloat16", "float16", "float32"] = AMP_DTYPES.get(precision, "float32")
         self.scaler: Optional[paddle.amp.GradScaler] = None
         if precision == "fp16":
             self.scaler = paddle.amp.GradScaler(init_loss_scaling=loss_scale, use_dynamic_loss_scaling=True)
@@ -243,7 +245,8 @@ class Precision:
     def loss_scale(self) -> Optional[float]:
         if self.scaler is None:
             return None
-        return float(self.scaler._scale) if hasattr(self.scaler, "_scale") else None
+        scale = getattr(self.scaler, "_scale", None)
+        return float(scale) if scale is not None else None
 
     def state_dict(self) -> Dict[str, Any]:
         if self.scaler is None:
@@ -255,7 +258,7 @@ class Precision:
             restored = {
                 k: np.asarray(v, dtype="float32") if isinstance(v, list) else v for k, v in state.items()
             }
-            self.scaler.load_state_dict(restored)
+            self.scaler.load_state_dict(restored)  # type: ignore[arg-type]  # what state_dict() saved
 
 
 def found_inf(flag: Any) -> bool:

@@ -17,6 +17,7 @@ def rng_state() -> Dict[str, Any]:
     (``paddle.get_rng_state()`` alone returns the current device's generators, so on a GPU the CPU one
     would be lost), and on a GPU build one state per visible CUDA device."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the global MT19937 generator's legacy state
     state: Dict[str, Any] = {
         "python": _listify(random.getstate()),
         "numpy": [np_state[0], np_state[1].tolist(), *[_listify(x) for x in np_state[2:]]],
@@ -50,7 +51,7 @@ def set_rng_state(state: Dict[str, Any]) -> List[str]:
     if saved_cuda and paddle.device.is_compiled_with_cuda():
         from paddle.base import core
 
-        count = core.get_cuda_device_count()
+        count = paddle.device.cuda.device_count()
         for i, data in fitting_states(saved_cuda, count):
             core.default_cuda_generator(i).set_state(_generator_state(gen_cls, data))
         if count != len(saved_cuda):

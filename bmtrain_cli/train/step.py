@@ -100,6 +100,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     precision.unscale(step_opt)
     # the loss and the fp32 global grad norm come to the host together: one sync per step
     norm_t = grad_norm_tensor(parts.model.params) if optim.own_clip else None
+    assert loss_acc is not None  # a step has at least one micro-batch
     host_parts = [loss_acc.astype("float32").reshape([1])]
     if norm_t is not None:
         host_parts.append(norm_t.reshape([1]))

@@ -105,7 +105,7 @@ form.addEventListener("submit", (ev) => {
   input.value = "";
   send(text);
 });
-// a link to http://host:port/#ask=TEXT opens the page and sends TEXT
+// the page's address followed by #ask=TEXT opens the page and sends TEXT
 if (location.hash.startsWith("#ask=")) send(decodeURIComponent(location.hash.slice(5)));
 document.getElementById("reset").addEventListener("click", () => { history = []; log.textContent = ""; });
 </script>

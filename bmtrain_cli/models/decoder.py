@@ -222,6 +222,50 @@ def project_to_vocab(
     return factory.head_matmul(hidden, weight, transposed)
 
 
+class LayerInputs:
+    """What every decoder layer takes besides the hidden states, from the attention mask and positions:
+    the rotary tables (None without rope) and the attention bias. CausalLM computes them once per forward;
+    the pipeline stages (parallel/pipeline.py) call the same object, so a family's inputs are the same
+    under every layout. It holds no layer, so a pipeline stage keeping it keeps no other stage's weights."""
+
+    def __init__(self, arch: ModelArch, rotary: Optional[RotaryTables], alibi: Optional[Any]) -> None:
+        self.arch = arch
+        self.rotary = rotary
+        self.alibi = alibi
+
+    def __call__(
+        self,
+        attention_mask: Optional[paddle.Tensor],
+        position_ids: paddle.Tensor,
+        s: int,
+        past: int,
+        dtype: Any,
+    ) -> Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor], Optional[paddle.Tensor]]:
+        """(cos, sin, bias) for ``s`` new positions after ``past`` cached ones."""
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary(position_ids)
+        return cos, sin, self.attention_bias(attention_mask, s, past, dtype)
+
+    def attention_bias(
+        self, attention_mask: Optional[paddle.Tensor], s: int, past: int, dtype: Any
+    ) -> Optional[paddle.Tensor]:
+        """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
+        the segment ids [b, s] for padded or packed rows without a cache, else an additive bias."""
+        window = self.arch.sliding_window
+        if window is not None and past + s <= window:
+            window = None  # the window cannot bite: keep the plain causal fast path
+        if past == 0 and window is None and self.alibi is None:
+            # segment ids, with their cu_seqlens computed once per batch on a GPU (not in every layer)
+            return None if attention_mask is None else batch_segments(attention_mask)
+        seg_q = seg_k = None
+        if attention_mask is not None:
+            seg_k = attention_mask.astype("int64")
+            seg_q = seg_k[:, past:] if past else seg_k
+        alibi = None if self.alibi is None else paddle.to_tensor(self.alibi, dtype="float32")
+        return build_bias(seg_q, seg_k, s, past + s, past, dtype, window, alibi)
+
+
 class CausalLM(nn.Layer):
     """Decoder-only language model. See the module docstring for the family flags."""
 
@@ -246,19 +290,20 @@ class CausalLM(nn.Layer):
         self.lm_head = (
             None if arch.tie_word_embeddings else self.factory.lm_head(arch.hidden_size, arch.vocab_size)
         )
-        self.rotary = None
+        rotary = None
         if arch.position_embedding == "rope":
             try:
-                self.rotary = RotaryTables(
+                rotary = RotaryTables(
                     arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings
                 )
             except (ValueError, KeyError) as exc:
                 raise UserError(f"rope_scaling: {exc}") from None
-        self.alibi = None
+        alibi = None
         if arch.position_embedding == "alibi":
             tp_rank = int(getattr(self.factory, "tp_rank", 0))
             n_local = arch.num_attention_heads // self.factory.tp_degree
-            self.alibi = alibi_slopes(arch.num_attention_heads)[tp_rank * n_local : (tp_rank + 1) * n_local]
+            alibi = alibi_slopes(arch.num_attention_heads)[tp_rank * n_local : (tp_rank + 1) * n_local]
+        self.layer_inputs = LayerInputs(arch, rotary, alibi)
         self._recompute_layers: Set[int] = set()
 
     # Hugging Face-style accessors used by the trainer, LoRA and pipeline code.
@@ -337,11 +382,8 @@ class CausalLM(nn.Layer):
         past = 0 if cache is None else len(cache)
         if position_ids is None:
             position_ids = self._position_ids(input_ids, past)
-        cos = sin = None
-        if self.rotary is not None:
-            cos, sin = self.rotary(position_ids)
         x = self.model.embed_tokens(input_ids)
-        bias = self._attention_bias(attention_mask, s, past, x.dtype)
+        cos, sin, bias = self.layer_inputs(attention_mask, position_ids, s, past, x.dtype)
         for i, layer in enumerate(self.model.layers):
             if i in self._recompute_layers and self.training:
                 from paddle.distributed.fleet.utils import recompute
@@ -350,24 +392,6 @@ class CausalLM(nn.Layer):
             else:
                 x = layer(x, cos, sin, bias, cache)
         return self.model.norm(x)
-
-    def _attention_bias(
-        self, attention_mask: Optional[paddle.Tensor], s: int, past: int, dtype: Any
-    ) -> Optional[paddle.Tensor]:
-        """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
-        the segment ids [b, s] for padded or packed rows without a cache, else an additive bias."""
-        window = self.arch.sliding_window
-        if window is not None and past + s <= window:
-            window = None  # the window cannot bite: keep the plain causal fast path
-        if past == 0 and window is None and self.alibi is None:
-            # segment ids, with their cu_seqlens computed once per batch on a GPU (not in every layer)
-            return None if attention_mask is None else batch_segments(attention_mask)
-        seg_q = seg_k = None
-        if attention_mask is not None:
-            seg_k = attention_mask.astype("int64")
-            seg_q = seg_k[:, past:] if past else seg_k
-        alibi = None if self.alibi is None else paddle.to_tensor(self.alibi, dtype="float32")
-        return build_bias(seg_q, seg_k, s, past + s, past, dtype, window, alibi)
 
     def _head(self) -> Tuple[paddle.Tensor, bool]:
         """(LM head weight, whether it is [vocab, hidden] and needs a transpose)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
@@ -101,19 +100,11 @@ def _build_items(model: Any) -> PipelineItems:
     from paddle import nn
     from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
 
-    from bmtrain_cli.models.decoder import CausalLM, project_to_vocab
+    from bmtrain_cli.models.decoder import project_to_vocab
 
     arch = model.arch
     factory = model.factory
-    helper = types.SimpleNamespace(arch=arch, alibi=model.alibi)
-    rotary = model.rotary
-
-    def extras(mask: Any, pos: Any, s: int, dtype: Any) -> Tuple[Any, Any, Any]:
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary(pos)
-        bias = CausalLM._attention_bias(helper, mask, s, 0, dtype)  # type: ignore[arg-type]  # needs arch, alibi
-        return cos, sin, bias
+    layer_inputs = model.layer_inputs  # the single-process model's own (rotary tables, attention bias)
 
     class EmbedStage(nn.Layer):
         def __init__(self, embed_tokens: Any) -> None:
@@ -138,7 +129,7 @@ def _build_items(model: Any) -> PipelineItems:
 
         def forward(self, args: Any) -> Any:
             x, mask, pos = args
-            cos, sin, bias = extras(mask, pos, x.shape[1], x.dtype)
+            cos, sin, bias = layer_inputs(mask, pos, x.shape[1], 0, x.dtype)
             if self.recompute and self.training:
                 from paddle.distributed.fleet.utils import recompute
 

@@ -64,6 +64,16 @@ def fresh_vocab_size(configured: Optional[int], tokenizer_vocab: int, tokenizer:
     return configured
 
 
+def tokenizer_fits(model_vocab: int, tokenizer_vocab: int, tokenizer: str) -> None:
+    """A pretrained model's embedding must have a row for every id of the tokenizer it is trained with."""
+    if tokenizer_vocab > model_vocab:
+        raise UserError(
+            f"{tokenizer} has {tokenizer_vocab} tokens but the model's vocab_size is {model_vocab}: its larger "
+            "token ids would have no embedding row; use the model's own tokenizer (leave tokenizer_path unset "
+            "when the checkpoint directory holds one)"
+        )
+
+
 def _tokenizer_vocab(m: ModelConfig) -> Tuple[Optional[int], str]:
     """(vocabulary size, description) of the tokenizer a fresh model will be trained with, when known
     without training one: the smallest vocabulary of a generated tokenizer, or tokenizer_path's."""
@@ -193,13 +203,18 @@ def check_config(  # noqa: C901
                     "set head_dim explicitly or change the sizes",
                 )
 
-    if m.vocab_size is not None and not m.model_name_or_path:
+    # the tokenizer's ids against the embedding: a pretrained model's rows, or a fresh model's vocab_size
+    pretrained = arch is not None and m.model_name_or_path and m.tokenizer_path
+    if pretrained or (m.vocab_size is not None and not m.model_name_or_path):
         known, tokenizer = _tokenizer_vocab(m)
         if known is not None:
             try:
-                fresh_vocab_size(m.vocab_size, known, tokenizer)
+                if arch is not None and pretrained:
+                    tokenizer_fits(arch.vocab_size, known, tokenizer)
+                else:
+                    fresh_vocab_size(m.vocab_size, known, tokenizer)
             except UserError as exc:
-                err("model_config.vocab_size", str(exc))
+                err("model_config.tokenizer_path" if pretrained else "model_config.vocab_size", str(exc))
 
     for path, message, suggestion in loss_masking_problems(t):
         err(path, message, suggestion)

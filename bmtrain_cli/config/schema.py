@@ -80,6 +80,9 @@ class ModelConfig(_Section):
     position_embedding: Optional[Literal["rope", "alibi"]] = Field(
         None, description="rope (default) or alibi (Baichuan 13B)."
     )
+    sliding_window: Optional[int] = Field(
+        None, gt=0, description="Local attention window (Mistral, Phi-3; Gemma 3's sliding layers)."
+    )
     initializer_range: float = Field(0.02, gt=0)
 
     dtype: Dtype = "float32"

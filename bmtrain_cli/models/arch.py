@@ -37,6 +37,18 @@ class ModelArch:
     position_embedding: str = "rope"  # rope | alibi (Baichuan 13B)
     sliding_window: Optional[int] = None  # local attention window (Mistral)
     norm_head: bool = False  # LM head rows L2-normalised (Baichuan 2)
+    mlp_bias: bool = False  # biases on gate/up/down (ERNIE 4.5's use_bias)
+    fused_gate_up: bool = False  # one gate_up_proj holding [gate; up] (Phi-3, GLM-4)
+    partial_rotary_factor: float = 1.0  # rope turns only the first fraction of each head (GLM-4, Phi-4-mini)
+    rope_interleaved: bool = False  # rope rotates pairs (0, 1), (2, 3), ... not halves (ERNIE 4.5, GLM-4)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), the weights start at zero (Gemma)
+    sandwich_norm: bool = False  # a norm on the attention and on the MLP output too (Gemma 3, GLM-4)
+    scale_embeddings: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
+    # per layer, "full_attention" or "sliding_attention" (Gemma 3); None: every layer alike (sliding when
+    # sliding_window is set, as Mistral)
+    layer_types: Optional[Tuple[str, ...]] = None
+    rope_local_theta: Optional[float] = None  # rope base of the sliding layers, without scaling (Gemma 3)
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
@@ -50,6 +62,28 @@ class ModelArch:
     def o_proj_bias(self) -> bool:
         """Whether ``attention_bias`` covers o_proj too (the family says: LLaMA and Qwen3 yes, Qwen2 no)."""
         return self.attention_bias and family(self.family).o_proj_bias
+
+    @property
+    def qkv_name(self) -> str:
+        """The fused q/k/v projection's name (``fused_qkv``): W_pack (Baichuan) or qkv_proj (Phi-3)."""
+        return family(self.family).qkv_name
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns (even)."""
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    def layer_type(self, layer: int) -> str:
+        """``full_attention`` or ``sliding_attention``: which mask and rotary table the layer takes."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        if self.sliding_window is None:
+            return "full_attention"
+        pattern = family(self.family).sliding_pattern
+        return "full_attention" if pattern and (layer + 1) % pattern == 0 else "sliding_attention"
+
+    def window_of(self, layer_type: str) -> Optional[int]:
+        return self.sliding_window if layer_type == "sliding_attention" else None
 
 
 @dataclass(frozen=True)
@@ -84,6 +118,15 @@ ARCH_RULES: Tuple[ArchRule, ...] = (
         ),
         {"family": "llama", "position_embedding": "alibi"},
     ),
+    ArchRule(
+        "sliding_window",
+        lambda a: a.sliding_window is not None and not family(a.family).sliding_window,
+        lambda a: (
+            f"the {a.family} family has no sliding-window attention (its checkpoints would not say so to "
+            f"transformers); families with one: {', '.join(n for n, f in FAMILIES.items() if f.sliding_window)}"
+        ),
+        {"family": "llama", "sliding_window": 8},
+    ),
 )
 
 
@@ -108,6 +151,7 @@ _ARCH_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "position_embedding",
+    "sliding_window",
     "initializer_range",
 )
 
@@ -133,11 +177,11 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
     return arch
 
 
-def _rope(cfg: Dict[str, Any]) -> tuple:
+def _rope(cfg: Dict[str, Any], default_theta: float = 10000.0) -> tuple:
     """(rope_theta, rope_scaling) from transformers 4.x (rope_theta, rope_scaling) or 5.x
     (rope_parameters) keys."""
     params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = cfg.get("rope_theta", params.get("rope_theta", default_theta))
     scaling = cfg.get("rope_scaling")
     if scaling is None and params:
         rest = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -149,6 +193,16 @@ def _rope(cfg: Dict[str, Any]) -> tuple:
 
 
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
+# structural flags a family fixes (its defaults), not read from config.json's shared keys
+_FAMILY_FLAGS = (
+    "qk_norm",
+    "fused_qkv",
+    "fused_gate_up",
+    "rope_interleaved",
+    "norm_offset",
+    "scale_embeddings",
+    "partial_rotary_factor",
+)
 # config.json keys every family reads (beyond the ModelArch fields of the same name)
 _SHARED_KEYS = (
     "model_type",
@@ -174,7 +228,7 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        theta, scaling = _rope(cfg)
+        theta, scaling = _rope(cfg, fam.default("rope_theta", 10000.0))
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in HIDDEN_ACTS:
             raise UserError(f"{source}: hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
@@ -199,10 +253,11 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             hidden_act=act,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", fam.default("tie_word_embeddings", False))
+            ),
             attention_bias=bool(cfg.get("attention_bias", fam.default("attention_bias", False))),
-            qk_norm=bool(fam.default("qk_norm", False)),
-            fused_qkv=bool(fam.default("fused_qkv", False)),
+            **{key: fam.default(key, getattr(ModelArch, key)) for key in _FAMILY_FLAGS},
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
@@ -345,8 +400,19 @@ def arch_to_hf_dict(arch: ModelArch, dtype: str = "float32") -> Dict[str, Any]:
     return cfg
 
 
-# Linear projections of a decoder layer that LoRA can target (W_pack only in fused-qkv families).
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "W_pack")
+# Linear projections of a decoder layer that LoRA can target (the fused ones only in their families).
+LORA_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "W_pack",
+    "qkv_proj",
+    "gate_up_proj",
+)
 ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
 
 
@@ -357,9 +423,11 @@ def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
 
 
 def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
-    """The LoRA-targetable projections this architecture has (Baichuan fuses q/k/v into W_pack)."""
-    absent = ("q_proj", "k_proj", "v_proj") if arch.fused_qkv else ("W_pack",)
-    return tuple(n for n in LORA_PROJECTIONS if n not in absent)
+    """The LoRA-targetable projections this architecture has (Baichuan fuses q/k/v into W_pack, Phi-3 into
+    qkv_proj; Phi-3 and GLM-4 fuse gate/up into gate_up_proj)."""
+    qkv = (arch.qkv_name,) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
+    return tuple(n for n in LORA_PROJECTIONS if n in (*qkv, "o_proj", *mlp, "down_proj"))
 
 
 def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
@@ -376,6 +444,8 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
         "up_proj": (h, inter),
         "down_proj": (inter, h),
         "W_pack": (h, q + 2 * kv),
+        "qkv_proj": (h, q + 2 * kv),
+        "gate_up_proj": (h, 2 * inter),
     }
     selected = set(lora_targets(arch, targets)) & set(arch_projections(arch))
     return sum(
@@ -398,7 +468,9 @@ def count_parameters(arch: ModelArch) -> int:
     if arch.qk_norm:
         attn += 2 * hd
     mlp = 3 * h * arch.intermediate_size
-    per_layer = attn + mlp + 2 * h
+    if arch.mlp_bias:
+        mlp += 2 * arch.intermediate_size + h
+    per_layer = attn + mlp + len(family(arch.family).norm_names) * h
     total = arch.vocab_size * h + arch.num_hidden_layers * per_layer + h
     if not arch.tie_word_embeddings:
         total += arch.vocab_size * h

@@ -7,9 +7,16 @@ Family differences are flags on :class:`~bmtrain_cli.models.arch.ModelArch`:
 - ``qk_norm``: per-head RMSNorm of q and k before the rotary embedding, explicit ``head_dim`` (Qwen3)
 - ``fused_qkv``: one ``W_pack`` projection holding [q; k; v] (Baichuan)
 - ``position_embedding``: ``rope`` (with ``rope_scaling``) or ``alibi`` (Baichuan 13B)
-- ``sliding_window``: local attention window (Mistral)
+- ``sliding_window``: local attention window (Mistral); with ``layer_types``, only on the sliding layers,
+  which take their own rope base ``rope_local_theta`` (Gemma 3)
 - ``norm_head``: LM head rows L2-normalised (Baichuan 2)
 - ``tie_word_embeddings``: the LM head reuses the embedding matrix
+- ``mlp_bias`` (ERNIE 4.5), ``fused_gate_up``: one gate_up_proj (Phi-3, GLM-4), and the family's
+  ``qkv_name`` for ``fused_qkv`` (W_pack, qkv_proj)
+- ``partial_rotary_factor`` and ``rope_interleaved``: rope on the leading dimensions only, on
+  interleaved pairs (GLM-4, ERNIE 4.5, Phi-4-mini)
+- ``norm_offset`` ((1 + w) RMSNorm), ``scale_embeddings`` (times sqrt(hidden)), ``query_pre_attn_scalar``
+  (Gemma); the family's ``norm_names`` add norms on the attention and MLP outputs (Gemma 3, GLM-4)
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` ...). Linear and
 embedding layers come from a factory (``models/layers.py``), so tensor parallelism swaps them without
@@ -18,7 +25,8 @@ touching this file; head counts are divided by ``factory.tp_degree``.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Set, Tuple
+import math
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -27,165 +35,11 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch, arch_problems
-from bmtrain_cli.models.attention import IMPLEMENTATIONS, attend, batch_segments, build_bias
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, batch_segments, build_bias
+from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
-
-
-class RMSNorm(nn.Layer):
-    """``weight_view`` (optional) maps the weight before use: the tensor-parallel factory's
-    ``sum_grad_over_group`` for a norm that every rank applies to its own heads (Qwen3's q/k norm)."""
-
-    def __init__(self, dim: int, eps: float, ops: OpSet, weight_view: Optional[Any] = None):
-        super().__init__()
-        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
-        self.eps = eps
-        self.ops = ops
-        self.weight_view = weight_view
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        weight = self.weight if self.weight_view is None else self.weight_view(self.weight)
-        return self.ops.rms_norm(x, weight, self.eps)
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, per layer ([b, s, kv_heads, d], before head
-    repetition). Decoding appends one step at a time."""
-
-    def __init__(self, num_layers: int):
-        self.keys: List[Optional[paddle.Tensor]] = [None] * num_layers
-        self.values: List[Optional[paddle.Tensor]] = [None] * num_layers
-
-    def __len__(self) -> int:
-        k = self.keys[0]
-        return 0 if k is None else int(k.shape[1])
-
-    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        prev_k, prev_v = self.keys[layer], self.values[layer]
-        if prev_k is not None and prev_v is not None:  # set together
-            k = paddle.concat([prev_k, k], axis=1)
-            v = paddle.concat([prev_v, v], axis=1)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def select(self, index: paddle.Tensor) -> None:
-        """Keep only the batch rows in ``index`` (e.g. after sequences finish)."""
-        self.keys = [None if k is None else paddle.gather(k, index) for k in self.keys]
-        self.values = [None if v is None else paddle.gather(v, index) for v in self.values]
-
-
-def _local_heads(total: int, tp: int, what: str) -> int:
-    if total % tp:
-        raise UserError(f"{what} ({total}) must be divisible by tensor_parallel ({tp})")
-    return total // tp
-
-
-class Attention(nn.Layer):
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
-        super().__init__()
-        tp = factory.tp_degree
-        self.layer_idx = layer_idx
-        self.head_dim = arch.head_dim
-        self.num_heads = _local_heads(arch.num_attention_heads, tp, "num_attention_heads")
-        self.num_kv_heads = _local_heads(arch.num_key_value_heads, tp, "num_key_value_heads")
-        self.implementation = implementation
-        self.ops = ops
-        self.use_rope = arch.position_embedding == "rope"
-        self.recompute_core = False
-        h, hd = arch.hidden_size, arch.head_dim
-        q_out, kv_out = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
-        self.fused = arch.fused_qkv and tp == 1  # under TP the fused matrix is split into q/k/v on load
-        if self.fused:
-            self.W_pack = factory.linear(h, q_out + 2 * kv_out, arch.attention_bias, tp="column")
-        else:
-            self.q_proj = factory.linear(h, q_out, arch.attention_bias, tp="column")
-            self.k_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
-            self.v_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
-        self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
-        if arch.qk_norm:
-            # one weight for all heads: under tensor parallel its gradient sums every rank's heads
-            grad_sum = factory.sum_grad_over_group if tp > 1 else None
-            self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)
-            self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum)
-        self.qk_norm = arch.qk_norm
-
-    def forward(
-        self,
-        x: paddle.Tensor,
-        cos: Optional[paddle.Tensor],
-        sin: Optional[paddle.Tensor],
-        bias: Optional[paddle.Tensor],
-        cache: Optional[KVCache] = None,
-    ) -> paddle.Tensor:
-        b, s = x.shape[0], x.shape[1]
-        hd = self.head_dim
-        if self.fused:
-            qkv = self.W_pack(x)
-            nq, nkv = self.num_heads * hd, self.num_kv_heads * hd
-            q, k, v = paddle.split(qkv, [nq, nkv, nkv], axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape([b, s, self.num_heads, hd])
-        k = k.reshape([b, s, self.num_kv_heads, hd])
-        v = v.reshape([b, s, self.num_kv_heads, hd])
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            assert cos is not None and sin is not None  # the model passes its rotary tables
-            q, k = self.ops.rotary(q, k, cos.astype(q.dtype), sin.astype(q.dtype))
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        if self.recompute_core and self.training:
-            from paddle.distributed.fleet.utils import recompute
-
-            out = recompute(self._core, q, k, v, bias)
-        else:
-            out = self._core(q, k, v, bias)
-        return self.o_proj(out.reshape([b, s, self.num_heads * hd]))
-
-    def _core(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
-    ) -> paddle.Tensor:
-        return attend(q, k, v, bias, self.implementation, self.training, self.ops.attention)
-
-
-class MLP(nn.Layer):
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet):
-        super().__init__()
-        h, f = arch.hidden_size, arch.intermediate_size
-        self.gate_proj = factory.linear(h, f, False, tp="column")
-        self.up_proj = factory.linear(h, f, False, tp="column")
-        self.down_proj = factory.linear(f, h, False, tp="row")
-        self.ops = ops
-        self.act = arch.hidden_act
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.act == "silu":  # SwiGLU, through the fused kernels
-            return self.down_proj(self.ops.swiglu(gate, up))
-        # GeGLU: gelu (erf) or gelu_pytorch_tanh (the tanh approximation)
-        return self.down_proj(F.gelu(gate, approximate=self.act == "gelu_pytorch_tanh") * up)
-
-
-class DecoderLayer(nn.Layer):
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, factory, ops)
-
-    def forward(
-        self,
-        x: paddle.Tensor,
-        cos: Optional[paddle.Tensor] = None,
-        sin: Optional[paddle.Tensor] = None,
-        bias: Optional[paddle.Tensor] = None,
-        cache: Optional[KVCache] = None,
-    ) -> paddle.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Layer):
@@ -197,7 +51,15 @@ class DecoderModel(nn.Layer):
         self.layers = nn.LayerList(
             [DecoderLayer(arch, factory, ops, i, implementation) for i in range(arch.num_hidden_layers)]
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, offset=arch.norm_offset)
+
+
+def embed(arch: ModelArch, embed_tokens: nn.Layer, input_ids: paddle.Tensor) -> paddle.Tensor:
+    """Token embeddings, times sqrt(hidden_size) in their own dtype where the family scales them (Gemma)."""
+    x = embed_tokens(input_ids)
+    if arch.scale_embeddings:
+        x = x * paddle.to_tensor(math.sqrt(arch.hidden_size), dtype=x.dtype)
+    return x
 
 
 def head_weight(
@@ -222,16 +84,26 @@ def project_to_vocab(
     return factory.head_matmul(hidden, weight, transposed)
 
 
+Inputs = Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor], Optional[paddle.Tensor]]  # cos, sin, bias
+
+
 class LayerInputs:
     """What every decoder layer takes besides the hidden states, from the attention mask and positions:
-    the rotary tables (None without rope) and the attention bias. CausalLM computes them once per forward;
-    the pipeline stages (parallel/pipeline.py) call the same object, so a family's inputs are the same
-    under every layout. It holds no layer, so a pipeline stage keeping it keeps no other stage's weights."""
+    the rotary tables (None without rope) and the attention bias, per layer type (``full_attention``,
+    ``sliding_attention``: Gemma 3's sliding layers have their own window and rope base). CausalLM
+    computes them once per forward; the pipeline stages (parallel/pipeline.py) call the same object, so a
+    family's inputs are the same under every layout. It holds no layer, so a pipeline stage keeping it
+    keeps no other stage's weights."""
 
-    def __init__(self, arch: ModelArch, rotary: Optional[RotaryTables], alibi: Optional[Any]) -> None:
+    def __init__(
+        self, arch: ModelArch, rotary: Dict[str, Optional[RotaryTables]], alibi: Optional[Any]
+    ) -> None:
         self.arch = arch
         self.rotary = rotary
         self.alibi = alibi
+        self.types = tuple(sorted({arch.layer_type(i) for i in range(arch.num_hidden_layers)}))
+        # looked up here, not in forward: paddle.jit's SOT cannot call a dataclass's methods
+        self.windows = {kind: arch.window_of(kind) for kind in self.types}
 
     def __call__(
         self,
@@ -240,21 +112,36 @@ class LayerInputs:
         s: int,
         past: int,
         dtype: Any,
-    ) -> Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor], Optional[paddle.Tensor]]:
-        """(cos, sin, bias) for ``s`` new positions after ``past`` cached ones."""
-        cos = sin = None
-        if self.rotary is not None:
-            cos, sin = self.rotary(position_ids)
-        return cos, sin, self.attention_bias(attention_mask, s, past, dtype)
+        types: Optional[Iterable[str]] = None,
+    ) -> Dict[str, Inputs]:
+        """{layer type: (cos, sin, bias)} for ``s`` new positions after ``past`` cached ones, for ``types``
+        (default: every type the model's layers have)."""
+        out: Dict[str, Inputs] = {}
+        for kind in self.types if types is None else types:
+            cos = sin = None
+            rotary = self.rotary.get(kind)
+            if rotary is not None:
+                cos, sin = rotary(position_ids)
+            out[kind] = (
+                cos,
+                sin,
+                self.attention_bias(attention_mask, s, past, dtype, self.windows.get(kind)),
+            )
+        return out
 
     def attention_bias(
-        self, attention_mask: Optional[paddle.Tensor], s: int, past: int, dtype: Any
+        self,
+        attention_mask: Optional[paddle.Tensor],
+        s: int,
+        past: int,
+        dtype: Any,
+        window: Optional[int] = None,
     ) -> Optional[paddle.Tensor]:
         """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
         the segment ids [b, s] for padded or packed rows without a cache, else an additive bias."""
-        window = self.arch.sliding_window
-        if window is not None and past + s <= window:
-            window = None  # the window cannot bite: keep the plain causal fast path
+        if window is not None and isinstance(s, int) and past + s <= window:
+            # the window cannot bite: keep the plain causal fast path (a static graph's length is unknown)
+            window = None
         if past == 0 and window is None and self.alibi is None:
             # segment ids, with their cu_seqlens computed once per batch on a GPU (not in every layer)
             return None if attention_mask is None else batch_segments(attention_mask)
@@ -290,14 +177,20 @@ class CausalLM(nn.Layer):
         self.lm_head = (
             None if arch.tie_word_embeddings else self.factory.lm_head(arch.hidden_size, arch.vocab_size)
         )
-        rotary = None
+        rotary: Dict[str, Optional[RotaryTables]] = {}
         if arch.position_embedding == "rope":
             try:
-                rotary = RotaryTables(
-                    arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings
+                full = RotaryTables(
+                    arch.rotary_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings
                 )
             except (ValueError, KeyError) as exc:
                 raise UserError(f"rope_scaling: {exc}") from None
+            local = full
+            if arch.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base, no scaling
+                local = RotaryTables(
+                    arch.rotary_dim, arch.rope_local_theta, None, arch.max_position_embeddings
+                )
+            rotary = {"full_attention": full, "sliding_attention": local}
         alibi = None
         if arch.position_embedding == "alibi":
             tp_rank = int(getattr(self.factory, "tp_rank", 0))
@@ -344,7 +237,7 @@ class CausalLM(nn.Layer):
             elif len(p.shape) >= 2:
                 normal(p)
             elif name.endswith("norm.weight"):
-                ones(p)
+                (zeros if self.arch.norm_offset else ones)(p)  # the scale starts at 1 either way
             else:
                 zeros(p)
 
@@ -382,9 +275,10 @@ class CausalLM(nn.Layer):
         past = 0 if cache is None else len(cache)
         if position_ids is None:
             position_ids = self._position_ids(input_ids, past)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin, bias = self.layer_inputs(attention_mask, position_ids, s, past, x.dtype)
+        x = embed(self.arch, self.model.embed_tokens, input_ids)
+        inputs = self.layer_inputs(attention_mask, position_ids, s, past, x.dtype)
         for i, layer in enumerate(self.model.layers):
+            cos, sin, bias = inputs[layer.layer_type]
             if i in self._recompute_layers and self.training:
                 from paddle.distributed.fleet.utils import recompute
 

@@ -7,13 +7,14 @@ nothing attends to it) and positions count real tokens only.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import paddle
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.decoder import CausalLM, KVCache
+from bmtrain_cli.models.blocks import KVCache
+from bmtrain_cli.models.decoder import CausalLM
 
 TokenCallback = Callable[[int, int], bool]  # (prompt index, new token) -> stop this prompt now
 
@@ -52,6 +53,14 @@ def _left_pad(prompts: Sequence[Sequence[int]]) -> tuple:
     return ids, mask
 
 
+def long_rope_switch(arch: Any) -> Optional[int]:
+    """The length past which LongRoPE (Phi-3) turns from its short to its long factors, else None."""
+    scaling = arch.rope_scaling or {}
+    return (
+        int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
+    )
+
+
 @paddle.no_grad()
 def generate(
     model: CausalLM,
@@ -81,8 +90,14 @@ def generate(
     out: List[List[int]] = [[] for _ in prompts]
     done = np.zeros(len(prompts), dtype=bool)
     step_ids, step_pos = ids, pos
+    switch = long_rope_switch(model.arch)
     try:
         for _ in range(min(max_new_tokens, model.arch.max_position_embeddings - ids.shape[1])):
+            if cache is not None and switch is not None and len(cache) <= switch < ids.shape[1]:
+                # the sequence just passed LongRoPE's switch: the keys cached under the short factors are
+                # recomputed under the long ones (as transformers' Phi-3 does)
+                cache = KVCache(len(model.layers))
+                step_ids, step_pos = ids, pos
             logits = model(
                 paddle.to_tensor(step_ids),
                 attention_mask=paddle.to_tensor(mask),

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out: ``build``, ``load_pretrained``, ``save_pretrained``.
 
 Names follow Hugging Face exactly. Paddle's Linear stores weights as [in, out] and Hugging Face as
-[out, in], so every matrix except the embedding is transposed on the way in and out. Baichuan's fused
-``W_pack`` is kept fused on one device and split into q/k/v projections under tensor parallelism.
+[out, in], so every matrix except the embedding is transposed on the way in and out. Fused projections
+(Baichuan's ``W_pack`` and Phi-3's ``qkv_proj`` holding q/k/v, Phi-3's and GLM-4's ``gate_up_proj``) are
+kept fused on one device and split into their parts under tensor parallelism.
 Under tensor parallelism each rank takes its slice of the full tensor (the axis where the local
 parameter is smaller).
 """
@@ -13,7 +14,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import paddle
@@ -81,9 +82,22 @@ def _is_matrix(name: str, ndim: int) -> bool:
     return ndim == 2 and not name.endswith("embed_tokens.weight")
 
 
-def _qkv_sizes(arch: ModelArch) -> List[int]:
-    hd = arch.head_dim
-    return [arch.num_attention_heads * hd, arch.num_key_value_heads * hd, arch.num_key_value_heads * hd]
+def _fused_parts(arch: ModelArch, every: bool = False) -> Dict[str, Tuple[Tuple[str, ...], List[int]]]:
+    """{fused module path: (its parts' module paths, their output sizes)}: the fused projections this
+    architecture's checkpoints hold, or with ``every`` any a checkpoint of these shapes may hold."""
+    hd, f = arch.head_dim, arch.intermediate_size
+    kv = arch.num_key_value_heads * hd
+    qkv = (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        [arch.num_attention_heads * hd, kv, kv],
+    )
+    out: Dict[str, Tuple[Tuple[str, ...], List[int]]] = {}
+    for name in ("W_pack", "qkv_proj"):
+        if every or (arch.fused_qkv and arch.qkv_name == name):
+            out[f"self_attn.{name}"] = qkv
+    if every or arch.fused_gate_up:
+        out["mlp.gate_up_proj"] = (("mlp.gate_proj", "mlp.up_proj"), [f, f])
+    return out
 
 
 def _local_slice(full: np.ndarray, local_shape: List[int], factory: Any, name: str) -> np.ndarray:
@@ -108,13 +122,14 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
     arch = model.arch
     tensors = dict(tensors)
     params = model.state_dict()
-    # Fused W_pack in the checkpoint but separate q/k/v in the model (tensor parallel): split it.
-    for name in [n for n in tensors if n.endswith("self_attn.W_pack.weight")]:
-        prefix = name[: -len("W_pack.weight")]
-        if name not in params and prefix + "q_proj.weight" not in tensors:
-            parts = np.split(tensors.pop(name), np.cumsum(_qkv_sizes(arch))[:-1], axis=0)
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                tensors[f"{prefix}{proj}.weight"] = part
+    # A fused projection in the checkpoint but its parts in the model (tensor parallel): split it.
+    for fused, (parts, sizes) in _fused_parts(arch, every=True).items():
+        for name in [n for n in tensors if n.rsplit(".", 1)[0].endswith(fused) and n not in params]:
+            kind = name.rsplit(".", 1)[1]
+            prefix = name[: -len(fused) - len(kind) - 1]
+            pieces = np.split(tensors.pop(name), np.cumsum(sizes)[:-1], axis=0)
+            for part, piece in zip(parts, pieces):
+                tensors[f"{prefix}{part}.{kind}"] = piece
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     missing = [n for n in params if n not in tensors]
@@ -165,7 +180,6 @@ def load_pretrained(
 def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
     """The model's weights in Hugging Face layout and names (numpy, fp32 for half-precision params)."""
     out: Dict[str, np.ndarray] = {}
-    qkv: Dict[str, Dict[str, np.ndarray]] = {}
     for name, param in model.state_dict().items():
         t = param.detach()
         if t.dtype in (paddle.bfloat16, paddle.float16):
@@ -173,16 +187,13 @@ def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
         arr = t.numpy()
         if _is_matrix(name, arr.ndim):
             arr = np.ascontiguousarray(arr.T)
-        if model.arch.fused_qkv and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            prefix, proj = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
-            qkv.setdefault(prefix, {})[proj] = arr
-            if len(qkv[prefix]) == 3:
-                parts = qkv.pop(prefix)
-                out[f"{prefix}.W_pack.weight"] = np.concatenate(
-                    [parts[p] for p in ("q_proj", "k_proj", "v_proj")]
-                )
-            continue
         out[name] = arr
+    # parts kept apart under tensor parallel are written fused, as the family's checkpoints hold them
+    for fused, (parts, _) in _fused_parts(model.arch).items():
+        for name in [n for n in list(out) if n.rsplit(".", 1)[0].endswith(parts[0])]:
+            kind = name.rsplit(".", 1)[1]
+            prefix = name[: -len(parts[0]) - len(kind) - 1]
+            out[f"{prefix}{fused}.{kind}"] = np.concatenate([out.pop(f"{prefix}{p}.{kind}") for p in parts])
     return out
 
 

@@ -1,5 +1,9 @@
-"""Position encodings: rotary embeddings (with the rope scaling types of LLaMA 3.x, Qwen and Mistral
+"""Position encodings: rotary embeddings (with the rope scaling types of LLaMA 3.x, Qwen, Mistral and Phi-3
 checkpoints) and ALiBi slopes (Baichuan 13B).
+
+The tables cover the rotated dimensions only (``rotary_dim``: all of a head, or the leading fraction that
+GLM-4 and Phi-4-mini turn); models/decoder.py applies them to halves or, for ERNIE 4.5 and GLM-4, to
+interleaved pairs.
 
 Frequencies follow the Hugging Face formulas and are computed in fp32 like them, so logits match to
 1e-4 or better on fp32 models.
@@ -13,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import paddle
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_type(scaling: Optional[Dict[str, Any]]) -> str:
@@ -34,7 +38,8 @@ def inv_frequencies(
     """(inverse frequencies [head_dim/2] fp32, attention scaling of cos/sin) for a rope config.
 
     ``dynamic`` returns the unscaled frequencies; the per-call rescaling happens in
-    :func:`rotary_tables` because it depends on the sequence length.
+    :class:`RotaryTables` because it depends on the sequence length. ``longrope`` returns the short-factor
+    frequencies (:func:`longrope_long_frequencies` has the others).
     """
     kind = rope_type(scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -85,7 +90,33 @@ def inv_frequencies(
         extrapolation = 1 - ramp
         interp = 1.0 / (factor * pos_freqs)
         inv = (interp * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+    elif kind == "longrope":
+        inv = _longrope(pos_freqs, scaling["short_factor"])
+        attention_factor = _longrope_attention_factor(scaling, max_position_embeddings)
     return inv.astype(np.float32), float(attention_factor)
+
+
+def _longrope(pos_freqs: np.ndarray, factors: Any) -> np.ndarray:
+    ext = np.asarray(factors, dtype=np.float32)
+    if ext.shape != pos_freqs.shape:
+        raise ValueError(
+            f"longrope factors have {ext.size} entries, the rotary dimension needs {pos_freqs.size}"
+        )
+    return (1.0 / (ext * pos_freqs)).astype(np.float32)
+
+
+def _longrope_attention_factor(scaling: Dict[str, Any], max_position_embeddings: int) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_position_embeddings / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def longrope_long_frequencies(head_dim: int, theta: float, scaling: Dict[str, Any]) -> np.ndarray:
+    """LongRoPE's frequencies past ``original_max_position_embeddings`` (the long factors)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return _longrope(np.float32(theta) ** exponents, scaling["long_factor"])
 
 
 class RotaryTables:
@@ -103,12 +134,18 @@ class RotaryTables:
         self.inv_freq, self.attention_factor = inv_frequencies(
             head_dim, theta, scaling, max_position_embeddings
         )
+        self.long_inv_freq = (
+            longrope_long_frequencies(head_dim, theta, self.scaling) if self.kind == "longrope" else None
+        )
 
     def __call__(self, position_ids: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        """position_ids [b, s] -> (cos, sin), each [b, s, head_dim] fp32."""
+        """position_ids [b, s] -> (cos, sin), each [b, s, head_dim] fp32 (head_dim: the rotated dimensions)."""
         pos = position_ids.astype("float32")
         if self.kind == "dynamic":
             inv = self._dynamic_inv_freq(pos)
+        elif self.long_inv_freq is not None:  # longrope: the long factors once positions pass the original
+            beyond = pos.max() + 1.0 > float(self.scaling["original_max_position_embeddings"])
+            inv = paddle.where(beyond, paddle.to_tensor(self.long_inv_freq), paddle.to_tensor(self.inv_freq))
         else:
             inv = paddle.to_tensor(self.inv_freq)
         freqs = pos.unsqueeze(-1) * inv.reshape([1, 1, -1])

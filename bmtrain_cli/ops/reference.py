@@ -36,6 +36,23 @@ def rotary(
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
+def rotary_interleaved(
+    q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Rotary position embedding on interleaved pairs: dimensions 2i and 2i+1 turn by frequency i (the
+    convention of ERNIE 4.5 and GLM-4). Shapes as :func:`rotary`; cos/sin hold each frequency twice (the
+    first half is used)."""
+    half = cos.shape[-1] // 2
+    c = cos[..., :half].unsqueeze(2)
+    s = sin[..., :half].unsqueeze(2)
+
+    def turn(x: paddle.Tensor) -> paddle.Tensor:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return paddle.stack([even * c - odd * s, odd * c + even * s], axis=-1).flatten(start_axis=3)
+
+    return turn(q), turn(k)
+
+
 def swiglu(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
     """silu(gate) * up."""
     return F.silu(gate) * up

@@ -100,7 +100,7 @@ def _build_items(model: Any) -> PipelineItems:
     from paddle import nn
     from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
 
-    from bmtrain_cli.models.decoder import project_to_vocab
+    from bmtrain_cli.models.decoder import embed, project_to_vocab
 
     arch = model.arch
     factory = model.factory
@@ -119,7 +119,7 @@ def _build_items(model: Any) -> PipelineItems:
             input_ids, mask, pos = args
             mask.stop_gradient = True
             pos.stop_gradient = True
-            return self.embed_tokens(input_ids), mask, pos
+            return embed(arch, self.embed_tokens, input_ids), mask, pos
 
     class DecoderStage(nn.Layer):
         def __init__(self, layer: Any, recompute: bool) -> None:
@@ -129,7 +129,8 @@ def _build_items(model: Any) -> PipelineItems:
 
         def forward(self, args: Any) -> Any:
             x, mask, pos = args
-            cos, sin, bias = layer_inputs(mask, pos, x.shape[1], 0, x.dtype)
+            kind = self.layer.layer_type
+            cos, sin, bias = layer_inputs(mask, pos, x.shape[1], 0, x.dtype, (kind,))[kind]
             if self.recompute and self.training:
                 from paddle.distributed.fleet.utils import recompute
 

@@ -157,26 +157,34 @@ def build_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Parallel
 # ----------------------------------------------------------------------------- model and optimizer
 
 
+def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
+    """The checkpoint being resumed (a LoRA run's: its verified base), else the pretrained path."""
+    from bmtrain_cli.models import load_pretrained
+
+    m = rt.config.model
+    if rt.resume_from is not None and rt.config.train.finetuning == "lora":  # adapters-only checkpoint
+        from bmtrain_cli.lora.adapter_store import find_base
+
+        alternatives = [m.model_name_or_path] if m.model_name_or_path else []
+        base = find_base(rt.resume_from, alternatives)
+        return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory)
+    path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
+    return load_pretrained(str(path), kernels=m.kernels, factory=ctx.factory)
+
+
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
     """The decoder: from the checkpoint being resumed, a pretrained path, or fresh from model_config."""
-    from bmtrain_cli.config.checks import fresh_vocab_size
-    from bmtrain_cli.models import build, load_pretrained
+    from bmtrain_cli.config.checks import fresh_vocab_size, tokenizer_fits
+    from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import arch_from_model_config
 
     m = rt.config.model
-    if rt.resume_from is not None:
-        if rt.config.train.finetuning == "lora":  # adapters-only checkpoint: load its verified base
-            from bmtrain_cli.lora.adapter_store import find_base
-
-            alternatives = [m.model_name_or_path] if m.model_name_or_path else []
-            base = find_base(rt.resume_from, alternatives)
-            return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory)
-        return load_pretrained(str(rt.resume_from), kernels=m.kernels, factory=ctx.factory)
-    if m.model_name_or_path:
-        return load_pretrained(m.model_name_or_path, kernels=m.kernels, factory=ctx.factory)
-    arch = arch_from_model_config(m)
+    if m.model_name_or_path or rt.resume_from is not None:
+        model = _load_model(rt, ctx)
+        tokenizer_fits(model.arch.vocab_size, tokenizer.vocab_size, "the tokenizer")
+        return model
     arch = dataclasses.replace(
-        arch,
+        arch_from_model_config(m),
         vocab_size=fresh_vocab_size(m.vocab_size, tokenizer.vocab_size, "the tokenizer"),
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,

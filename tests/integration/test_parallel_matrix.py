@@ -49,7 +49,21 @@ MODELS: Dict[str, List[str]] = {
     # tied Qwen2 (q/k/v biases) and Qwen3 (q/k norms) shapes, the small checkpoints users bring
     "qwen2-tied": ["model_config.family=qwen2"],
     "qwen3-tied": ["model_config.family=qwen3"],
+    # ERNIE 4.5 (interleaved rope, biases everywhere, tied, GQA) and Gemma 3 (five sliding layers with a
+    # window that bites and one global layer, (1 + w) sandwich norms, scaled embeddings, tied)
+    "ernie4_5-gqa": ["model_config.family=ernie4_5", "model_config.num_key_value_heads=2"],
+    "gemma3-window": [
+        "model_config.family=gemma3_text",
+        "model_config.num_hidden_layers=6",
+        "model_config.sliding_window=4",
+        "model_config.num_key_value_heads=2",
+    ],
 }
+# Gemma 3 under tp2: step 1 agrees to 3e-7 (every gradient, the shared q/k norms included), then the
+# summation-order noise grows about tenfold a step in its grad_norm (1.6e-5 at step 4, loss 8e-7): its
+# scaled embeddings and four norms per layer amplify rounding, Adam turns tiny gradient differences into
+# lr-sized ones; a wrong shard is off by far more from step 1
+RTOL = {"gemma3-window": {"grad_norm": 1e-4}}
 DP2 = ["parallel_config.data_parallel=2"]
 TP2 = ["parallel_config.tensor_parallel=2"]
 PP2 = ["parallel_config.pipeline_parallel=2"]
@@ -69,6 +83,12 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("lora", "tp2", TP2),
     ("qwen2-tied", "pp2", PP2),
     ("qwen3-tied", "tp2 x pp2", TP2 + PP2),
+    ("ernie4_5-gqa", "tp2", TP2),
+    ("ernie4_5-gqa", "pp2", PP2),
+    ("ernie4_5-gqa", "dp2", DP2),
+    ("gemma3-window", "tp2", TP2),
+    ("gemma3-window", "pp2", PP2),
+    ("gemma3-window", "dp2", DP2),
 ]
 
 
@@ -117,7 +137,9 @@ def test_layout_matches_one_process(tmp_path, single, model, name, layout):
     want = single(model)
     got = run_layout(tmp_path / "run", model, layout)
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+        rtol = RTOL.get(model, {}).get(key, 1e-5)
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{model} {name} {key}")
+        np.testing.assert_allclose(got[key][0], want[key][0], rtol=1e-5, err_msg=f"{model} {name} step 1")
     assert want["loss"][-1] < want["loss"][0]  # it trains
 
 

@@ -7,7 +7,7 @@ reads and writes beyond the shared ones. Everything else (the schema's
 registry, so adding a dense family is adding one module here plus its parity test; see
 docs/architecture.md, "Adding a model family".
 
-This package imports nothing else of bmtrain_cli: ``models/arch.py`` builds on it.
+This package imports nothing else of bmtrain_cli but ``errors``: ``models/arch.py`` builds on it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 
 def _no_extra_keys(cfg: Mapping[str, Any]) -> Dict[str, Any]:
@@ -12,6 +12,10 @@ def _no_extra_keys(cfg: Mapping[str, Any]) -> Dict[str, Any]:
 
 def _nothing_to_write(arch: Any) -> Dict[str, Any]:
     return {}
+
+
+_PRE_NORMS = {"pre_attn": "input_layernorm", "pre_mlp": "post_attention_layernorm"}
+NORM_ROLES = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,19 @@ class Family:
     positions: Tuple[str, ...] = ("rope",)  # position encodings the family's checkpoints use
     # head_dim is its own setting (Qwen3), not hidden_size / num_attention_heads
     free_head_dim: bool = False
+    # the decoder layer's RMSNorms by role, named as Hugging Face names them: pre_attn and pre_mlp in every
+    # family; post_attn and post_mlp (norms of the attention and MLP outputs) where the family has them
+    norm_names: Mapping[str, str] = field(default_factory=lambda: dict(_PRE_NORMS))
+    qkv_name: str = "W_pack"  # the fused q/k/v projection where ``fused_qkv`` is set (Phi-3: qkv_proj)
+    sliding_window: bool = False  # its checkpoints may set a local attention window
+    # with sliding_window and no layer_types: every sliding_pattern-th layer is global (Gemma 3: 6)
+    sliding_pattern: Optional[int] = None
 
     def default(self, key: str, fallback: Any) -> Any:
         return self.defaults.get(key, fallback)
+
+
+def rope_parameter(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    """A rope setting transformers 4.x keeps at the top level of config.json and 5.x in rope_parameters."""
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get(key, params.get(key, default)))

@@ -16,5 +16,6 @@ FAMILY = Family(
     description="Mistral: LLaMA with local attention (sliding_window)",
     known_keys=("sliding_window",),
     read_hf=_read,
+    sliding_window=True,
     write_hf=lambda arch: {"sliding_window": arch.sliding_window},
 )

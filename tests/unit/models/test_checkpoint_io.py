@@ -17,6 +17,7 @@ import pytest
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models import build, load_pretrained, save_pretrained
 from bmtrain_cli.models.arch import read_hf_config
+from bmtrain_cli.models.families import family
 from bmtrain_cli.models.hf import _local_slice
 from bmtrain_cli.models.safetensors_io import SafetensorsFile, fp32_to_bf16_bits, write_safetensors
 from tests.unit.models.tiny import TINY
@@ -127,6 +128,11 @@ def test_tensor_parallel_slices():
         _local_slice(full, [3, 6], Fake(), "x")
 
 
+def _fresh(name: str, **changes):
+    """TINY in a family's shape (its defaults), with ``changes``."""
+    return replace(TINY, family=name, **{**family(name).defaults, **changes})
+
+
 def _reference_python():
     """A Python with torch + transformers: this one, or $BMTRAIN_REF_PYTHON (e.g. /tmp/refvenv/bin/python)."""
     try:
@@ -156,8 +162,26 @@ def _reference_python():
                 "original_max_position_embeddings": 8,
             },
         ),
+        _fresh("ernie4_5", attention_bias=True, mlp_bias=True),
+        _fresh(
+            "gemma3_text",
+            sliding_window=4,
+            query_pre_attn_scalar=12.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+        _fresh("glm4"),
+        _fresh(
+            "phi3",
+            partial_rotary_factor=0.75,
+            rope_scaling={
+                "rope_type": "longrope",
+                "original_max_position_embeddings": 8,
+                "long_factor": [1.0 + i / 5 for i in range(6)],
+                "short_factor": [1.0 + i / 20 for i in range(6)],
+            },
+        ),
     ],
-    ids=["llama", "qwen2", "qwen3", "mistral", "llama3rope"],
+    ids=["llama", "qwen2", "qwen3", "mistral", "llama3rope", "ernie4_5", "gemma3_text", "glm4", "phi3"],
 )
 def test_transformers_loads_our_checkpoint(arch, tmp_path):
     py = _reference_python()
@@ -166,6 +190,9 @@ def test_transformers_loads_our_checkpoint(arch, tmp_path):
     paddle.seed(0)
     m = build(arch)
     m.eval()
+    for p in m.parameters():  # norms and biases away from their 1 / 0 starts, so a misread one shows
+        if len(p.shape) == 1:
+            p.set_value(paddle.randn(p.shape) * 0.3 + (1.0 if not arch.norm_offset else 0.0))
     save_pretrained(m, tmp_path)
     ids = np.random.default_rng(0).integers(0, 97, [2, 9])
     np.save(tmp_path / "ids.npy", ids)

@@ -63,7 +63,7 @@ def test_attend_reads_the_held_ids_and_model_layers_share_one(monkeypatch):
 
     monkeypatch.setattr(att, "_on_gpu", lambda: True)
     monkeypatch.setattr(att, "gpu_capability", lambda: (9, 0))
-    import bmtrain_cli.models.decoder as dec
+    import bmtrain_cli.models.blocks as dec
 
     monkeypatch.setattr(dec, "attend", spy)
     paddle.seed(0)

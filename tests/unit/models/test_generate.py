@@ -47,7 +47,7 @@ def test_cached_decoding_equals_recomputation(arch):
 
 
 def test_cached_logits_equal_full_forward():
-    from bmtrain_cli.models.decoder import KVCache
+    from bmtrain_cli.models.blocks import KVCache
 
     m = _model()
     m.eval()

@@ -21,9 +21,19 @@ def _ref(name: str) -> dict:
 
 
 def test_fixtures_present():
-    assert {"llama_gqa_llama3", "llama_tied_linear", "llama_dynamic", "qwen2", "qwen3", "mistral"} <= set(
-        NAMES
-    )
+    assert {
+        "llama_gqa_llama3",
+        "llama_tied_linear",
+        "llama_dynamic",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "ernie4_5",
+        "gemma3_text",
+        "glm4",
+        "phi3_longrope",
+        "phi3_window",
+    } <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -63,7 +73,24 @@ def test_loss_matches_transformers(name):
     assert abs(float(total) / float(count) - float(ref["loss"])) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_matches_transformers(name):
+    """transformers' greedy tokens (generate, KV cache) from the first tokens of each row, ours the same
+    (ours stop where the positions end; transformers runs on past max_position_embeddings)."""
+    from bmtrain_cli.models.generate import generate
+
+    ref = _ref(name)
+    model = load_pretrained(FIXTURES / name)
+    new = ref["generated"]
+    prompts = [[int(t) for t in row[:6]] for row in ref["input_ids"]]  # PROMPT in make_fixtures.py
+    got = generate(model, prompts, max_new_tokens=new.shape[1])
+    room = min(new.shape[1], model.arch.max_position_embeddings - 6)
+    assert got == [row[:room] for row in new.tolist()]
+
+
+@pytest.mark.parametrize(
+    "name", ["llama_gqa_llama3", "qwen2", "qwen3", "ernie4_5", "gemma3_text", "glm4", "phi3_longrope"]
+)
 def test_save_pretrained_round_trip(name, tmp_path):
     ref = _ref(name)
     model = load_pretrained(FIXTURES / name)

@@ -46,9 +46,10 @@ def test_updates_and_state_equal_paddle_adamw(fused):
     assert opt.fused is fused
     assert norms[0] > CLIP  # the clip fires: the update of a clipped gradient is compared too
     start, _, _ = _train(CpuAdamW, steps=0)
-    # measured max |difference|: fused 1.9e-6, elementwise 1.3e-5 (on weights of ~0.1 moved by ~6e-2; the
-    # largest differences sit where sqrt(v) is near epsilon, which amplifies one-ulp differences)
-    atol = 2e-6 if fused else 2e-5
+    # measured max |difference|: fused 1.9e-6 to 7.6e-6 by CPU model (-march=native contracts differently),
+    # elementwise 1.3e-5 (on weights of ~0.1 moved by ~6e-2; the largest differences sit where sqrt(v) is
+    # near epsilon, which amplifies one-ulp differences)
+    atol = 2e-5
     for a, b, s in zip(ref_net.parameters(), net.parameters(), start.parameters()):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=atol)
         assert np.abs(b.numpy() - s.numpy()).max() > 1e-3  # it trained
@@ -156,9 +157,9 @@ def test_folded_clip_equals_clipping_the_gradients(dtype, fused):
     clipped, _, _ = _train_trainer_clip(CpuAdamW, dtype, fold=False, fused=fused)
     ref, ref_opt, _ = _train_trainer_clip(paddle.optimizer.AdamW, dtype)
     start = _net(dtype)
-    # measured max |difference| to paddle's AdamW: fp32 fused 6e-8 (elementwise 2e-6: its own rounding),
-    # fp64 4e-12 (paddle's fp64 kernel takes some scalars in fp32)
-    tol = (1e-6 if fused else 1e-5) if dtype == "float32" else 1e-10
+    # measured max |difference| to paddle's AdamW: fp32 fused 6e-8 to 1e-6 by CPU model (elementwise 2e-6:
+    # its own rounding), fp64 4e-12 (paddle's fp64 kernel takes some scalars in fp32)
+    tol = 1e-5 if dtype == "float32" else 1e-10
     for a, b, c, s in zip(net.parameters(), clipped.parameters(), ref.parameters(), start.parameters()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-7 if dtype == "float32" else 1e-15)
         np.testing.assert_allclose(a.numpy(), c.numpy(), rtol=0, atol=tol)

@@ -17,7 +17,9 @@ from tests.unit.models.tiny import TINY
 
 ARCHES = {
     "rope-gqa": TINY,
-    "alibi": replace(TINY, family="baichuan", fused_qkv=True, num_key_value_heads=4, position_embedding="alibi"),
+    "alibi": replace(
+        TINY, family="baichuan", fused_qkv=True, num_key_value_heads=4, position_embedding="alibi"
+    ),
     "sliding": replace(TINY, family="mistral", sliding_window=3),
     "tied": replace(TINY, tie_word_embeddings=True),
 }

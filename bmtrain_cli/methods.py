@@ -51,7 +51,7 @@ def recipe_path(name: str) -> Path:
 
 def recipe_file(train: Any) -> Path:
     """The recipe a run executes: train_config.recipe when set (a user's file), else its stage's."""
-    if train.recipe:
+    if train.recipe is not None:
         return Path(train.recipe).resolve()
     return recipe_path(method_of(train).recipe).resolve()
 

@@ -38,12 +38,12 @@ def _signature_problem(fn: ast.FunctionDef) -> str:
 
 def check_recipe(config: Config, err: Callable[..., None]) -> None:
     t = config.train
-    if not t.recipe:
+    if t.recipe is None:
         return
     path = Path(t.recipe)
     example = f"a copy of {recipe_path('sft')}"
     if path.suffix != ".py":
-        err(KEY, f"{t.recipe} is not a Python file (.py)", f"name a recipe file, e.g. {example}")
+        err(KEY, f"{t.recipe!r} is not a Python file (.py)", f"name a recipe file, e.g. {example}")
         return
     if not path.is_file():
         err(KEY, f"{t.recipe}: no such file", f"check the path (relative to {Path.cwd()}), or copy {example}")

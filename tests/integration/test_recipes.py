@@ -187,17 +187,19 @@ def test_bmtrain_run_launches_the_stage_recipe_or_the_named_one(tmp_path, sft_ba
     "body,expected",
     [
         (None, "no such file"),
+        ("", "'' is not a Python file (.py)"),
         ("def other(loaded):\n    pass\n", "defines no top-level recipe(loaded, stream=None, on_step=None)"),
         ("def recipe(loaded):\n    pass\n", "mine.py:1: recipe() cannot be called as"),
         ("x = 1\n\ndef recipe(loaded, stream=None, on_step=None)\n", "mine.py:3: the recipe does not parse"),
     ],
-    ids=["missing", "no-recipe", "signature", "syntax"],
+    ids=["missing", "empty", "no-recipe", "signature", "syntax"],
 )
 def test_validate_config_checks_a_named_recipe_with_file_and_line(tmp_path, body, expected):
     mine = tmp_path / "mine.py"
-    if body is not None:
+    if body:
         mine.write_text(body)
-    cfg = _write(tmp_path / "c.yaml", SFT.format(out=tmp_path / "out", extra=f"  recipe: {mine}"))
+    named = "''" if body == "" else mine  # "": an empty name
+    cfg = _write(tmp_path / "c.yaml", SFT.format(out=tmp_path / "out", extra=f"  recipe: {named}"))
     res = _validate(cfg)
     assert res.exit_code == 2, res.output
     line = SFT.format(out="", extra="").splitlines().index("  num_workers: 0") + 2  # the recipe: line

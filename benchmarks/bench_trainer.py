@@ -72,7 +72,6 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
     from bmtrain_cli.models import build
     from bmtrain_cli.models.scoring import to_tensors
     from bmtrain_cli.train.run import load_recipe
-    from bmtrain_cli.train.setup import setup
 
     train_path, _ = write_demo_data(str(tmp / "data"), task="arithmetic", seed=0)
     name = "speed-static" if to_static else "speed"
@@ -90,7 +89,7 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
         steps=STEPS,
         recompute="false",
     )
-    parts, run_state = setup(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))
+    parts, run_state = load_recipe("sft").setup(load_config(cfg, mode="train"), stream=open(os.devnull, "w"))
     # the batches the trainer will see (grad accumulation 1), then rewind its loader
     loader = parts.data.loader
     state = loader.state_dict()
@@ -128,7 +127,7 @@ def throughput(tmp: Path, to_static: bool = False) -> Dict[str, float]:
         mark[0] = time.perf_counter()
         bare_s.append(mark[0] - t_trainer_end)
 
-    load_recipe("train").train(parts, run_state, bare_step)
+    load_recipe("sft").train(parts, run_state, bare_step)
     tokens = [float((b["attention_mask"] > 0).sum()) for b in batches]
     # trainer_s[i] is step i + 2 (the first step has no start mark); bare_s[i] is step i + 1
     trainer_tps = sum(tokens[WARMUP:]) / sum(trainer_s[WARMUP - 1 :])

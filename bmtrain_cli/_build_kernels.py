@@ -33,6 +33,23 @@ def kernel_files(root: Path) -> List[Path]:
     )
 
 
+def copy_recipes(recipes: Path, package: Path) -> List[str]:
+    """Every recipe file of ``recipes`` (recipes/) into ``package``/_recipes; each training method's
+    (bmtrain_cli/methods.py) must be there. Returns the names copied."""
+    from bmtrain_cli.methods import METHODS
+
+    missing = [m.recipe for m in METHODS.values() if not (recipes / f"{m.recipe}.py").is_file()]
+    if missing:
+        raise RuntimeError(f"no recipe {', '.join(missing)} under {recipes}: build from a full checkout")
+    target = package / PACKAGED_RECIPES
+    target.mkdir(parents=True, exist_ok=True)
+    names = []
+    for path in sorted(recipes.glob("*.py")):
+        shutil.copy2(path, target / path.name)
+        names.append(path.name)
+    return names
+
+
 class BuildPyWithKernels(build_py):
     """setuptools' build_py, then the kernel sources and the recipes copied into the built package."""
 
@@ -46,13 +63,7 @@ class BuildPyWithKernels(build_py):
         for rel in files:
             (target / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, target / rel)
-        recipes = Path(__file__).resolve().parents[1] / "recipes"
-        if not (recipes / "train.py").is_file():
-            raise RuntimeError(f"no recipes under {recipes}: build from a full checkout")
-        target = Path(self.build_lib) / "bmtrain_cli" / PACKAGED_RECIPES
-        target.mkdir(parents=True, exist_ok=True)
-        for path in sorted(recipes.glob("*.py")):
-            shutil.copy2(path, target / path.name)
+        copy_recipes(Path(__file__).resolve().parents[1] / "recipes", Path(self.build_lib) / "bmtrain_cli")
         configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
         if not configs:
             raise RuntimeError("no example configs under configs/: build from a full checkout")

@@ -7,6 +7,8 @@ Heavy imports (Paddle) happen inside the commands, so `bmtrain --help` stays fas
 from __future__ import annotations
 
 import importlib
+import sys
+from types import ModuleType
 from typing import Any, List, Optional
 
 import typer
@@ -75,6 +77,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
     warnings.formatwarning = _one_line_notices(warnings.formatwarning)
     app(args=argv, prog_name="bmtrain")
+
+
+def run_recipe_script(module: ModuleType, argv: Optional[List[str]] = None) -> None:
+    """A recipe run as ``python RECIPE.py --config C ...`` (and on every rank of `bmtrain run`): `bmtrain
+    train` with the file as train_config.recipe, so that this running module's recipe() is the one run."""
+    from bmtrain_cli.train.run import register_recipe
+
+    path = register_recipe(module)
+    args = list(sys.argv[1:] if argv is None else argv)
+    main(["train", *args, "--recipe", str(path)])  # last: this file wins over a --recipe passed along
 
 
 def _one_line_notices(default: Any) -> Any:

@@ -12,6 +12,7 @@ import typer
 
 from bmtrain_cli.commands.common import config_tokenizer_option, set_option, user_errors
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.methods import method_of
 
 if TYPE_CHECKING:
     from bmtrain_cli.preference.loader import PreferenceLoader
@@ -56,7 +57,7 @@ def _load(
         yield cfg, resolve_tokenizer(cfg, tokenizer)
         return
     with generated_inputs(cfg) as inputs:
-        if cfg.train.stage == "dpo":  # the preference demo trains on pairs made from the same strings
+        if method_of(cfg.train).sample == "pair":  # the preference demo: pairs of the same strings
             from bmtrain_cli.preference.demo import write_demo_pairs
 
             pairs = Path(inputs["tmp"]) / "pairs"
@@ -114,7 +115,7 @@ def _prepare(cfg: Any, tok: Any) -> None:
     for split in splits:
         t0 = time.perf_counter()
         loader: Union[PreferenceLoader, Loader]
-        if cfg.train.stage == "dpo":  # preference pairs (docs/preference.md)
+        if method_of(cfg.train).sample == "pair":  # preference pairs (docs/preference.md)
             from bmtrain_cli.preference.loader import build_preference_loader
 
             loader = build_preference_loader(cfg, tok, split=split)
@@ -172,7 +173,7 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.data.stats import data_stats, format_stats, tool_stats
 
         with _load(config, set_, data_path, tokenizer) as (cfg, tok):
-            if cfg.train.stage == "dpo":
+            if method_of(cfg.train).sample == "pair":
                 raise UserError(
                     "data-stats reads SFT data; for stage: dpo, `bmtrain prepare-data` checks the pairs"
                 )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, List, Sequence, Tuple
 
+from bmtrain_cli.methods import method_of
+
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
 
@@ -53,7 +55,7 @@ def preview(config: Any, tokenizer: Any, n: int, colour: bool) -> List[str]:
     from bmtrain_cli.data.turns import options_of
 
     t = config.train
-    dpo = t.stage == "dpo"
+    dpo = method_of(t).sample == "pair"  # preference pairs: chosen and rejected
     encoder = make_encoder(tokenizer, t.template, t.train_on_prompt and not dpo, options_of(t))
     files = [f for spec in as_list(t.data_path) for f in resolve_source(spec)]
     lines: List[str] = []

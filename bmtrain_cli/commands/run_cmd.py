@@ -1,4 +1,5 @@
-"""`bmtrain run`: launch recipes/train.py on as many processes as parallel_config asks for."""
+"""`bmtrain run`: launch the config's recipe (recipes/<stage>.py, or train_config.recipe / --recipe) on as
+many processes as parallel_config asks for."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from bmtrain_cli.errors import UserError
 
 RUN_HELP = """Launch distributed training through `python -m paddle.distributed.launch`.
 
-The process count is the product of the parallel_config degrees. Every argument not listed below is
-passed on to recipes/train.py unchanged (e.g. --data_path, --output_dir, --set key=value).
+The process count is the product of the parallel_config degrees. Each rank runs the config's recipe
+(recipes/<stage>.py, or the file of --recipe / train_config.recipe). Every argument not listed below is
+passed on to it unchanged (e.g. --data_path, --output_dir, --recipe, --set key=value).
 
 Multi-node: run the same command on every node with --nnodes and --master host:port.
 """

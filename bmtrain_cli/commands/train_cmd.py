@@ -20,9 +20,12 @@ def train_overrides(
     output_dir: Optional[str],
     resume: bool,
     overwrite: bool,
+    recipe: Optional[str] = None,
 ) -> List[str]:
     """The CLI options are sugar for --set overrides (applied after the user's --set values)."""
     out = list(set_ or [])
+    if recipe is not None:
+        out.append(f"train_config.recipe={recipe}")
     if data_path is not None:
         out.append(f"train_config.data_path={data_path}")
     if output_dir is not None:
@@ -87,6 +90,7 @@ def train_main(
     output_dir: Optional[str] = None,
     resume: bool = False,
     overwrite: bool = False,
+    recipe: Optional[str] = None,
 ) -> dict:
     with restored_signals():  # the handlers set below are this run's
         from bmtrain_cli.config import load_config
@@ -98,7 +102,7 @@ def train_main(
 
         import_paddle()
         stop_on_signals()  # again: importing Paddle replaced them
-        overrides = train_overrides(set_, data_path, output_dir, resume, overwrite)
+        overrides = train_overrides(set_, data_path, output_dir, resume, overwrite, recipe)
         world = launched_world_size()
         loaded = load_config(config, overrides, mode="train", world_size=world if world > 1 else None)
         for w in loaded.warnings:
@@ -137,6 +141,12 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Start over in an output_dir that holds another run's checkpoints."
         ),
+        recipe: Optional[str] = typer.Option(
+            None,
+            "--recipe",
+            help="Train with this recipe file (a copy of recipes/sft.py you edited; sets train_config.recipe).",
+        ),
     ) -> None:
-        """Fine-tune the model of model_config on the data of train_config."""
-        train_main(str(config), set_, data_path, output_dir, resume, overwrite)
+        """Fine-tune the model of model_config on the data of train_config (through the recipe of
+        train_config.stage, or the file of --recipe / train_config.recipe)."""
+        train_main(str(config), set_, data_path, output_dir, resume, overwrite, recipe)

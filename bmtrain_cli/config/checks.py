@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.preference_checks import check_preference
+from bmtrain_cli.config.recipe_checks import check_recipe
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from bmtrain_cli.errors import Problem, UserError
 from bmtrain_cli.machine import paddle_has_gpu
@@ -418,6 +419,7 @@ def check_config(  # noqa: C901
                     )
 
     check_preference(config, err, warn)
+    check_recipe(config, err)
 
     # --- data
     if "shuffle_buffer" in t.model_fields_set and t.streaming is False:

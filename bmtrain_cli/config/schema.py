@@ -11,12 +11,14 @@ from typing import Any, Dict, List, Literal, Optional, Type, Union, get_args, ge
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bmtrain_cli.methods import STAGES
 from bmtrain_cli.models.families import FAMILY_NAMES
 from bmtrain_cli.trackers import NONE, REPORT_TO_NAMES
 
 Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # one choice per module in models/families/
 Dtype = Literal["float32", "bfloat16", "float16"]
 Tracker = Literal[REPORT_TO_NAMES]  # type: ignore[valid-type]  # the names of the trackers' registry
+Stage = Literal[STAGES]  # type: ignore[valid-type]  # one choice per training method (methods.py)
 
 
 def _allows_bool(tp: Any) -> bool:
@@ -197,8 +199,13 @@ class TrainConfig(_Section):
 
     # preference tuning (stage: dpo; docs/preference.md). Names follow TRL's DPOConfig/CPOConfig with a
     # dpo_ prefix where TRL's name (beta, loss_type, label_smoothing) would be ambiguous in this section.
-    stage: Literal["sft", "dpo"] = Field(
+    stage: Stage = Field(
         "sft", description="sft: instruction tuning; dpo: preference pairs (prompt, chosen, rejected)."
+    )
+    recipe: Optional[str] = Field(
+        None,
+        description="A recipe file (.py defining recipe(loaded, stream=None, on_step=None)) to train "
+        "with instead of the stage's built-in one (recipes/<stage>.py); `bmtrain train --recipe`.",
     )
     dpo_loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = Field(
         "sigmoid", description="Preference loss (TRL's loss_type): sigmoid (DPO), ipo, simpo, orpo."

@@ -35,13 +35,15 @@ class LaunchPlan:
     extra: Dict[str, str] = field(default_factory=dict)
 
 
-def train_script() -> Path:
-    """The training recipe (recipes/train.py, or the installed package's copy): the launchable entry point."""
-    from bmtrain_cli.train.run import recipe_path
+def train_script(config: Config) -> Path:
+    """The recipe every rank runs (the launchable entry point): train_config.recipe, else the stage's
+    built-in one (recipes/<stage>.py, or the installed package's copy; bmtrain_cli/methods.py)."""
+    from bmtrain_cli.methods import recipe_file
 
-    path = recipe_path("train")
+    path = recipe_file(config.train)
     if not path.is_file():
-        raise UserError(f"cannot find the training recipe {path}: reinstall bmtrain-cli")
+        fix = "check train_config.recipe" if config.train.recipe else "reinstall bmtrain-cli"
+        raise UserError(f"cannot find the training recipe {path}: {fix}")
     return path
 
 
@@ -94,7 +96,7 @@ def plan_launch(
         if ips:
             cmd += ["--ips", ips]
         cmd += ["--nnodes", str(node_count)]
-    cmd += [str(script or train_script())] + list(train_args)
+    cmd += [str(script or train_script(config))] + list(train_args)
     env = {
         faults.RUN_ID_ENV: rid,
         faults.LOG_DIR_ENV: str(Path(log_dir).resolve()),

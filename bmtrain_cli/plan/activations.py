@@ -205,7 +205,7 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
     e = act_bytes(w)
     head_elems = h * vocab
     final = h * seqs * w.seq_len * e  # final norm input
-    if w.stage == "dpo":
+    if w.method.sample == "pair":
         # the pair loss (preference/logps.py) takes the response positions' hidden states (gathered), their
         # logits, an fp32 copy and the cross-entropy's fp32 softmax; counted as if every position were a
         # response token (an upper bound). Transient: the logits and the fp32 copy before the softmax

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
+from bmtrain_cli.methods import method_of
+
 # Data sets larger than this are not tokenised by `bmtrain plan` (the trainer does it anyway); the plan
 # then assumes batches reach max_seq_len and says so.
 SCAN_LIMIT_BYTES = 64 << 20  # about 15 s of tokenising on one core
@@ -85,7 +87,7 @@ def _longest(config: Any, tokenizer: Any, data: Any, tmp: Optional[str]) -> tupl
     with contextlib.ExitStack() as stack:
         out_dir = tmp or stack.enter_context(tempfile.TemporaryDirectory(prefix="bmtrain-plan-"))
         try:
-            if config.train.stage == "dpo":  # preference pairs: the longest sequence of a pair
+            if method_of(config.train).sample == "pair":  # the longest sequence of a pair
                 from bmtrain_cli.preference.loader import build_preference_loader
 
                 loader: Any = build_preference_loader(config, tokenizer, data_path=data, output_dir=out_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from bmtrain_cli.methods import METHODS, Method
 from bmtrain_cli.models.arch import (
     ModelArch,
     lora_targets,
@@ -96,14 +97,18 @@ class Workload:
     attention: str = "auto"
     kernels: str = "auto"
     packed: bool = False  # batching: packed (segment ids reach the attention; else no mask at all)
-    stage: str = "sft"  # sft | dpo (a sample is a preference pair: two sequences)
+    stage: str = "sft"  # the training method (methods.py; dpo: a sample is a preference pair)
     reference: str = NO_REFERENCE  # dpo's reference model (preference/reference_kind.py)
     note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
 
     @property
+    def method(self) -> Method:
+        return METHODS[self.stage]
+
+    @property
     def sequences_per_sample(self) -> int:
-        """Sequences per micro-batch sample: 2 for stage dpo, whose micro_batch_size counts pairs."""
-        return 2 if self.stage == "dpo" else 1
+        """Sequences per micro-batch sample: 2 for pairs (stage dpo), whose micro_batch_size counts pairs."""
+        return self.method.sequences_per_sample
 
     def micro_sequences(self, layout: Layout) -> int:
         """Sequences in one micro-batch (what sizes the activations and the loss)."""

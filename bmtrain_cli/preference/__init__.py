@@ -1,4 +1,4 @@
 """Preference fine-tuning (``train_config.stage: dpo``): pair data, reference log-probs and the DPO, IPO,
-SimPO and ORPO losses. The trainer calls one :class:`~bmtrain_cli.preference.objective.PreferenceObjective`
-in place of the SFT token loss; docs/preference.md describes the whole feature.
+SimPO and ORPO losses. The DPO recipe (recipes/dpo.py) builds its data, objective and reference from
+these pieces and trains with the shared step; docs/preference.md describes the whole feature.
 """

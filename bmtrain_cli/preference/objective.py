@@ -1,4 +1,7 @@
-"""The preference objective the trainer calls in place of the SFT token loss.
+"""The preference objective: the pair losses' arithmetic over a step, and an eval pass over pairs.
+
+The DPO recipe (recipes/dpo.py) builds it with its reference and gives it to the shared step in place of
+the SFT token loss (train/parts.py Objective).
 
 Per optimizer step: ``begin_step(micro)`` sums the pairs (and, for ORPO, the chosen response tokens) over
 the micro-batches and data ranks; ``loss_sum(model, batch)`` returns a micro-batch's summed pair losses,
@@ -134,7 +137,7 @@ class PreferenceObjective:
         return self.last_metrics
 
     # -- evaluation
-    def evaluate(
+    def evaluate_pairs(
         self, model: Any, loader: Any, autocast: Callable[[], Any]
     ) -> Tuple[float, Dict[str, float]]:
         """(mean pair loss, TRL's metrics) over one pass of an eval loader (all data ranks)."""

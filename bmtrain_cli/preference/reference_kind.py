@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bmtrain_cli.methods import method_of
+
 REFERENCE_FREE = ("simpo", "orpo")
 
 # what a run's reference is (docs/preference.md "The reference"; docs/plan.md counts each)
@@ -16,7 +18,7 @@ PRECOMPUTED = "precomputed"  # numbers computed once before training; the model 
 
 def reference_kind(train: Any) -> str:
     """The reference of a train_config (``stage``, ``dpo_loss``, ``finetuning``, ``precompute_ref_log_probs``)."""
-    if train.stage != "dpo" or train.dpo_loss in REFERENCE_FREE:
+    if not method_of(train).reference or train.dpo_loss in REFERENCE_FREE:
         return NO_REFERENCE
     if train.precompute_ref_log_probs:
         return PRECOMPUTED

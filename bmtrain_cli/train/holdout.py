@@ -25,23 +25,13 @@ def whole_model(parts: Parts) -> Any:
 
 
 def evaluate(parts: Parts, state: TrainState) -> Optional[float]:
-    """Eval loss over the eval set (collective); updates the best one and logs it."""
-    from bmtrain_cli.models.scoring import eval_loss
-
+    """The objective's eval loss over the eval set (collective); updates the best one and logs it."""
     if parts.data.eval_loader is None:
         return None
-    extra: Dict[str, Any] = {}
-    if parts.preference is not None:  # pairs: mean pair loss and TRL's metrics
-        from bmtrain_cli.preference.recipe import evaluate as evaluate_pairs
-
-        loss, extra = evaluate_pairs(parts, state)
-    else:
-        loss, _ = eval_loss(
-            whole_model(parts), parts.data.eval_loader, parts.optim.precision.autocast, parts.ctx
-        )
+    loss, extra = parts.objective.evaluate(parts, state)
     if math.isfinite(loss) and (state.best_eval_loss is None or loss < state.best_eval_loss):
         state.best_eval_loss = loss
-    parts.metrics.log_eval(state.step, loss, extra, nll=parts.preference is None)
+    parts.metrics.log_eval(state.step, loss, extra, nll=parts.objective.perplexity)
     return loss
 
 

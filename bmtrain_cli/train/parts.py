@@ -1,7 +1,9 @@
 """The typed parts of one training run, as `setup()` builds them, and the state the loop advances.
 
-``Parts`` is frozen: the recipe (recipes/train.py) reads it, never re-assigns it. ``TrainState`` is what
-changes from step to step and what a checkpoint restores (step, counters, history).
+``Parts`` is frozen: the recipe (recipes/sft.py, recipes/dpo.py) reads it, never re-assigns it.
+``TrainState`` is what changes from step to step and what a checkpoint restores (step, counters, history).
+``Objective`` is what a training method's loss gives the shared step, evaluation and report; each recipe
+builds its own (SFT: train/token_loss.py; DPO: recipes/dpo.py over preference/objective.py).
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, TextIO, Tuple
+
+import numpy as np
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.train.runtime import Runtime
+
+Batch = Dict[str, np.ndarray]
 
 
 @dataclass
@@ -62,6 +68,39 @@ class OptimParts:
     backward_factor: float = 1.0  # loss multiplier before backward (parallel/sharding.backward_factor)
 
 
+class PipelineLoss(Protocol):
+    """An objective's loss on the last pipeline stage (parallel/pipeline.py PipelineObjective), with the
+    step's metrics handed to every stage."""
+
+    def pipeline_data(self, micro_batches: Sequence[Batch], length: int) -> Tuple[Any, Any, float]: ...
+
+    def loss_sum(self, logits: Any, labels: Any) -> Any: ...
+
+    def step_metrics(self) -> Dict[str, float]: ...
+
+
+class Objective(Protocol):
+    """A training method's loss, as the shared step (train/step.py), evaluation (train/holdout.py) and
+    report call it. Per optimizer step: ``begin_step(micro)`` gives (the step's loss denominator, its
+    non-padding tokens), both summed over the data ranks; ``loss_sum(model, batch)`` one micro-batch's
+    summed loss (divided by that denominator before backward) and its count; ``step_metrics()`` the
+    method's own per-step figures (metrics.jsonl). ``pipeline()`` is the loss under fleet's pipeline
+    schedule (None: the token loss fleet's schedule computes itself); ``evaluate()`` the eval loss with
+    extra figures (collective); ``perplexity``: the eval loss is a mean token NLL (its exp is logged)."""
+
+    perplexity: bool
+
+    def begin_step(self, micro: List[Batch]) -> Tuple[float, float]: ...
+
+    def loss_sum(self, model: Any, batch: Batch) -> Tuple[Any, Any]: ...
+
+    def step_metrics(self) -> Dict[str, float]: ...
+
+    def pipeline(self, ctx: ParallelCtx, micro_batch_size: int) -> Optional[PipelineLoss]: ...
+
+    def evaluate(self, parts: Parts, state: TrainState) -> Tuple[float, Dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class Parts:
     config: Config
@@ -76,7 +115,7 @@ class Parts:
     memory: Any  # train.metrics.MemoryMeter
     metrics: Any  # train.metrics.MetricsWriter (disabled on other ranks)
     started: float  # time.time() when setup began
-    preference: Optional[Any] = None  # stage dpo: preference.objective.PreferenceObjective (the loss)
+    objective: Objective  # the method's loss (built by the recipe: train/setup.py build_objective)
 
 
 @dataclass
@@ -126,4 +165,4 @@ class StepOutput:
     tokens: float  # non-padding tokens of the global batch
     applied: bool  # the optimizer update ran
     finite: bool
-    metrics: Dict[str, float] = field(default_factory=dict)  # stage dpo: rewards/*, logps/* (TRL's names)
+    metrics: Dict[str, float] = field(default_factory=dict)  # the objective's (DPO: rewards/*, logps/*)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -170,9 +170,6 @@ def summary(
         out["accuracy_before"] = state.history.get("accuracy_before")
         out["accuracy_after"] = accuracy["accuracy"]
         out["heldout_examples"] = accuracy["examples"]
-    from bmtrain_cli.preference.recipe import summary_fields
-
-    out.update(summary_fields(parts, state))  # stage dpo: TRL's metrics, last step / eval / before
     return out
 
 
@@ -193,7 +190,7 @@ def hparams(parts: Parts) -> Dict[str, Any]:
     }
 
 
-def print_report(parts: Parts, s: Dict[str, Any]) -> None:
+def print_report(parts: Parts, s: Dict[str, Any], method_lines: Sequence[str] = ()) -> None:
     out = parts.console.stream
     loss = f", final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
     print(
@@ -207,10 +204,7 @@ def print_report(parts: Parts, s: Dict[str, Any]) -> None:
         before = s.get("accuracy_before")
         before_txt = f"{100 * before:.1f}%" if before is not None else "?"
         print(f"  held-out accuracy: before {before_txt} -> after {100 * s['accuracy_after']:.1f}%", file=out)
-    from bmtrain_cli.preference.recipe import report_line
-
-    line = report_line(s)  # stage dpo: held-out preference accuracy
-    if line:
+    for line in method_lines:  # the recipe's own (DPO: the held-out preference accuracy)
         print(line, file=out)
     rss = (
         f", process {s['peak_rss_bytes'] / 2**20:.0f} MiB"

@@ -2,8 +2,12 @@
 
 Order: parallel context and runtime (devices, batch arithmetic, the checkpoint to resume) -> data and
 tokenizer -> memory plan -> model, LoRA, recompute -> optimizer and precision -> the layout's wrappers ->
-schedule -> resume -> claim the output directory -> metrics. A failure anywhere before the claim leaves
-the previous run's files as they were.
+objective -> schedule -> resume -> claim the output directory -> metrics. A failure anywhere before the
+claim leaves the previous run's files as they were.
+
+What differs between training methods comes from the recipe (recipes/<stage>.py): its demo task, its
+data builder and its objective builder. The SFT ones live here and in train/token_loss.py (token_data,
+TOKEN_DEMO, token_loss); the DPO ones in recipes/dpo.py.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import math
 import random
 import sys
 import time
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 import yaml
@@ -23,7 +28,15 @@ from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
+from bmtrain_cli.train.parts import (
+    Console,
+    ModelParts,
+    Objective,
+    OptimParts,
+    Parts,
+    TrainData,
+    TrainState,
+)
 from bmtrain_cli.train.report import data_report
 from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
 
@@ -39,23 +52,43 @@ def seed_everything(seed: int) -> None:
 # ----------------------------------------------------------------------------- data and tokenizer
 
 
-def prepare_data(rt: Runtime, ctx: ParallelCtx) -> Dict[str, Any]:
-    """Training/eval paths; the demo task is generated under output_dir/data when no data_path is set."""
+@dataclass(frozen=True)
+class DemoData:
+    """A method's demo task (train_config.demo_data without data_path), generated under output_dir/data:
+    ``write(data_dir, task)`` writes the files, ``files`` names them (train, eval, heldout: the answers
+    the held-out accuracy is measured on)."""
+
+    write: Callable[[str, str], Any]
+    files: Dict[str, str]
+
+
+def write_token_demo(data_dir: str, task: str) -> None:
+    from bmtrain_cli.data.demo import write_demo_data
+
+    write_demo_data(data_dir, task=task, seed=0)
+
+
+# SFT's demo: train.jsonl, and heldout.jsonl as both the eval set and the exact-match answers
+TOKEN_DEMO = DemoData(
+    write=write_token_demo,
+    files={"train": "train.jsonl", "eval": "heldout.jsonl", "heldout": "heldout.jsonl"},
+)
+
+
+def prepare_data(rt: Runtime, ctx: ParallelCtx, demo: DemoData) -> Dict[str, Any]:
+    """Training/eval paths; the method's demo task is generated under output_dir/data when no data_path
+    is set."""
     t = rt.config.train
     paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
     if t.data_path is None and t.demo_data:
-        from bmtrain_cli.data.demo import write_demo_data
-        from bmtrain_cli.preference.demo import write_demo_pairs
-
         data_dir = rt.output_dir / "data"
-        dpo = t.stage == "dpo"  # preference pairs; heldout.jsonl stays the exact-match set
         if ctx.is_main:
-            (write_demo_pairs if dpo else write_demo_data)(str(data_dir), task=t.demo_data, seed=0)
+            demo.write(str(data_dir), t.demo_data)
         ctx.barrier()
-        paths["train"] = str(data_dir / ("pairs_train.jsonl" if dpo else "train.jsonl"))
-        paths["heldout"] = str(data_dir / "heldout.jsonl")
+        paths["train"] = str(data_dir / demo.files["train"])
+        paths["heldout"] = str(data_dir / demo.files["heldout"])
         if paths["eval"] is None:
-            paths["eval"] = str(data_dir / "pairs_heldout.jsonl") if dpo else paths["heldout"]
+            paths["eval"] = str(data_dir / demo.files["eval"])
     return paths
 
 
@@ -122,36 +155,42 @@ def load_tokenizer(rt: Runtime, paths: Dict[str, Any], ctx: ParallelCtx) -> Any:
     return load(str(tok_dir))
 
 
-def build_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelCtx) -> TrainData:
-    """This data rank's training loader and the eval loader (rejected records are written later, by
-    claim_output_dir, once every check has passed)."""
+def data_config(rt: Runtime, paths: Dict[str, Any]) -> Config:
+    """The user's config with the data paths as used (the generated demo's filled in): what the loaders
+    read (a new frozen object)."""
+    train_cfg = rt.config.train.model_copy(
+        update={"data_path": paths["train"], "eval_data_path": paths["eval"]}
+    )
+    return rt.config.model_copy(update={"train": train_cfg})
+
+
+def train_data(rt: Runtime, paths: Dict[str, Any], loader: Any, eval_loader: Optional[Any]) -> TrainData:
+    """The loaders with what the data came to (said at the start, counted in summary.json)."""
+    report = data_report(loader, eval_loader, rt.output_dir, rt.config.train.truncation)
+    return TrainData(paths=paths, loader=loader, eval_loader=eval_loader, report=report)
+
+
+def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelCtx) -> TrainData:
+    """SFT records: this data rank's training loader and the eval loader (rejected records are written
+    later, by claim_output_dir, once every check has passed)."""
     from bmtrain_cli.data.loader import build_loader
 
-    t = rt.config.train
-    # the loader reads the user's config with the generated data paths filled in (a new frozen object)
-    train_cfg = t.model_copy(update={"data_path": paths["train"], "eval_data_path": paths["eval"]})
-    data_config = rt.config.model_copy(update={"train": train_cfg})
+    config = data_config(rt, paths)
 
     def loader(split: str, write_rejected: bool) -> Any:
         return build_loader(
-            data_config,
+            config,
             tokenizer,
             split=split,
             data_rank=ctx.data_rank,
             data_world=ctx.data_world,
-            seed=t.seed,
+            seed=config.train.seed,
             write_rejected=write_rejected,
         )
 
-    if t.stage == "dpo":  # preference pairs (bmtrain_cli/preference)
-        from bmtrain_cli.preference.recipe import build_data as pair_loaders
-
-        train, evaluation = pair_loaders(data_config, tokenizer, ctx, paths["eval"] is not None)
-    else:
-        train = loader("train", write_rejected=False)
-        evaluation = loader("eval", write_rejected=True) if paths["eval"] is not None else None
-    report = data_report(train, evaluation, rt.output_dir, t.truncation)
-    return TrainData(paths=paths, loader=train, eval_loader=evaluation, report=report)
+    train = loader("train", write_rejected=False)
+    evaluation = loader("eval", write_rejected=True) if paths["eval"] is not None else None
+    return train_data(rt, paths, train, evaluation)
 
 
 # ----------------------------------------------------------------------------- model and optimizer
@@ -348,14 +387,44 @@ def _set_host_memory(policy: str, plan: Any, ctx: ParallelCtx, console: Console)
         )
 
 
+def memory_plan(rt: Runtime, tokenizer: Any, data: TrainData, ctx: ParallelCtx, console: Console) -> Any:
+    """The memory plan of the run (plan/estimator.py): refuses weights that cannot fit, warns when the
+    whole run may not, and sets the CPU's host-memory policy from it."""
+    from bmtrain_cli.plan.estimator import check_memory_fits, check_weights_fit, training_estimate
+
+    t = rt.config.train
+    longest = data.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
+    vocab = getattr(tokenizer, "vocab_size", None)
+    plan = training_estimate(rt.config, vocab_size=vocab, seq_len=longest)
+    check_weights_fit(plan)
+    warning = check_memory_fits(plan, t.allow_memory_overcommit)
+    if warning:
+        console.say(warning)
+    if not rt.has_gpu:
+        _set_host_memory(t.host_memory, plan, ctx, console)
+    return plan
+
+
+# what a recipe gives setup(): its data (after the tokenizer) and its objective (after the model)
+DataBuilder = Callable[[Runtime, Any, Dict[str, Any], ParallelCtx], TrainData]
+ObjectiveBuilder = Callable[[Runtime, TrainData, ModelParts, OptimParts, ParallelCtx, Console], Objective]
+
+
 def setup(
-    loaded: LoadedConfig, ctx: Optional[ParallelCtx] = None, stream: Optional[TextIO] = None
+    loaded: LoadedConfig,
+    *,
+    demo: DemoData,
+    build_data: DataBuilder,
+    build_objective: ObjectiveBuilder,
+    ctx: Optional[ParallelCtx] = None,
+    stream: Optional[TextIO] = None,
 ) -> Tuple[Parts, TrainState]:
-    """Build and check every part of the run; returns them with the state to start (or resume) from."""
+    """Build and check every part of the run, the recipe's data (``demo`` when the config asks for the
+    demo task, else ``build_data``) and objective (``build_objective``) among them; returns them with the
+    state to start (or resume) from."""
     import paddle
 
     from bmtrain_cli.parallel.topology import init_parallel
-    from bmtrain_cli.plan.estimator import check_memory_fits, check_weights_fit, training_estimate
     from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
     from bmtrain_cli.train.optim import check_precision_supported
     from bmtrain_cli.train.saving import restore
@@ -371,29 +440,18 @@ def setup(
         paddle.set_device("cpu")
     t = config.train
     seed_everything(t.seed)
-    paths = prepare_data(rt, ctx)
+    paths = prepare_data(rt, ctx, demo)
     rt.data_paths = dict(paths)
     tokenizer = load_tokenizer(rt, paths, ctx)
     data = build_data(rt, tokenizer, paths, ctx)
 
-    longest = data.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
-    plan = training_estimate(config, vocab_size=getattr(tokenizer, "vocab_size", None), seq_len=longest)
-    check_weights_fit(plan)
-    warning = check_memory_fits(plan, t.allow_memory_overcommit)
-    if warning:
-        console.say(warning)
-    if not rt.has_gpu:
-        _set_host_memory(t.host_memory, plan, ctx, console)
+    plan = memory_plan(rt, tokenizer, data, ctx, console)
     memory = MemoryMeter(rt.has_gpu)
     try:
         model, optim = build_model_and_optimizer(rt, tokenizer, ctx, console)
     except MemoryError:
         raise _out_of_memory(plan) from None
-    preference = None
-    if t.stage == "dpo":  # the pair loss and its reference model
-        from bmtrain_cli.preference.recipe import build as build_preference
-
-        preference = build_preference(config, data, model, optim, ctx, console.say)
+    objective = build_objective(rt, data, model, optim, ctx, console)
     rt.total_steps = total_steps(config, data.loader, rt.grad_accum_steps)
     schedule = build_schedule(t, rt.derived.learning_rate, rt.total_steps)
     state = TrainState()
@@ -425,6 +483,6 @@ def setup(
         memory=memory,
         metrics=metrics,
         started=started,
-        preference=preference,
+        objective=objective,
     )
     return parts, state

@@ -1,23 +1,20 @@
-"""One optimizer step: ``grad_accum_steps`` micro-batches per data rank, token-weighted.
+"""One optimizer step: ``grad_accum_steps`` micro-batches per data rank, weighted over the whole step.
 
-Each micro-batch's summed token loss is divided by the number of predicted tokens of the whole step
-(summed over micro-batches and data ranks) before backward, so the gradient equals the single-process
-gradient of the mean token loss whatever the layout.
+The step runs the recipe's objective (``parts.objective``, train/parts.py Objective): each micro-batch's
+summed loss is divided by the step's denominator (SFT: the predicted tokens; DPO: the pairs), summed over
+micro-batches and data ranks, before backward, so the gradient equals the single-process gradient of the
+step's mean loss whatever the layout.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, List, Tuple
-
-import numpy as np
+from typing import Any, Iterator, List
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.parts import Parts, StepOutput
+from bmtrain_cli.train.parts import Batch, Parts, StepOutput
 from bmtrain_cli.train.stopping import TrainingStopped
-
-Batch = Dict[str, np.ndarray]
+from bmtrain_cli.train.token_loss import count_tokens
 
 
 class MicroBatches:
@@ -42,33 +39,6 @@ class MicroBatches:
         return out
 
 
-def _tokens(micro: List[Batch]) -> float:
-    return float(sum(int((b["attention_mask"] > 0).sum()) for b in micro))
-
-
-class TokenLoss:
-    """The SFT objective: each micro-batch's summed token loss over the predicted tokens of the whole step
-    (the interface preference.objective.PreferenceObjective also has: begin_step, loss_sum, step_metrics)."""
-
-    def __init__(self, loss_fn: Any, ctx: ParallelCtx) -> None:
-        self.loss_fn, self.ctx = loss_fn, ctx
-
-    def begin_step(self, micro: List[Batch]) -> Tuple[float, float]:
-        """(predicted tokens, non-padding tokens) of the whole step, summed over the data ranks."""
-        from bmtrain_cli.models.scoring import count_targets
-
-        count = float(self.ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
-        return count, float(self.ctx.all_reduce_sum(_tokens(micro)))
-
-    def loss_sum(self, model: Any, batch: Batch) -> Any:
-        from bmtrain_cli.models.scoring import to_tensors
-
-        return self.loss_fn(**to_tensors(batch))  # the training model's (compiled or sharded) loss_sum
-
-    def step_metrics(self) -> Dict[str, float]:
-        return {}
-
-
 def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
     import paddle
@@ -80,8 +50,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         return pipeline_step(parts, step, micro)
     precision = optim.precision
     distributed = ctx.data_world > 1
-    # stage dpo: the mean pair loss of the step's pairs; otherwise the token-weighted SFT loss
-    objective = parts.preference if parts.preference is not None else TokenLoss(optim.loss_fn, ctx)
+    objective = parts.objective
     total_count, total_tokens = objective.begin_step(micro)
     denom = max(total_count, 1.0)
     grad_denom = denom / optim.backward_factor  # sharding stage 2/3: the sum over ranks via the loss
@@ -133,28 +102,24 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
 
 
 def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
-    """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet (stage dpo:
-    the pair loss on the last stage, preference/pipeline.py)."""
+    """Pipeline parallel: 1F1B over the micro-batches and the optimizer step inside fleet; the loss on
+    the last stage is the objective's pipeline loss, or fleet's token loss when it has none."""
     lr = parts.schedule(step)
     parts.optim.stepper.set_lr(lr)
     precision = parts.optim.precision
-    pairs = None
-    if parts.preference is not None:
-        from bmtrain_cli.preference.pipeline import PairPipeline, pipeline_rows
-
-        pairs = PairPipeline(parts.preference, parts.ctx, pipeline_rows(parts.config.train.micro_batch_size))
+    loss_on_last = parts.objective.pipeline(parts.ctx, parts.config.train.micro_batch_size)
     # the forward and backward under autocast, as every other layout (train_batch runs its optimizer
     # step with autocast off itself); fp16 gives the scaler to train_batch, which scales each
     # micro-batch's loss and calls scaler.step/update
     with precision.autocast():
         loss_total, count = parts.ctx.pipeline_step(
-            parts.model.wrapped, micro, parts.optim.stepper, objective=pairs, scaler=precision.scaler
+            parts.model.wrapped, micro, parts.optim.stepper, objective=loss_on_last, scaler=precision.scaler
         )
-    tokens = float(parts.ctx.all_reduce_sum(_tokens(micro)))
+    tokens = float(parts.ctx.all_reduce_sum(count_tokens(micro)))
     loss = loss_total / max(count, 1.0)
     overflow = precision.overflowed()
     grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside train_batch
-    metrics = pairs.step_metrics() if pairs is not None else {}
+    metrics = loss_on_last.step_metrics() if loss_on_last is not None else {}
     return StepOutput(
         loss=loss,
         lr=lr,

@@ -200,7 +200,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 def test_sigterm_saves_a_checkpoint(tmp_path, monkeypatch):
     from bmtrain_cli.train.run import load_recipe
 
-    recipe = load_recipe("train")
+    recipe = load_recipe("sft")
     real = recipe.train_step
 
     def step_then_signal(parts, step, micro):
@@ -381,10 +381,10 @@ def test_non_finite_weights_are_never_saved_nor_reported_as_success(tmp_path):
     """learning_rate .inf trained, wrote a checkpoint of all-NaN weights and exited 0."""
     from bmtrain_cli.config import load_config
     from bmtrain_cli.train.run import load_recipe
-    from bmtrain_cli.train.setup import setup
     from bmtrain_cli.train.stopping import TrainingStopped
 
-    parts, state = setup(load_config(_config(tmp_path, steps=4), mode="train"))
+    sft = load_recipe("sft")
+    parts, state = sft.setup(load_config(_config(tmp_path, steps=4), mode="train"))
 
     def poison(parts, state, out):
         if state.step == 3:  # after step 3's checkpoint, as an update with an infinite step size would
@@ -392,7 +392,7 @@ def test_non_finite_weights_are_never_saved_nor_reported_as_success(tmp_path):
             w.set_value(w * float("inf"))
 
     with pytest.raises(TrainingStopped) as info:
-        load_recipe("train").train(parts, state, poison)
+        sft.train(parts, state, poison)
     assert info.value.exit_code == 2 and "the weights hold inf or NaN" in str(info.value)
     ckpts = tmp_path / "out" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-3"]

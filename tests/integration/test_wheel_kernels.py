@@ -63,6 +63,8 @@ def test_installed_wheel_builds_and_trains_with_custom_kernels(tmp_path):
     assert sources and all(f"bmtrain_cli/_kernels/{s}" in names for s in sources)
     shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
     assert shipped and all(f"bmtrain_cli/_configs/{n}" in names for n in shipped)
+    recipes = sorted(p.name for p in (REPO / "recipes").glob("*.py"))
+    assert {"sft.py", "dpo.py"} <= set(recipes) and all(f"bmtrain_cli/_recipes/{n}" in names for n in recipes)
 
     # a fresh venv outside the checkout; Paddle and the dependencies come from this interpreter's
     # site-packages through a .pth (a plain path: no editable-install hooks of the dev checkout run)

@@ -176,7 +176,6 @@ FOLDER_CYCLE_ALLOWANCE = {
     ): "parallel.full_weights and parallel.context wrap LoRA layers; adapter_store gathers",
     ("models", "parallel"): "parallel.pipeline builds stages from models.decoder; scoring uses the protocol",
     ("parallel", "train"): "parallel.launch runs train.run; parallel.rebalance moves training state",
-    ("preference", "train"): "train.setup / step / report / holdout branch to the preference recipe",
 }
 
 

@@ -1,4 +1,4 @@
-"""recipes/train.py, copied and edited the way a user would: one decoder layer sleeps ``SLOW_SECONDS``
+"""recipes/sft.py, copied and edited the way a user would: one decoder layer sleeps ``SLOW_SECONDS``
 before each forward, so the pipeline stage holding it is the slow one (the sleep changes no number).
 Layer 5 is the slow one for the first ``SWITCH_STEP`` steps, layer 0 after them. Launched by
 tests/integration/test_pipeline_rebalance.py under the Paddle launcher."""
@@ -14,12 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout und
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.train.run import load_recipe
-from bmtrain_cli.train.setup import setup
 
 SLOW_SECONDS = 0.25  # well above a layer's forward even on a loaded machine
 SLOW_FIRST, SLOW_AFTER, SWITCH_STEP = 5, 0, 4
 
-base = load_recipe("train")  # recipes/train.py: its loop, unchanged
+base = load_recipe("sft")  # recipes/sft.py: its setup and loop, unchanged
 slow = {"layer": SLOW_FIRST}
 
 
@@ -40,7 +39,7 @@ def switch(parts: Any, state: Any, out: Any) -> None:
 
 
 def recipe(loaded: LoadedConfig, stream: Optional[TextIO] = None, on_step: Any = None) -> Dict[str, Any]:
-    parts, state = setup(loaded, stream=stream)
+    parts, state = base.setup(loaded, stream=stream)
     for index in (SLOW_FIRST, SLOW_AFTER):
         slow_down(parts.model.raw.model.layers[index], index)
     try:
@@ -50,7 +49,6 @@ def recipe(loaded: LoadedConfig, stream: Optional[TextIO] = None, on_step: Any =
 
 
 if __name__ == "__main__":
-    from bmtrain_cli.cli import main
+    from bmtrain_cli.cli import run_recipe_script
 
-    sys.modules["bmtrain_recipe_train"] = sys.modules[__name__]  # `train` runs this file's recipe
-    main(["train", *sys.argv[1:]])
+    run_recipe_script(sys.modules[__name__])  # `bmtrain train --recipe THIS_FILE`

@@ -116,7 +116,7 @@ def test_run_dry_run_prints_the_command(tmp_path):
     assert res.exit_code == 0, res.output
     assert "--nproc_per_node 4" in res.output
     # --max_steps is a config field, not a train option: it reaches the ranks as an override
-    assert "--set train_config.max_steps=3" in res.output and "recipes/train.py --config" in res.output
+    assert "--set train_config.max_steps=3" in res.output and "recipes/sft.py --config" in res.output
 
 
 def test_failure_summary_blames_the_rank_that_raised(tmp_path):

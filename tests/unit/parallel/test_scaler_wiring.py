@@ -141,7 +141,7 @@ def _pipeline_parts(overflow: bool, recorded_norm):
         ctx=Ctx(),
         schedule=lambda step: 0.1,
         optim=types.SimpleNamespace(stepper=stepper, precision=precision),
-        preference=None,
+        objective=types.SimpleNamespace(pipeline=lambda ctx, micro_batch_size: None),
         model=types.SimpleNamespace(wrapped="pipe"),
         runtime=types.SimpleNamespace(checkpoint_dir="ckpt"),
         config=types.SimpleNamespace(train=types.SimpleNamespace(micro_batch_size=1)),

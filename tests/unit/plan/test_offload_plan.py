@@ -91,7 +91,6 @@ def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     OffloadOptimizer) and the run trains."""
     from bmtrain_cli.train.offload import OffloadOptimizer
     from bmtrain_cli.train.run import load_recipe
-    from bmtrain_cli.train.setup import setup
 
     data = tmp_path / "train.jsonl"
     rows = [{"input": f"add {i} and {i + 3}", "output": str(2 * i + 3)} for i in range(32)]
@@ -113,7 +112,7 @@ def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     }
     path = tmp_path / "offload.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    parts, state = setup(load_config(str(path), mode="train"), stream=io.StringIO())
+    parts, state = load_recipe("sft").setup(load_config(str(path), mode="train"), stream=io.StringIO())
     assert isinstance(parts.optim.base, OffloadOptimizer)
-    summary = load_recipe("train").train(parts, state)
+    summary = load_recipe("sft").train(parts, state)
     assert summary["steps"] == 3 and summary["final_loss"] == summary["final_loss"]  # ran, finite

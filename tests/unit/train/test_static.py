@@ -54,7 +54,6 @@ def _run(
     kernels: str = "reference",
 ):
     from bmtrain_cli.train.run import load_recipe
-    from bmtrain_cli.train.setup import setup
 
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(
@@ -68,9 +67,9 @@ def _run(
         ),
         encoding="utf-8",
     )
-    parts, state = setup(load_config(str(cfg), mode="train"), stream=io.StringIO())
+    parts, state = load_recipe("sft").setup(load_config(str(cfg), mode="train"), stream=io.StringIO())
     losses = []
-    load_recipe("train").train(parts, state, lambda p, s, out: losses.append((out.loss, out.grad_norm)))
+    load_recipe("sft").train(parts, state, lambda p, s, out: losses.append((out.loss, out.grad_norm)))
     return parts, losses
 
 

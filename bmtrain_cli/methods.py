@@ -1,0 +1,65 @@
+"""The training methods: ``train_config.stage`` -> the recipe that trains it. The one place a stage is
+looked up (the config checks that belong to a stage aside: config/checks.py, config/preference_checks.py).
+
+A method is a recipe file, ``recipes/<stage>.py`` (a wheel carries them as ``bmtrain_cli/_recipes``),
+which builds its own data and objective from the shared pieces of bmtrain_cli.train, plus what the tools
+that read a run's data before it starts (the memory plan, data-preview, prepare-data, data-stats) need to
+know of its samples. Adding a method (e.g. grpo) is one entry here, one recipe file, and its config checks
+(docs/architecture.md, "Where to add a method").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Literal, Tuple
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Method:
+    recipe: str  # recipes/<recipe>.py
+    # what one training sample is: "sequence" (an SFT record: one token sequence) or "pair" (a preference
+    # pair: the chosen and the rejected conversation, two sequences; micro_batch_size counts pairs)
+    sample: Literal["sequence", "pair"]
+    reference: bool  # may compare against a reference model (preference/reference_kind.py)
+
+    @property
+    def sequences_per_sample(self) -> int:
+        return 2 if self.sample == "pair" else 1
+
+
+METHODS: Dict[str, Method] = {
+    "sft": Method(recipe="sft", sample="sequence", reference=False),
+    "dpo": Method(recipe="dpo", sample="pair", reference=True),
+}
+STAGES: Tuple[str, ...] = tuple(METHODS)  # train_config.stage's choices (config/schema.py)
+
+
+def method_of(train: Any) -> Method:
+    """The method of a train_config (its ``stage``)."""
+    return METHODS[train.stage]
+
+
+def recipe_path(name: str) -> Path:
+    """A built-in recipe: an installed package's copy (bmtrain_cli/_recipes/NAME.py), else the checkout's
+    recipes/NAME.py."""
+    packaged = _PACKAGE / "_recipes" / f"{name}.py"
+    return packaged if packaged.is_file() else _PACKAGE.parent / "recipes" / f"{name}.py"
+
+
+def recipe_file(train: Any) -> Path:
+    """The recipe a run executes: train_config.recipe when set (a user's file), else its stage's."""
+    if train.recipe is not None:
+        return Path(train.recipe).resolve()
+    return recipe_path(method_of(train).recipe).resolve()
+
+
+def builtin_recipe_stage(path: Path) -> str:
+    """The stage whose built-in recipe ``path`` is ("" for any other file)."""
+    resolved = path.resolve()
+    for stage, method in METHODS.items():
+        if recipe_path(method.recipe).resolve() == resolved:
+            return stage
+    return ""

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from bmtrain_cli.commands.summary import summarize
 from bmtrain_cli.config import load_config
-from bmtrain_cli.config.summary import summarize
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -54,8 +54,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the resolved summary as JSON."),
     ) -> None:
         """Check a config file and print the resolved summary; exit 2 listing every problem."""
+        from bmtrain_cli.commands.summary import format_summary, summarize
         from bmtrain_cli.config import load_config
-        from bmtrain_cli.config.summary import format_summary, summarize
         from bmtrain_cli.errors import UserError
 
         if config is not None and config_opt is not None and config != config_opt:
@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             raise UserError("no config given: bmtrain validate-config CONFIG.yaml (or --config CONFIG.yaml)")
         loaded = load_config(str(config), set_ or [], mode="validate", require_data=True)
         if as_json:
-            from bmtrain_cli.config.summary import with_known_vocab
+            from bmtrain_cli.commands.summary import with_known_vocab
 
             out = summarize(with_known_vocab(loaded.config)[0])
             out["warnings"] = [w.format() for w in loaded.warnings]

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
-
-from bmtrain_cli.config.schema import Config
+from typing import Any, List
 
 LR_SCALING_BASE_BATCH = 256
 
@@ -37,8 +35,9 @@ class Derived:
     tokens_per_step: int  # upper bound: global batch x max_seq_len
 
 
-def derive(config: Config) -> Derived:
-    """Derived values; assumes check_config has accepted the config (batch sizes divide)."""
+def derive(config: Any) -> Derived:
+    """Derived values of a ``config.schema.Config`` (``Config.derived()``); assumes check_config has accepted
+    the config (batch sizes divide)."""
     par, tr = config.parallel, config.train
     data_ranks = par.data_ranks
     per_pass = tr.micro_batch_size * data_ranks

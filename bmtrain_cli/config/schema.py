@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Type, Union, get_args, ge
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bmtrain_cli.config.derived import Derived, derive
 from bmtrain_cli.methods import STAGES
 from bmtrain_cli.models.families import FAMILY_NAMES
 from bmtrain_cli.trackers import NONE, REPORT_TO_NAMES
@@ -354,6 +355,11 @@ class Config(BaseModel):
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict with the file's section names (for saving the resolved config)."""
         return self.model_dump(mode="json", by_alias=True)
+
+    def derived(self) -> Derived:
+        """The values derived from the settings (config/derived.py): batch arithmetic, the scaled rate.
+        A method, so that parts handed the config (the data loaders) need not import the config package."""
+        return derive(self)
 
 
 def json_schema() -> Dict[str, Any]:

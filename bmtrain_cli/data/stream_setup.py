@@ -87,7 +87,6 @@ def build_stream_loader(
     micro_batch_size: int,
     notice: str,
 ) -> Any:
-    from bmtrain_cli.config.derived import derive
     from bmtrain_cli.data.columnar import is_columnar
     from bmtrain_cli.data.encode import make_encoder
     from bmtrain_cli.data.stream import StreamLoader
@@ -126,7 +125,7 @@ def build_stream_loader(
         data_world=data_world,
         workers=workers,
         on_bad_record=t.on_bad_record,
-        step_batches=derive(config).grad_accum_steps,
+        step_batches=config.derived().grad_accum_steps,
         agree=agree,
         gather=gather,
         notice=line,

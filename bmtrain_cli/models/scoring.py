@@ -22,7 +22,6 @@ import numpy as np
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.parallel.protocol import ParallelCtx
 
 Sample = Tuple[np.ndarray, np.ndarray]  # (input_ids [s], labels [s]), unshifted, IGNORE_INDEX = not scored
 
@@ -62,9 +61,10 @@ def eval_loss(
     model: Any,
     batches: Iterable[Dict[str, np.ndarray]],
     autocast: Any = None,
-    ctx: Optional[ParallelCtx] = None,
+    all_reduce_sum: Optional[Callable[[float], Any]] = None,
 ) -> Tuple[float, int]:
-    """(mean loss per predicted token, token count) over all batches (summed over data ranks)."""
+    """(mean loss per predicted token, token count) over all batches; with ``all_reduce_sum`` (the
+    parallel context's, where several data ranks score their own shares) summed over the ranks."""
     import paddle
 
     was_training = model.training
@@ -85,9 +85,9 @@ def eval_loss(
     finally:
         if was_training:
             model.train()
-    if ctx is not None and ctx.data_world > 1:
-        total = float(ctx.all_reduce_sum(total))
-        count = float(ctx.all_reduce_sum(count))
+    if all_reduce_sum is not None:
+        total = float(all_reduce_sum(total))
+        count = float(all_reduce_sum(count))
     return (total / count if count else float("nan")), int(count)
 
 

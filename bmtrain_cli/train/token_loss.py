@@ -60,8 +60,12 @@ class TokenLoss:
         from bmtrain_cli.models.scoring import eval_loss
 
         assert parts.data.eval_loader is not None  # train/holdout.evaluate runs only with an eval set
+        ctx = parts.ctx
         loss, _ = eval_loss(
-            whole_model(parts), parts.data.eval_loader, parts.optim.precision.autocast, parts.ctx
+            whole_model(parts),
+            parts.data.eval_loader,
+            parts.optim.precision.autocast,
+            ctx.all_reduce_sum if ctx.data_world > 1 else None,
         )
         return loss, {}
 

@@ -18,6 +18,9 @@ Family differences are flags on :class:`~bmtrain_cli.models.arch.ModelArch`:
 - ``norm_offset`` ((1 + w) RMSNorm), ``scale_embeddings`` (times sqrt(hidden)), ``query_pre_attn_scalar``
   (Gemma); the family's ``norm_names`` add norms on the attention and MLP outputs (Gemma 3, GLM-4)
 
+The blocks (RMSNorm, attention, MLP, the decoder layer, the KV cache) are ``models/blocks.py``; this file
+holds the model around them: embeddings, the per-layer inputs, the head and the loss.
+
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` ...). Linear and
 embedding layers come from a factory (``models/layers.py``), so tensor parallelism swaps them without
 touching this file; head counts are divided by ``factory.tp_degree``.

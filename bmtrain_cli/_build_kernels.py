@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List
 
 from setuptools.command.build_py import build_py
 
@@ -33,12 +33,25 @@ def kernel_files(root: Path) -> List[Path]:
     )
 
 
+def _methods() -> Dict[str, Any]:
+    """bmtrain_cli/methods.py's METHODS, read by path: the build backend runs before bmtrain_cli is
+    importable (methods.py imports only the standard library)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().with_name("methods.py")
+    spec = importlib.util.spec_from_file_location("_bmtrain_build_methods", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return dict(module.METHODS)
+
+
 def copy_recipes(recipes: Path, package: Path) -> List[str]:
     """Every recipe file of ``recipes`` (recipes/) into ``package``/_recipes; each training method's
     (bmtrain_cli/methods.py) must be there. Returns the names copied."""
-    from bmtrain_cli.methods import METHODS
-
-    missing = [m.recipe for m in METHODS.values() if not (recipes / f"{m.recipe}.py").is_file()]
+    missing = [m.recipe for m in _methods().values() if not (recipes / f"{m.recipe}.py").is_file()]
     if missing:
         raise RuntimeError(f"no recipe {', '.join(missing)} under {recipes}: build from a full checkout")
     target = package / PACKAGED_RECIPES

@@ -1,0 +1,77 @@
+"""Published architectures of well-known checkpoints (config.json keys), for validate-config and plan."""
+
+from typing import Any, Dict
+
+# Published architectures of well-known checkpoints, so that validate-config and plan can size a
+# config written for another machine (the weights themselves are only ever read from a local path).
+KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Llama-2-13b-hf": dict(
+        model_type="llama",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Llama-2-70b-hf": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "meta-llama/Meta-Llama-3-8B": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        attention_bias=True,
+    ),
+    "baichuan-inc/Baichuan2-7B-Chat": dict(
+        model_type="baichuan",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=125696,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
+}

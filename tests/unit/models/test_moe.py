@@ -166,3 +166,52 @@ def test_refusals():
 def test_hub_config_without_aux_keeps_it_off():
     cfg = arch_to_hf_dict(arch_from_hf_dict(json.loads((FIXTURES / "mixtral" / "config.json").read_text())))
     assert cfg["output_router_logits"] is False and cfg["num_local_experts"] == 4
+
+
+def test_lora_default_targets_train_and_expert_targets_are_refused():
+    from types import SimpleNamespace
+
+    from bmtrain_cli.lora.inject import apply_lora
+
+    def settings(targets):
+        return SimpleNamespace(
+            lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, seed=0
+        )
+
+    for targets in ("all-linear", ["q_proj", "gate_proj"], ["down_proj"]):
+        with pytest.raises(UserError, match="mixture-of-experts"):
+            apply_lora(load_pretrained(FIXTURES / "qwen3_moe"), settings(targets))
+    model = load_pretrained(FIXTURES / "qwen3_moe")
+    model.train()
+    wrapped = apply_lora(model, settings(["q_proj", "v_proj"]))
+    assert len(wrapped) == 2 * 3
+    ref = _ref("qwen3_moe")
+    total, count = model.loss_sum(paddle.to_tensor(ref["input_ids"]), paddle.to_tensor(ref["labels"]))
+    (total / count).backward()
+    trainable = [p for p in model.parameters() if not p.stop_gradient]
+    assert trainable and all(p.grad is not None for p in trainable)
+    assert model.layers[1].mlp.gate.weight.grad is None  # frozen
+
+
+@pytest.mark.parametrize(
+    "override, where",
+    [
+        ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
+        ("parallel_config.pipeline_parallel=2", "parallel_config.pipeline_parallel"),
+        ("train_config.to_static=true", "train_config.to_static"),
+        ("train_config.lora_target_modules=all-linear", "train_config.lora_target_modules"),
+    ],
+)
+def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where):
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.errors import ConfigError
+
+    quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+    sets = ["model_config.family=qwen3_moe", override]
+    if "lora" in override:
+        sets.append("train_config.finetuning=lora")
+    with pytest.raises(ConfigError) as exc:
+        load_config(quickstart, sets, mode="validate")
+    moe = [p for p in exc.value.problems if "mixture" in p.message or "mixture" in str(p.format())]
+    assert moe and any(p.path == where for p in moe), [p.format() for p in exc.value.problems]
+    assert "quickstart.yaml" in moe[0].format() or "--set" in moe[0].format()  # placed: file:line or --set

@@ -58,6 +58,11 @@ class ModelArch:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral always does)
     decoder_sparse_step: int = 1
     mlp_only_layers: Tuple[int, ...] = ()
+    moe_layer_start: int = 0  # and between these layers only (ERNIE 4.5's moe_layer_start/end_index)
+    moe_layer_end: Optional[int] = None
+    moe_shared_experts: int = 0  # an always-on SwiGLU this many experts wide beside the routed ones (ERNIE)
+    moe_score_bias: bool = False  # top-k picked on probs + e_score_correction_bias, weighted unbiased (ERNIE)
+    moe_norm_min: float = 0.0  # the renormalisation divides by max(sum of top-k weights, this) (ERNIE)
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
     router_aux_loss_coef: float = 0.001
     initializer_range: float = 0.02
@@ -99,6 +104,9 @@ class ModelArch:
             self.num_experts > 0
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
+            and self.moe_layer_start
+            <= layer
+            <= (self.num_hidden_layers if self.moe_layer_end is None else self.moe_layer_end)
         )
 
     def window_of(self, layer_type: str) -> Optional[int]:
@@ -238,6 +246,7 @@ def _rope(cfg: Dict[str, Any], default_theta: float = 10000.0) -> tuple:
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 # structural flags a family fixes (its defaults), not read from config.json's shared keys
 _FAMILY_FLAGS = (
+    "moe_score_bias",
     "qk_norm",
     "fused_qkv",
     "fused_gate_up",
@@ -455,6 +464,9 @@ def count_parameters(arch: ModelArch, active: bool = False) -> int:
     sparse = sum(arch.is_sparse(i) for i in range(arch.num_hidden_layers))
     experts = experts_active if active else arch.num_experts
     moe = h * arch.num_experts + experts * 3 * h * arch.moe_intermediate_size
+    shared = arch.moe_shared_experts * arch.moe_intermediate_size
+    moe += 3 * h * shared + (2 * shared + h if arch.mlp_bias and shared else 0)
+    moe += arch.num_experts if arch.moe_score_bias else 0
     total = arch.vocab_size * h + arch.num_hidden_layers * (attn + norms) + h
     total += (arch.num_hidden_layers - sparse) * mlp + sparse * moe
     if not arch.tie_word_embeddings:

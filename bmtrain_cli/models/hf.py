@@ -29,6 +29,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+# vectors here, [1, n] in checkpoints (ERNIE 4.5 MoE's router score bias)
+_VECTORS = ("e_score_correction_bias",)
 
 
 @contextlib.contextmanager
@@ -171,6 +173,8 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
         arr = tensors[name]
         if _is_matrix(name, arr.ndim):
             arr = arr.T
+        if name.endswith(_VECTORS):
+            arr = arr.reshape(param.shape)
         arr = _local_slice(arr, list(param.shape), model.factory, name)
         value = paddle.to_tensor(np.ascontiguousarray(arr, dtype=np.float32)).astype(param.dtype)
         param.set_value(value)
@@ -212,7 +216,7 @@ def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
         arr = t.numpy()
         if _is_matrix(name, arr.ndim):
             arr = np.ascontiguousarray(arr.T)
-        out[name] = arr
+        out[name] = arr.reshape(1, -1) if name.endswith(_VECTORS) else arr
     # parts kept apart under tensor parallel are written fused, as the family's checkpoints hold them
     for fused, (parts, _) in _fused_parts(model.arch).items():
         for name in [n for n in list(out) if n.rsplit(".", 1)[0].endswith(parts[0])]:

@@ -23,17 +23,43 @@ from bmtrain_cli.ops import OpSet
 
 
 class Expert(nn.Layer):
-    """One SwiGLU expert, named as Hugging Face's per-expert checkpoints name it."""
+    """One SwiGLU expert, named as Hugging Face's per-expert checkpoints name it (biases: ERNIE's shared
+    experts under use_bias)."""
 
-    def __init__(self, hidden: int, inter: int, ops: OpSet):
+    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias_attr=False)
-        self.up_proj = nn.Linear(hidden, inter, bias_attr=False)
-        self.down_proj = nn.Linear(inter, hidden, bias_attr=False)
+        b = None if bias else False
+        self.gate_proj = nn.Linear(hidden, inter, bias_attr=b)
+        self.up_proj = nn.Linear(hidden, inter, bias_attr=b)
+        self.down_proj = nn.Linear(inter, hidden, bias_attr=b)
         self.ops = ops
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class ScoreBias(nn.Layer):
+    """ERNIE 4.5's ``moe_statics.e_score_correction_bias`` [num_experts] (a checkpoint's [1, E]): added to
+    the routing probabilities to pick the top k only; not trained."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.e_score_correction_bias = self.create_parameter(
+            [num_experts], default_initializer=nn.initializer.Constant(0.0)
+        )
+        self.e_score_correction_bias.stop_gradient = True
+
+
+class Router(nn.Layer):
+    """``gate``: weight [hidden, num_experts] (Paddle layout), no bias; ERNIE's score bias inside."""
+
+    def __init__(self, hidden: int, num_experts: int, score_bias: bool):
+        super().__init__()
+        self.weight = self.create_parameter([hidden, num_experts])
+        self.moe_statics = ScoreBias(num_experts) if score_bias else None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(x, self.weight)
 
 
 class SparseMoE(nn.Layer):
@@ -46,8 +72,12 @@ class SparseMoE(nn.Layer):
         self.num_experts = arch.num_experts
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
-        self.gate = nn.Linear(h, arch.num_experts, bias_attr=False)
+        self.norm_min = arch.moe_norm_min
+        self.gate = Router(h, arch.num_experts, arch.moe_score_bias)
         self.experts = nn.LayerList([Expert(h, f, ops) for _ in range(arch.num_experts)])
+        self.shared_experts = (
+            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
+        )
         self.router_logits: Optional[paddle.Tensor] = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -56,9 +86,14 @@ class SparseMoE(nn.Layer):
         logits = self.gate(flat)
         self.router_logits = logits
         probs = F.softmax(logits.astype("float32"), axis=-1)
-        weights, chosen = paddle.topk(probs, self.top_k, axis=-1)
+        statics = self.gate.moe_statics
+        if statics is None:
+            weights, chosen = paddle.topk(probs, self.top_k, axis=-1)
+        else:  # ERNIE: the bias picks the experts, the unbiased probabilities weigh them
+            _, chosen = paddle.topk(probs + statics.e_score_correction_bias, self.top_k, axis=-1)
+            weights = paddle.take_along_axis(probs, chosen, axis=-1)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdim=True)
+            weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
         weights = weights.astype(x.dtype)
         # (token, expert) pairs sorted by expert: each expert's rows are contiguous
         pairs = chosen.reshape([-1])
@@ -74,6 +109,8 @@ class SparseMoE(nn.Layer):
                 start += n
         done = paddle.concat(outs) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
         out = paddle.index_add(paddle.zeros_like(flat), token, 0, done)
+        if self.shared_experts is not None:
+            out = self.shared_experts(flat) + out
         return out.reshape(shape)
 
 

@@ -182,6 +182,7 @@ def _reference_python():
         ),
         _fresh("qwen3_moe", num_experts=4, moe_intermediate_size=24, mlp_only_layers=(0,), head_dim=32),
         _fresh("mixtral", num_experts=4, moe_intermediate_size=24, sliding_window=4),
+        _fresh("ernie4_5_moe", num_experts=4, moe_intermediate_size=24, head_dim=32),
     ],
     ids=[
         "llama",
@@ -195,6 +196,7 @@ def _reference_python():
         "phi3",
         "qwen3_moe",
         "mixtral",
+        "ernie4_5_moe",
     ],
 )
 def test_transformers_loads_our_checkpoint(arch, tmp_path):

@@ -35,6 +35,7 @@ def test_fixtures_present():
         "phi3_window",
         "qwen3_moe",
         "mixtral",
+        "ernie4_5_moe",
     } <= set(NAMES)
 
 

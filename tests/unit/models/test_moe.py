@@ -28,7 +28,7 @@ from bmtrain_cli.models.moe import SparseMoE
 from bmtrain_cli.models.safetensors_io import checkpoint_files
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
-MOE = ("qwen3_moe", "mixtral")
+MOE = ("qwen3_moe", "mixtral", "ernie4_5_moe")
 
 
 def _ref(name: str) -> dict:
@@ -98,8 +98,8 @@ def test_save_pretrained_round_trip_keeps_the_hub_names(name, tmp_path):
     assert set(_tensors(tmp_path)) == set(_tensors(FIXTURES / name))
     theirs = json.loads((FIXTURES / name / "config.json").read_text())
     ours = json.loads((tmp_path / "config.json").read_text())
-    experts_key = "num_experts" if name == "qwen3_moe" else "num_local_experts"
-    assert ours[experts_key] == 4 and ours["num_experts_per_tok"] == 2
+    experts_key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(name, "moe_num_experts")
+    assert ours[experts_key] == 4 and ours["moe_k" if name == "ernie4_5_moe" else "num_experts_per_tok"] == 2
     assert arch_from_hf_dict(ours) == replace(arch_from_hf_dict(theirs), extra=arch_from_hf_dict(ours).extra)
     again = load_pretrained(tmp_path)
     ids = paddle.to_tensor(_ref(name)["input_ids"])
@@ -215,3 +215,17 @@ def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where
     moe = [p for p in exc.value.problems if "mixture" in p.message or "mixture" in str(p.format())]
     assert moe and any(p.path == where for p in moe), [p.format() for p in exc.value.problems]
     assert "quickstart.yaml" in moe[0].format() or "--set" in moe[0].format()  # placed: file:line or --set
+
+
+def test_ernie4_5_moe_layers_shared_experts_and_score_bias():
+    model = load_pretrained(FIXTURES / "ernie4_5_moe")
+    arch = model.arch
+    assert [layer.sparse for layer in model.layers] == [False, True, True]  # moe_layer_start_index 1
+    moe = model.layers[1].mlp
+    assert moe.shared_experts is not None and moe.gate.moe_statics is not None
+    bias = moe.gate.moe_statics.e_score_correction_bias
+    assert bias.stop_gradient and float(paddle.abs(bias).sum()) > 0  # the fixture's random bias, frozen
+    assert count_parameters(arch) == sum(int(np.prod(p.shape)) for p in model.parameters())
+    cfg = json.loads((FIXTURES / "ernie4_5_moe" / "config.json").read_text())
+    with pytest.raises(UserError, match="use_bias"):
+        arch_from_hf_dict({**cfg, "use_bias": True})

@@ -104,9 +104,10 @@ class SparseMoE(nn.Layer):
         outs: List[paddle.Tensor] = []
         start = 0
         for e, n in enumerate(counts):
-            if n:
-                outs.append(self.experts[e](rows[start : start + n]))
-                start += n
+            # an expert without tokens runs on zero rows too: its gradient is then zeros, not missing, so
+            # every rank reduces the same gradients under data parallel and the optimizer sees them all
+            outs.append(self.experts[e](rows[start : start + n]))
+            start += n
         done = paddle.concat(outs) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
         out = paddle.index_add(paddle.zeros_like(flat), token, 0, done)
         if self.shared_experts is not None:

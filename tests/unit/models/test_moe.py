@@ -270,3 +270,24 @@ train_config:
     ckpt = out / "checkpoints" / "step-2"
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in _tensors(ckpt)
     assert load_pretrained(ckpt).arch.num_experts == 4
+
+
+def test_experts_without_tokens_get_zero_gradients_not_none():
+    """Data parallel sums the same gradient list on every rank: an expert no token reached this step has a
+    zero gradient, not a missing one."""
+    paddle.seed(0)
+    model = build(replace(_fresh_arch(), num_experts=8))
+    ids = paddle.to_tensor([[5, 6]])  # 2 tokens x top-2: at most 4 of the 8 experts per layer
+    total, _ = model.loss_sum(ids, ids)
+    total.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if ".experts." in n}
+    assert all(g is not None for g in grads.values())
+    assert any(float(paddle.abs(g).sum()) == 0.0 for g in grads.values())
+
+
+def _fresh_arch():
+    return arch_from_model_config(
+        ModelConfig(
+            family="qwen3_moe", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
+        )
+    )

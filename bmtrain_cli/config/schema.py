@@ -87,6 +87,14 @@ class ModelConfig(_Section):
         None, gt=0, description="Local attention window (Mistral, Phi-3; Gemma 3's sliding layers)."
     )
     initializer_range: float = Field(0.02, gt=0)
+    # mixture of experts (qwen3_moe, mixtral, ernie4_5_moe)
+    num_experts: Optional[int] = Field(None, gt=0, description="Experts per sparse layer.")
+    num_experts_per_tok: Optional[int] = Field(None, gt=0, description="Experts each token is routed to.")
+    moe_intermediate_size: Optional[int] = Field(None, gt=0, description="Width of each expert's MLP.")
+    output_router_logits: Optional[bool] = Field(
+        None, description="Add router_aux_loss_coef x the load-balancing loss to the training loss."
+    )
+    router_aux_loss_coef: Optional[float] = Field(None, ge=0)
 
     dtype: Dtype = "float32"
     attention_implementation: Literal["auto", "sdpa", "flash", "eager"] = "auto"

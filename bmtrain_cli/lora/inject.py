@@ -17,7 +17,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
-from bmtrain_cli.models.arch import LORA_PROJECTIONS
+from bmtrain_cli.models.arch import LORA_PROJECTIONS, lora_expert_targets
 
 PROJECTIONS = LORA_PROJECTIONS
 ALL_LINEAR = "all-linear"
@@ -103,6 +103,12 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
     alpha = float(train_config.lora_alpha)
     if getattr(model, SETTINGS_ATTR, None) is not None:
         raise UserError("LoRA adapters are already applied to this model")
+    if getattr(getattr(model, "arch", None), "num_experts", 0):
+        if lora_expert_targets(train_config.lora_target_modules):
+            raise UserError(
+                "train_config.lora_target_modules: LoRA on the MLP projections of a mixture-of-experts model "
+                "is not supported; target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+            )
     targets = resolve_targets(train_config.lora_target_modules, model)
     for p in model.parameters():
         p.stop_gradient = True

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.families import FAMILIES, MODEL_TYPES, family
+from bmtrain_cli.models.known import KNOWN_MODELS
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,21 @@ class ModelArch:
     # sliding_window is set, as Mistral)
     layer_types: Optional[Tuple[str, ...]] = None
     rope_local_theta: Optional[float] = None  # rope base of the sliding layers, without scaling (Gemma 3)
+    # mixture of experts (Qwen3-MoE, Mixtral): num_experts 0 = dense. A layer is sparse unless it is in
+    # mlp_only_layers, every decoder_sparse_step-th layer (1: all); its experts are moe_intermediate_size wide
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
+    moe_layer_start: int = 0  # and between these layers only (ERNIE 4.5's moe_layer_start/end_index)
+    moe_layer_end: Optional[int] = None
+    moe_shared_experts: int = 0  # an always-on SwiGLU this many experts wide beside the routed ones (ERNIE)
+    moe_score_bias: bool = False  # top-k picked on probs + e_score_correction_bias, weighted unbiased (ERNIE)
+    moe_norm_min: float = 0.0  # the renormalisation divides by max(sum of top-k weights, this) (ERNIE)
+    output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
+    router_aux_loss_coef: float = 0.001
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
@@ -81,6 +97,17 @@ class ModelArch:
             return "full_attention"
         pattern = family(self.family).sliding_pattern
         return "full_attention" if pattern and (layer + 1) % pattern == 0 else "sliding_attention"
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is the mixture of experts (transformers' Qwen3-MoE rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and self.moe_layer_start
+            <= layer
+            <= (self.num_hidden_layers if self.moe_layer_end is None else self.moe_layer_end)
+        )
 
     def window_of(self, layer_type: str) -> Optional[int]:
         return self.sliding_window if layer_type == "sliding_attention" else None
@@ -127,6 +154,23 @@ ARCH_RULES: Tuple[ArchRule, ...] = (
         ),
         {"family": "llama", "sliding_window": 8},
     ),
+    ArchRule(
+        "num_experts",
+        lambda a: a.num_experts > 0 and not family(a.family).moe,
+        lambda a: (
+            f"the {a.family} family has no mixture of experts; families with one: "
+            f"{', '.join(n for n, f in FAMILIES.items() if f.moe)}"
+        ),
+        {"family": "llama", "num_experts": 4},
+    ),
+    ArchRule(
+        "num_experts_per_tok",
+        lambda a: a.num_experts > 0 and not 0 < a.num_experts_per_tok <= a.num_experts,
+        lambda a: (
+            f"num_experts_per_tok ({a.num_experts_per_tok}) must be between 1 and num_experts ({a.num_experts})"
+        ),
+        {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+    ),
 )
 
 
@@ -153,6 +197,11 @@ _ARCH_FIELDS = (
     "position_embedding",
     "sliding_window",
     "initializer_range",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "output_router_logits",
+    "router_aux_loss_coef",
 )
 
 
@@ -174,6 +223,8 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
         arch = replace(arch, num_key_value_heads=arch.num_attention_heads)
     if "head_dim" not in updates and ("hidden_size" in updates or "num_attention_heads" in updates):
         arch = replace(arch, head_dim=arch.hidden_size // arch.num_attention_heads)
+    if arch.num_experts and not arch.moe_intermediate_size:  # a fresh MoE model: experts as wide as the MLP
+        arch = replace(arch, moe_intermediate_size=arch.intermediate_size)
     return arch
 
 
@@ -195,6 +246,7 @@ def _rope(cfg: Dict[str, Any], default_theta: float = 10000.0) -> tuple:
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 # structural flags a family fixes (its defaults), not read from config.json's shared keys
 _FAMILY_FLAGS = (
+    "moe_score_bias",
     "qk_norm",
     "fused_qkv",
     "fused_gate_up",
@@ -269,96 +321,6 @@ def arch_from_hf_dict(cfg: Dict[str, Any], source: str = "config.json") -> Model
         raise UserError(f"{source}: missing required key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise UserError(f"{source}: bad value ({exc})") from None
-
-
-# Published architectures of well-known checkpoints, so that validate-config and plan can size a
-# config written for another machine (the weights themselves are only ever read from a local path).
-KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
-    "meta-llama/Llama-2-7b-hf": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "meta-llama/Llama-2-13b-hf": dict(
-        model_type="llama",
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=40,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "meta-llama/Llama-2-70b-hf": dict(
-        model_type="llama",
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "meta-llama/Meta-Llama-3-8B": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        attention_bias=True,
-    ),
-    "baidu/ERNIE-4.5-0.3B-PT": dict(
-        model_type="ernie4_5",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=18,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=103424,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        use_bias=False,
-    ),
-    "baichuan-inc/Baichuan2-7B-Chat": dict(
-        model_type="baichuan",
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        vocab_size=125696,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-    ),
-}
 
 
 def read_hf_config(path: str, allow_known: bool = False) -> ModelArch:
@@ -445,6 +407,13 @@ def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
     return tuple(n for n in LORA_PROJECTIONS if n in (*qkv, "o_proj", *mlp, "down_proj"))
 
 
+def lora_expert_targets(targets: Any) -> Tuple[str, ...]:
+    """The requested LoRA targets that would reach a mixture of experts' projections (all-linear too):
+    refused for MoE models (validate-config and apply_lora)."""
+    names = [targets] if isinstance(targets, str) else list(targets)
+    return tuple(n for n in names if n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "all-linear"))
+
+
 def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
     """Adapter parameters (A: in x r, B: r x out) of one decoder layer on one tensor-parallel rank:
     column-parallel projections split B's output, row-parallel ones A's input."""
@@ -470,8 +439,14 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
     )
 
 
-def count_parameters(arch: ModelArch) -> int:
-    """Exact parameter count of the decoder described by ``arch``."""
+def count_active_parameters(arch: ModelArch) -> int:
+    """Parameters one token passes through: a sparse layer counts its router and top-k experts only."""
+    return count_parameters(arch, active=True)
+
+
+def count_parameters(arch: ModelArch, active: bool = False) -> int:
+    """Exact parameter count of the decoder described by ``arch`` (``active``: see count_active_parameters)."""
+    experts_active = arch.num_experts_per_tok
     h, hd = arch.hidden_size, arch.head_dim
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
@@ -485,8 +460,15 @@ def count_parameters(arch: ModelArch) -> int:
     mlp = 3 * h * arch.intermediate_size
     if arch.mlp_bias:
         mlp += 2 * arch.intermediate_size + h
-    per_layer = attn + mlp + len(family(arch.family).norm_names) * h
-    total = arch.vocab_size * h + arch.num_hidden_layers * per_layer + h
+    norms = len(family(arch.family).norm_names) * h
+    sparse = sum(arch.is_sparse(i) for i in range(arch.num_hidden_layers))
+    experts = experts_active if active else arch.num_experts
+    moe = h * arch.num_experts + experts * 3 * h * arch.moe_intermediate_size
+    shared = arch.moe_shared_experts * arch.moe_intermediate_size
+    moe += 3 * h * shared + (2 * shared + h if arch.mlp_bias and shared else 0)
+    moe += arch.num_experts if arch.moe_score_bias else 0
+    total = arch.vocab_size * h + arch.num_hidden_layers * (attn + norms) + h
+    total += (arch.num_hidden_layers - sparse) * mlp + sparse * moe
     if not arch.tie_word_embeddings:
         total += arch.vocab_size * h
     return total

@@ -16,6 +16,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.attention import attend
 from bmtrain_cli.models.families import family
+from bmtrain_cli.models.moe import SparseMoE
 from bmtrain_cli.ops import OpSet, reference
 
 
@@ -192,7 +193,7 @@ class MLP(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    """Attention and MLP, each with a residual. The RMSNorms are the family's (``norm_names``: role ->
+    """Attention and MLP (or mixture of experts), each with a residual. The RMSNorms are the family's (``norm_names``: role ->
     Hugging Face name): before each block always, after each block too in Gemma 3 and GLM-4."""
 
     def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
@@ -202,7 +203,11 @@ class DecoderLayer(nn.Layer):
         for name in self.norm_names.values():
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, offset=arch.norm_offset))
         self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
-        self.mlp = MLP(arch, factory, ops)
+        # the mixture of experts on the layers the family makes sparse (single device only: arch rules)
+        self.sparse = arch.is_sparse(layer_idx)
+        if self.sparse and factory.tp_degree > 1:
+            raise UserError(f"the {arch.family} mixture of experts does not support tensor_parallel > 1 yet")
+        self.mlp = SparseMoE(arch, ops) if self.sparse else MLP(arch, factory, ops)
 
     def _norm(self, role: str, x: paddle.Tensor) -> paddle.Tensor:
         name = self.norm_names.get(role)

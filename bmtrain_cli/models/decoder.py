@@ -17,6 +17,8 @@ Family differences are flags on :class:`~bmtrain_cli.models.arch.ModelArch`:
   interleaved pairs (GLM-4, ERNIE 4.5, Phi-4-mini)
 - ``norm_offset`` ((1 + w) RMSNorm), ``scale_embeddings`` (times sqrt(hidden)), ``query_pre_attn_scalar``
   (Gemma); the family's ``norm_names`` add norms on the attention and MLP outputs (Gemma 3, GLM-4)
+- ``num_experts`` > 0: the sparse layers' MLP is a mixture of experts (models/moe.py; Qwen3-MoE, Mixtral),
+  with transformers' load-balancing loss added in ``loss_sum`` when ``output_router_logits`` is set
 
 The blocks (RMSNorm, attention, MLP, the decoder layer, the KV cache) are ``models/blocks.py``; this file
 holds the model around them: embeddings, the per-layer inputs, the head and the loss.
@@ -41,6 +43,7 @@ from bmtrain_cli.models.arch import ModelArch, arch_problems
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, batch_segments, build_bias
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import PlainFactory
+from bmtrain_cli.models.moe import load_balancing_loss
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
 
@@ -201,6 +204,7 @@ class CausalLM(nn.Layer):
             alibi = alibi_slopes(arch.num_attention_heads)[tp_rank * n_local : (tp_rank + 1) * n_local]
         self.layer_inputs = LayerInputs(arch, rotary, alibi)
         self._recompute_layers: Set[int] = set()
+        self.last_aux_loss: Optional[paddle.Tensor] = None  # the load-balancing loss of the last loss_sum
 
     # Hugging Face-style accessors used by the trainer, LoRA and pipeline code.
     @property
@@ -250,6 +254,13 @@ class CausalLM(nn.Layer):
         (scores and softmax), ``none`` turns it off."""
         if granularity not in ("full", "attention", "none"):
             raise UserError(f"recompute granularity {granularity!r} is not full, attention or none")
+        if granularity == "full" and self.arch.output_router_logits and self.arch.num_experts:
+            # a recomputed layer's first forward runs without gradients: its router logits would give
+            # the load-balancing loss no gradient
+            raise UserError(
+                "recompute granularity 'full' cannot be combined with the MoE load-balancing loss "
+                "(output_router_logits); use granularity 'attention' or turn the auxiliary loss off"
+            )
         n = len(self.layers) if num_layers is None else min(int(num_layers), len(self.layers))
         chosen = set(range(n)) if granularity != "none" else set()
         self._recompute_layers = chosen if granularity == "full" else set()
@@ -318,8 +329,15 @@ class CausalLM(nn.Layer):
 
         ``labels`` are unshifted (same positions as input_ids, -100 = ignore): position t predicts
         labels[t + 1]. Across a segment boundary of a packed row nothing is predicted.
+
+        With ``output_router_logits`` (MoE), ``router_aux_loss_coef * aux * count`` is added to the sum,
+        where aux is transformers' load-balancing loss over the unpadded tokens: the per-token mean
+        sum / count is then transformers' loss (mean cross-entropy + coef * aux). Over several
+        micro-batches the aux term is weighted by each one's token count. ``last_aux_loss`` keeps aux.
         """
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids)[:, :-1]
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        aux = self._aux_loss(attention_mask)
+        hidden = hidden[:, :-1]
         target = labels[:, 1:]
         if attention_mask is not None:
             same = attention_mask[:, 1:] == attention_mask[:, :-1]
@@ -327,11 +345,27 @@ class CausalLM(nn.Layer):
         hidden = hidden.reshape([-1, hidden.shape[-1]])
         target = target.reshape([-1])
         if self.factory.tp_degree > 1:
-            return self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
-        weight, transposed = self._head()
-        return self.ops.linear_cross_entropy(
-            hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
+            total, count = self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
+        else:
+            weight, transposed = self._head()
+            total, count = self.ops.linear_cross_entropy(
+                hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
+            )
+        if aux is not None:
+            total = total + self.arch.router_aux_loss_coef * aux * count
+        return total, count
+
+    def _aux_loss(self, attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
+        """The load-balancing loss of the forward just run, when the architecture adds it to the loss."""
+        self.last_aux_loss = None
+        if not (self.arch.num_experts and self.arch.output_router_logits):
+            return None
+        logits = [layer.mlp.router_logits for layer in self.layers if layer.sparse]
+        aux = load_balancing_loss(
+            logits, self.arch.num_experts, self.arch.num_experts_per_tok, attention_mask
         )
+        self.last_aux_loss = aux.detach()
+        return aux
 
 
 class LossSum(paddle.nn.Layer):

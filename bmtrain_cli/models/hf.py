@@ -22,12 +22,15 @@ import paddle
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch, arch_from_model_config, arch_to_hf_dict, read_hf_config
 from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.families import family
 from bmtrain_cli.models.safetensors_io import checkpoint_files, write_safetensors
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+# vectors here, [1, n] in checkpoints (ERNIE 4.5 MoE's router score bias)
+_VECTORS = ("e_score_correction_bias",)
 
 
 @contextlib.contextmanager
@@ -117,10 +120,34 @@ def _local_slice(full: np.ndarray, local_shape: List[int], factory: Any, name: s
     return np.take(full, np.arange(rank * n, (rank + 1) * n), axis=a)
 
 
+def _rename(name: str, renames: Tuple[Tuple[str, str], ...], to_hf: bool) -> str:
+    for ours, theirs in renames if to_hf else reversed(renames):
+        name = name.replace(ours, theirs) if to_hf else name.replace(theirs, ours)
+    return name
+
+
+def _unfuse_experts(tensors: Dict[str, np.ndarray]) -> None:
+    """transformers 5.x's in-memory expert layout (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj`` [E, H, I]) as the per-expert tensors the hub's checkpoints hold."""
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        stacked = tensors.pop(name)
+        prefix, kind = name.rsplit(".", 1)
+        for e, w in enumerate(stacked):
+            if kind == "down_proj":
+                tensors[f"{prefix}.{e}.down_proj.weight"] = w
+            else:
+                gate, up = np.split(w, 2, axis=0)
+                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate
+                tensors[f"{prefix}.{e}.up_proj.weight"] = up
+
+
 def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: str = "checkpoint") -> None:
     """Copy Hugging Face-layout tensors (name -> array) into ``model``."""
     arch = model.arch
-    tensors = dict(tensors)
+    renames = family(arch.family).hf_renames
+    tensors = {_rename(n, renames, to_hf=False): t for n, t in tensors.items()}
+    if arch.num_experts:
+        _unfuse_experts(tensors)
     params = model.state_dict()
     # A fused projection in the checkpoint but its parts in the model (tensor parallel): split it.
     for fused, (parts, sizes) in _fused_parts(arch, every=True).items():
@@ -146,6 +173,8 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
         arr = tensors[name]
         if _is_matrix(name, arr.ndim):
             arr = arr.T
+        if name.endswith(_VECTORS):
+            arr = arr.reshape(param.shape)
         arr = _local_slice(arr, list(param.shape), model.factory, name)
         value = paddle.to_tensor(np.ascontiguousarray(arr, dtype=np.float32)).astype(param.dtype)
         param.set_value(value)
@@ -187,14 +216,15 @@ def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
         arr = t.numpy()
         if _is_matrix(name, arr.ndim):
             arr = np.ascontiguousarray(arr.T)
-        out[name] = arr
+        out[name] = arr.reshape(1, -1) if name.endswith(_VECTORS) else arr
     # parts kept apart under tensor parallel are written fused, as the family's checkpoints hold them
     for fused, (parts, _) in _fused_parts(model.arch).items():
         for name in [n for n in list(out) if n.rsplit(".", 1)[0].endswith(parts[0])]:
             kind = name.rsplit(".", 1)[1]
             prefix = name[: -len(parts[0]) - len(kind) - 1]
             out[f"{prefix}{fused}.{kind}"] = np.concatenate([out.pop(f"{prefix}{p}.{kind}") for p in parts])
-    return out
+    renames = family(model.arch.family).hf_renames  # experts per expert, named as the hub names them
+    return {_rename(n, renames, to_hf=True): t for n, t in out.items()} if renames else out
 
 
 def _dtype_of(model: CausalLM) -> str:

@@ -25,6 +25,8 @@ TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory")
 TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
 # also logged as train/<key> when present: data parallel with gradient_compression
 COMPRESSION_KEYS = ("compression_ratio", "compression_bytes_sent")
+# mixture-of-experts models with output_router_logits: the load-balancing loss (models/moe.py)
+MOE_KEYS = ("aux_loss",)
 # preference tuning (stage: dpo), named as TRL logs them (bmtrain_cli/preference/objective.py)
 PREFERENCE_KEYS = (
     "rewards/chosen",
@@ -238,7 +240,7 @@ class MetricsWriter:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
         if self._is_logging_step(step):
-            keys = TRAIN_KEYS + COMPRESSION_KEYS + PREFERENCE_KEYS + ("loss_scale",)
+            keys = TRAIN_KEYS + COMPRESSION_KEYS + MOE_KEYS + PREFERENCE_KEYS + ("loss_scale",)
             self._scalars({f"train/{k}": values.get(k) for k in keys}, step)
         self._progress(step, values)
 

@@ -89,12 +89,15 @@ class StepMeter:
     loss scale and gradient compression."""
 
     def __init__(self, parts: Parts) -> None:
+        from bmtrain_cli.models.arch import count_active_parameters, count_parameters
         from bmtrain_cli.train.metrics import flops_per_token, peak_flops
 
         arch = parts.model.raw.arch
         self.parts = parts
+        # a mixture of experts: a token passes only its top-k experts
+        n_params = parts.model.n_params - (count_parameters(arch) - count_active_parameters(arch))
         self.flops_per_token = flops_per_token(
-            parts.model.n_params, arch.num_hidden_layers, arch.hidden_size, parts.config.model.max_seq_len
+            n_params, arch.num_hidden_layers, arch.hidden_size, parts.config.model.max_seq_len
         )
         dtype = parts.optim.precision.dtype
         self.peak = peak_flops(parts.runtime.has_gpu, dtype) * max(1, parts.ctx.world_size)

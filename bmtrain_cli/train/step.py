@@ -57,11 +57,15 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     lr = parts.schedule(step)
     optim.stepper.set_lr(lr)
     loss_acc = None
+    aux_losses = []  # MoE with output_router_logits: each micro-batch's load-balancing loss (logged)
     for b in micro:
         with precision.autocast():
             loss_sum, _ = objective.loss_sum(parts.model.wrapped, b)
         precision.backward(loss_sum / grad_denom)
         loss_acc = loss_sum.detach() if loss_acc is None else loss_acc + loss_sum.detach()
+        aux = getattr(parts.model.raw, "last_aux_loss", None)
+        if aux is not None:
+            aux_losses.append(aux)
     step_opt = optim.stepper
     if optim.own_clip and distributed and hasattr(step_opt, "reduce_gradients"):
         step_opt.reduce_gradients()  # plain data parallel: sum gradients now, step the inner one
@@ -90,6 +94,8 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     finite = math.isfinite(loss) and (math.isfinite(grad_norm) or overflow)
     optim.stepper.clear_grad(set_to_zero=False)
     metrics = objective.step_metrics()
+    if aux_losses:  # the micro-batches' mean on this rank
+        metrics = {**metrics, "aux_loss": float(paddle.add_n(aux_losses).numpy()) / len(aux_losses)}
     return StepOutput(
         loss=loss,
         lr=lr,

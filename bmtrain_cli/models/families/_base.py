@@ -43,6 +43,10 @@ class Family:
     sliding_window: bool = False  # its checkpoints may set a local attention window
     # with sliding_window and no layer_types: every sliding_pattern-th layer is global (Gemma 3: 6)
     sliding_pattern: Optional[int] = None
+    # (our parameter-name fragment, the checkpoint's), applied in order when reading and reversed when
+    # writing (Mixtral's block_sparse_moe / w1 w2 w3)
+    hf_renames: Tuple[Tuple[str, str], ...] = ()
+    moe: bool = False  # its checkpoints may have a mixture of experts (num_experts > 0)
 
     def default(self, key: str, fallback: Any) -> Any:
         return self.defaults.get(key, fallback)

@@ -180,8 +180,24 @@ def _reference_python():
                 "short_factor": [1.0 + i / 20 for i in range(6)],
             },
         ),
+        _fresh("qwen3_moe", num_experts=4, moe_intermediate_size=24, mlp_only_layers=(0,), head_dim=32),
+        _fresh("mixtral", num_experts=4, moe_intermediate_size=24, sliding_window=4),
+        _fresh("ernie4_5_moe", num_experts=4, moe_intermediate_size=24, head_dim=32),
     ],
-    ids=["llama", "qwen2", "qwen3", "mistral", "llama3rope", "ernie4_5", "gemma3_text", "glm4", "phi3"],
+    ids=[
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "llama3rope",
+        "ernie4_5",
+        "gemma3_text",
+        "glm4",
+        "phi3",
+        "qwen3_moe",
+        "mixtral",
+        "ernie4_5_moe",
+    ],
 )
 def test_transformers_loads_our_checkpoint(arch, tmp_path):
     py = _reference_python()

@@ -33,6 +33,9 @@ def test_fixtures_present():
         "glm4",
         "phi3_longrope",
         "phi3_window",
+        "qwen3_moe",
+        "mixtral",
+        "ernie4_5_moe",
     } <= set(NAMES)
 
 

@@ -1,0 +1,42 @@
+"""validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral): what this first slice runs.
+The experts are plain per-expert layers on one device (models/moe.py): no tensor, pipeline or expert
+parallelism, no static graph, no LoRA on the experts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from bmtrain_cli.models.arch import lora_expert_targets
+
+
+def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
+    if arch is None or not arch.num_experts:
+        return
+    p, t = config.parallel, config.train
+    what = f"the {arch.family} mixture of experts"
+    for key, degree in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
+        if degree > 1:
+            err(
+                f"parallel_config.{key}",
+                f"{what} does not support {key} > 1 yet (no sharded experts, no expert parallelism)",
+                "use data_parallel and/or sharding_parallel",
+            )
+    if t.to_static:
+        err(
+            "train_config.to_static",
+            f"{what} cannot run as a static graph: its dispatch reads the per-expert token counts",
+            "set to_static: false",
+        )
+    if t.finetuning == "lora" and lora_expert_targets(t.lora_target_modules):
+        err(
+            "train_config.lora_target_modules",
+            f"LoRA on the MLP projections ({', '.join(lora_expert_targets(t.lora_target_modules))}) is not "
+            f"supported for {what}",
+            "target the attention projections (q_proj, k_proj, v_proj, o_proj)",
+        )
+    if t.gradient_checkpointing and t.recompute_granularity == "full" and arch.output_router_logits:
+        err(
+            "train_config.recompute_granularity",
+            "full recompute would leave the load-balancing loss (output_router_logits) without gradient",
+            "use recompute_granularity: attention",
+        )

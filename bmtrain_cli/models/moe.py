@@ -1,0 +1,144 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral): a router (``gate``) scores every token in fp32, the top-k
+experts (SwiGLU MLPs) process it and their outputs are summed with the routing weights. Dropless: every
+token reaches its k experts, no capacity limit.
+
+Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids) and runs
+one matmul chain per expert over its contiguous rows, then adds the weighted rows back per token. This is
+plain Paddle ops on one device: no grouped-GEMM kernel, no expert parallelism.
+
+``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
+excluded through the attention mask as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.ops import OpSet
+
+
+class Expert(nn.Layer):
+    """One SwiGLU expert, named as Hugging Face's per-expert checkpoints name it (biases: ERNIE's shared
+    experts under use_bias)."""
+
+    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False):
+        super().__init__()
+        b = None if bias else False
+        self.gate_proj = nn.Linear(hidden, inter, bias_attr=b)
+        self.up_proj = nn.Linear(hidden, inter, bias_attr=b)
+        self.down_proj = nn.Linear(inter, hidden, bias_attr=b)
+        self.ops = ops
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class ScoreBias(nn.Layer):
+    """ERNIE 4.5's ``moe_statics.e_score_correction_bias`` [num_experts] (a checkpoint's [1, E]): added to
+    the routing probabilities to pick the top k only; not trained."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.e_score_correction_bias = self.create_parameter(
+            [num_experts], default_initializer=nn.initializer.Constant(0.0)
+        )
+        self.e_score_correction_bias.stop_gradient = True
+
+
+class Router(nn.Layer):
+    """``gate``: weight [hidden, num_experts] (Paddle layout), no bias; ERNIE's score bias inside."""
+
+    def __init__(self, hidden: int, num_experts: int, score_bias: bool):
+        super().__init__()
+        self.weight = self.create_parameter([hidden, num_experts])
+        self.moe_statics = ScoreBias(num_experts) if score_bias else None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(x, self.weight)
+
+
+class SparseMoE(nn.Layer):
+    """The MLP of a sparse layer: ``gate`` [hidden -> num_experts] and ``experts.{e}``. The router logits
+    of the last forward stay in ``router_logits`` [tokens, num_experts] for the auxiliary loss."""
+
+    def __init__(self, arch: ModelArch, ops: OpSet):
+        super().__init__()
+        h, f = arch.hidden_size, arch.moe_intermediate_size
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.norm_min = arch.moe_norm_min
+        self.gate = Router(h, arch.num_experts, arch.moe_score_bias)
+        self.experts = nn.LayerList([Expert(h, f, ops) for _ in range(arch.num_experts)])
+        self.shared_experts = (
+            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
+        )
+        self.router_logits: Optional[paddle.Tensor] = None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        shape = x.shape
+        flat = x.reshape([-1, shape[-1]])
+        logits = self.gate(flat)
+        self.router_logits = logits
+        probs = F.softmax(logits.astype("float32"), axis=-1)
+        statics = self.gate.moe_statics
+        if statics is None:
+            weights, chosen = paddle.topk(probs, self.top_k, axis=-1)
+        else:  # ERNIE: the bias picks the experts, the unbiased probabilities weigh them
+            _, chosen = paddle.topk(probs + statics.e_score_correction_bias, self.top_k, axis=-1)
+            weights = paddle.take_along_axis(probs, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        weights = weights.astype(x.dtype)
+        # (token, expert) pairs sorted by expert: each expert's rows are contiguous
+        pairs = chosen.reshape([-1])
+        order = paddle.argsort(pairs, stable=True)
+        counts: List[int] = [int(n) for n in paddle.bincount(pairs, minlength=self.num_experts).numpy()]
+        token = order // self.top_k
+        rows = paddle.gather(flat, token)
+        outs: List[paddle.Tensor] = []
+        start = 0
+        for e, n in enumerate(counts):
+            # an expert without tokens runs on zero rows too: its gradient is then zeros, not missing, so
+            # every rank reduces the same gradients under data parallel and the optimizer sees them all
+            outs.append(self.experts[e](rows[start : start + n]))
+            start += n
+        done = paddle.concat(outs) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        out = paddle.index_add(paddle.zeros_like(flat), token, 0, done)
+        if self.shared_experts is not None:
+            out = self.shared_experts(flat) + out
+        return out.reshape(shape)
+
+
+def load_balancing_loss(
+    router_logits: Sequence[paddle.Tensor],
+    num_experts: int,
+    top_k: int,
+    attention_mask: Optional[paddle.Tensor] = None,
+) -> paddle.Tensor:
+    """num_experts * sum_e(fraction of top-k assignments to e) * (mean router probability of e), over all
+    sparse layers' tokens together (fp32); tokens where ``attention_mask`` is 0 are left out."""
+    tokens: Any = 0.0
+    probs_sum: Any = 0.0
+    rows: Any = 0.0
+    mask = None
+    if attention_mask is not None:
+        mask = (attention_mask.reshape([-1, 1]) != 0).astype("float32")
+    for logits in router_logits:
+        probs = F.softmax(logits.astype("float32"), axis=-1)
+        _, chosen = paddle.topk(probs, top_k, axis=-1)
+        assigned = F.one_hot(chosen, num_experts).sum(axis=1)  # [tokens, experts], no gradient
+        if mask is None:
+            tokens = tokens + assigned.sum(axis=0)
+            probs_sum = probs_sum + probs.sum(axis=0)
+            rows = rows + float(probs.shape[0])
+        else:
+            tokens = tokens + (assigned * mask).sum(axis=0)
+            probs_sum = probs_sum + (probs * mask).sum(axis=0)
+            rows = rows + mask.sum()
+    return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)

@@ -67,12 +67,13 @@ def family_checkpoint(
     family: str = "llama",
     tokenizer: str = "sentencepiece",
     steps: int = 6,
-    tie: bool = False,
+    tie: Optional[bool] = None,
     vocab_pad: int = 0,
     **arch_updates: Any,
 ) -> Path:
     """Train a tiny ``family`` model for ``steps`` steps and save it as a run; returns the run dir.
-    ``vocab_pad`` extra embedding rows past the tokenizer's vocabulary."""
+    ``vocab_pad`` extra embedding rows past the tokenizer's vocabulary; ``tie`` None keeps the family's
+    default."""
     import paddle
 
     from bmtrain_cli.data.demo import demo_corpus, train_demo_tokenizer, write_demo_data
@@ -100,10 +101,9 @@ def family_checkpoint(
         head_dim=16,
         vocab_size=tok.vocab_size + vocab_pad,
         max_position_embeddings=128,
-        tie_word_embeddings=tie,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
-        **family_of(family).defaults,
+        **{**family_of(family).defaults, **({} if tie is None else {"tie_word_embeddings": tie})},
     )
     model = build(replace(arch, **arch_updates), kernels="reference")
     _train(model, encode_eval_file(train, tok, max_records=400), steps)

@@ -123,6 +123,135 @@ def test_llama3_rope_scaling_becomes_rope_freqs():
     assert f[0] == 1.0 and f[-1] == 8.0
 
 
+def test_phi3_keeps_fused_projections_partial_rotary_and_longrope(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    half = 3  # rotary dim 6 of head_dim 8 (partial_rotary_factor 0.75, as Phi-4-mini)
+    scaling = {
+        "rope_type": "longrope",
+        "long_factor": [1.0, 2.0, 4.0],
+        "short_factor": [1.0, 1.5, 2.0],
+        "original_max_position_embeddings": 32,
+    }
+    model = _tiny(
+        "phi3", partial_rotary_factor=0.75, rope_scaling=scaling, max_position_embeddings=128, vocab_size=512
+    )
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    np.testing.assert_array_equal(t["blk.0.attn_qkv.weight"], hf["model.layers.0.self_attn.qkv_proj.weight"])
+    np.testing.assert_array_equal(t["blk.1.ffn_up.weight"], hf["model.layers.1.mlp.gate_up_proj.weight"])
+    assert "blk.0.attn_q.weight" not in t and "blk.0.ffn_gate.weight" not in t
+    np.testing.assert_array_equal(t["rope_factors_long.weight"], [1.0, 2.0, 4.0])
+    np.testing.assert_array_equal(t["rope_factors_short.weight"], [1.0, 1.5, 2.0])
+    assert t["rope_factors_long.weight"].shape == (half,)
+    summary = write_gguf(model, sp_tokenizer, tmp_path / "g")
+    assert summary.tensor_types["rope_factors_long.weight"] == "f32"
+    r = gguf.GGUFReader(str(summary.path))
+    assert field_value(r, "phi3.rope.dimension_count") == 2 * half
+    assert field_value(r, "phi3.rope.scaling.original_context_length") == 32
+    # LongRoPE's attention factor for 128 / 32 positions: sqrt(1 + ln 4 / ln 32)
+    assert field_value(r, "phi3.rope.scaling.attn_factor") == pytest.approx(
+        (1 + np.log(4) / np.log(32)) ** 0.5
+    )
+
+
+def test_gemma3_norms_hold_one_plus_weight_and_the_window_is_recorded(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("gemma3_text", sliding_window=4, query_pre_attn_scalar=8, vocab_size=512)
+    for p in model.parameters():  # Gemma's norms start at 0: move them so that +1 is not all ones
+        if p.ndim == 1:
+            p.set_value(p + 0.25)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    for ours, theirs in [
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+        ("blk.1.post_ffw_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"),
+        ("blk.0.attn_q_norm.weight", "model.layers.0.self_attn.q_norm.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ]:
+        np.testing.assert_array_equal(t[ours], hf[theirs] + 1.0)
+    np.testing.assert_array_equal(t["blk.0.attn_q.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    assert "output.weight" not in t  # tied, as Gemma's
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "gemma3"
+    assert field_value(r, "gemma3.attention.sliding_window") == 4
+    assert field_value(r, "gemma3.attention.key_length") == 8
+
+
+def test_qwen3_moe_experts_are_stacked_per_layer(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=512)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    assert t["blk.1.ffn_gate_exps.weight"].shape == (4, 16, 32)
+    assert t["blk.1.ffn_down_exps.weight"].shape == (4, 32, 16)
+    for e in range(4):
+        for proj, name in [
+            ("gate_proj", "ffn_gate_exps"),
+            ("up_proj", "ffn_up_exps"),
+            ("down_proj", "ffn_down_exps"),
+        ]:
+            np.testing.assert_array_equal(
+                t[f"blk.1.{name}.weight"][e], hf[f"model.layers.1.mlp.experts.{e}.{proj}.weight"]
+            )
+    np.testing.assert_array_equal(t["blk.0.ffn_gate_inp.weight"], hf["model.layers.0.mlp.gate.weight"])
+    assert not any(".experts." in n for n in t)
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "qwen3moe"
+    assert field_value(r, "qwen3moe.expert_count") == 4
+    assert field_value(r, "qwen3moe.expert_used_count") == 2
+    assert field_value(r, "qwen3moe.expert_feed_forward_length") == 16
+
+
+@pytest.mark.parametrize(
+    "family, kw, needle",
+    [
+        ("gemma3_text", dict(layer_types=("full_attention", "sliding_attention")), "every 6th layer global"),
+        ("gemma3_text", dict(rope_local_theta=5000.0), "rope base 10000"),
+        ("gemma3_text", dict(query_pre_attn_scalar=64.0), "query_pre_attn_scalar"),
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, mlp_only_layers=(0,)), "every layer"),
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False), "norm_topk_prob"),
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "long_factor": [1.0] * 4,
+                    "short_factor": [1.0] * 4,
+                    "original_max_position_embeddings": 8,
+                }
+            ),
+            "longrope",
+        ),
+    ],
+)
+def test_what_llama_cpp_fixes_is_refused_when_the_model_differs(family, kw, needle):
+    from bmtrain_cli.export.gguf_export import check_exportable
+
+    with pytest.raises(UserError, match=needle):
+        check_exportable(replace(_tiny(family).arch, **kw))
+
+
+@pytest.mark.parametrize("family", ["ernie4_5", "glm4", "mixtral", "ernie4_5_moe"])
+def test_families_without_a_checked_gguf_layout_are_refused_by_name(family):
+    from bmtrain_cli.export.gguf_export import check_exportable
+
+    with pytest.raises(UserError, match=f"the {family} family has no llama.cpp architecture"):
+        check_exportable(_tiny(family).arch)
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(tmp_path_factory):
+    """The demo's sentencepiece tokenizer (360 pieces: the tiny models below have 512 rows)."""
+    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+
+    root = tmp_path_factory.mktemp("sp")
+    train, _ = write_demo_data(str(root / "data"))
+    return train_demo_tokenizer(str(root / "tok"), [train], vocab_size=64)
+
+
 @pytest.mark.parametrize(
     "kw, needle",
     [

@@ -21,14 +21,21 @@ Tensor names come from gguf's own map (``gguf.get_tensor_name_map``) applied to 
 - Gemma 3 stores its norms as ``1 + weight`` (llama.cpp's Gemma converters do; transformers' reader takes
   the 1 off again); llama.cpp fixes its layer pattern (every sixth layer global), the sliding layers'
   rope base (10000) and the score scale (head_dim^-1/2), so a model that differs is refused;
-- Qwen3-MoE's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` [experts, out, in]; llama.cpp
-  makes every layer sparse and renormalises the top-k weights, so dense layers or ``norm_topk_prob: false``
-  are refused.
+- Qwen3-MoE's and Mixtral's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` [experts, out,
+  in] (Mixtral is llama.cpp's ``llama`` with experts); llama.cpp's qwen3moe makes every layer sparse and
+  renormalises the top-k weights, so dense layers or ``norm_topk_prob: false`` are refused;
+- ERNIE 4.5 and GLM-4 rotate interleaved pairs as transformers holds them (no reordering; GLM-4's rotary
+  part is ``rope.dimension_count``); ERNIE 4.5 MoE adds shared experts (``ffn_*_shexp``), its selection bias
+  (``exp_probs_b.bias``) and leading dense layers, with experts in every later layer (other layouts refused);
+- llama.cpp's baichuan rotates q/k only in 32-layer models, so other layer counts are refused.
+
+Every family is checked by running the file in llama.cpp (tests/unit/export/test_gguf_llama_cpp.py).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,12 +57,19 @@ GGUF_ARCHS = {
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3moe",
+    "ernie4_5": "ernie4_5",
+    "glm4": "glm4",
+    "mixtral": "llama",
+    "ernie4_5_moe": "ernie4_5-moe",
 }
 # what llama.cpp's gemma3 assumes rather than reads
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
+_BAICHUAN_ROPE_LAYERS = 32  # llama.cpp's baichuan: 32 layers rotate q/k, any other count runs unrotated
 _INTERLEAVED_ROPE = ("llama", "baichuan")
 _BLOCK = 32  # values per q8_0/q4_0 block
+_SCORE_BIAS = ".moe_statics.e_score_correction_bias"
+_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(.+)$")
 
 
 def import_gguf() -> Any:
@@ -118,6 +132,18 @@ def _llama_cpp_assumptions(arch: Any) -> List[str]:
             )
         if not arch.norm_topk_prob:
             problems.append("llama.cpp's qwen3moe renormalises the top-k weights (norm_topk_prob: false)")
+    if arch.family == "ernie4_5_moe":
+        last = arch.num_hidden_layers - 1
+        if arch.decoder_sparse_step != 1 or arch.moe_layer_end not in (None, last):
+            problems.append(
+                "llama.cpp's ernie4_5-moe has experts in every layer from moe_layer_start_index on "
+                "(moe_layer_interval 1, moe_layer_end_index the last layer)"
+            )
+    if arch.family == "baichuan" and arch.num_hidden_layers != _BAICHUAN_ROPE_LAYERS:
+        problems.append(
+            f"llama.cpp's baichuan applies RoPE only to {_BAICHUAN_ROPE_LAYERS}-layer (7B) models, "
+            f"this one has {arch.num_hidden_layers} layers"
+        )
     return problems
 
 
@@ -143,17 +169,18 @@ def _split_w_pack(hf: Dict[str, np.ndarray], arch: Any) -> Dict[str, np.ndarray]
 
 
 def _stack_experts(hf: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Per-expert ``mlp.experts.E.P.weight`` -> one ``mlp.experts.P.weight`` [experts, out, in] per layer and
-    projection, in expert order (llama.cpp's ``ffn_*_exps``)."""
+    """Per-expert ``<moe>.experts.E.P.weight`` (Qwen3-MoE's ``mlp``, Mixtral's ``block_sparse_moe``) -> one
+    ``<moe>.experts.P.weight`` [experts, out, in] per layer and projection, in expert order (llama.cpp's
+    ``ffn_*_exps``)."""
     out: Dict[str, np.ndarray] = {}
     stacks: Dict[str, Dict[int, np.ndarray]] = {}
     for name, arr in hf.items():
-        head, sep, tail = name.partition(".mlp.experts.")
-        if not sep:
+        match = _EXPERT.match(name)
+        if match is None:
             out[name] = arr
             continue
-        expert, proj = tail.split(".", 1)
-        stacks.setdefault(f"{head}.mlp.experts.{proj}", {})[int(expert)] = arr
+        head, expert, proj = match.groups()
+        stacks.setdefault(f"{head}.experts.{proj}", {})[int(expert)] = arr
     for name, experts in stacks.items():
         out[name] = np.stack([experts[e] for e in sorted(experts)])
     return out
@@ -211,6 +238,8 @@ def gguf_tensors(model: Any) -> Dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(_arch_enum(gguf, name), arch.num_hidden_layers)
     out: Dict[str, np.ndarray] = {}
     for hf_name, arr in hf.items():
+        if hf_name.endswith(_SCORE_BIAS):  # ERNIE 4.5 MoE's [1, experts] selection bias: exp_probs_b.bias
+            hf_name, arr = hf_name[: -len("_bias")] + ".bias", arr.reshape(-1)
         new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise UserError(f"--format gguf: no llama.cpp tensor for {hf_name} ({name} architecture)")
@@ -303,6 +332,11 @@ def _add_hparams(w: Any, arch: Any, gguf: Any) -> None:
         w.add_expert_count(arch.num_experts)
         w.add_expert_used_count(arch.num_experts_per_tok)
         w.add_expert_feed_forward_length(arch.moe_intermediate_size)
+    if arch.family == "ernie4_5_moe":
+        w.add_interleave_moe_layer_step(arch.decoder_sparse_step)
+        w.add_leading_dense_block_count(arch.moe_layer_start)
+        w.add_expert_shared_count(arch.moe_shared_experts)
+        w.add_expert_shared_feed_forward_length(arch.moe_intermediate_size * arch.moe_shared_experts)
     scaling = arch.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":

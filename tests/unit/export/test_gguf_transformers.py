@@ -17,7 +17,7 @@ import pytest
 
 from tests.tiny import model_yaml
 from tests.unit.export.conftest import make_checkpoint
-from tests.unit.export.gguf_models import TEXTS, family_checkpoint
+from tests.unit.export.gguf_models import TEXTS, family_checkpoint, logits_with_file_weights
 
 pytestmark = pytest.mark.slow
 
@@ -85,31 +85,6 @@ train_config:
 )
 
 
-def _with_file_weights(run: Path, quantize: str) -> np.ndarray:
-    """Our logits when every matrix carries the rounding the GGUF stores: ``quantize`` along each weight's
-    input axis (f16 for rows that do not split into 32-value blocks), routers and 1-D tensors in fp32."""
-    import gguf
-
-    from bmtrain_cli.export.loading import load_for_inference
-
-    loaded = load_for_inference(str(run), kernels="reference")
-    model = next(v for v in vars(loaded).values() if hasattr(v, "named_parameters"))
-    for name, p in model.named_parameters():
-        if p.ndim < 2 or name.endswith("mlp.gate.weight"):
-            continue
-        w = p.numpy()
-        hf = w if "embed_tokens" in name else w.T  # Paddle's linear weights are [in, out]
-        if quantize == "q8_0" and hf.shape[-1] % 32 == 0:
-            qt = gguf.GGMLQuantizationType.Q8_0
-            r = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(hf), qt), qt).reshape(
-                hf.shape
-            )
-        else:
-            r = hf.astype(np.float16).astype(np.float32)
-        p.set_value((r if "embed_tokens" in name else r.T).astype(w.dtype))
-    return loaded.logits(IDS)
-
-
 def _reference_python():
     ref = os.environ.get("BMTRAIN_REF_PYTHON")
     return ref if ref and Path(ref).exists() else None
@@ -167,7 +142,7 @@ def exports(tmp_path_factory):
             if name == "demo":
                 spec = {"prompts": _demo_prompts(run), "max_new_tokens": MAX_NEW_TOKENS}
                 (d / "prompts.json").write_text(json.dumps(spec), encoding="utf-8")
-            out[(name, q)] = (d, logits, _with_file_weights(run, q))
+            out[(name, q)] = (d, logits, logits_with_file_weights(run, q, IDS))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="")
     r = subprocess.run(
         [py, str(REFERENCE), *[str(v[0]) for v in out.values()]],

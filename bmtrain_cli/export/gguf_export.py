@@ -88,7 +88,10 @@ def check_exportable(arch: Any) -> str:
     from bmtrain_cli.models.rope import rope_type
 
     if arch.family not in GGUF_ARCHS:
-        raise UserError(f"--format gguf: the {arch.family} family has no llama.cpp architecture")
+        raise UserError(
+            f"--format gguf: the {arch.family} family is not written to GGUF (written: "
+            f"{', '.join(GGUF_ARCHS)}); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
     if arch.position_embedding == "alibi":
         raise UserError(
             "--format gguf: ALiBi Baichuan (13B) is not exported (llama.cpp picks ALiBi from the layer "

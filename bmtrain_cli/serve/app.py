@@ -70,7 +70,8 @@ class Server:
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.engine.model_id})
+        stats = self.engine.scheduler.stats()
+        return JSONResponse({"status": "ok", "model": self.engine.model_id, "batching": stats})
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(CHAT_PAGE)

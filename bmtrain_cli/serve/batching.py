@@ -19,7 +19,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import paddle
@@ -81,9 +81,12 @@ class Batch:
             self.mask = np.pad(self.mask, ((0, 0), (grow, 0)))
         width += grow
         new = _left_padded(cache, width - n) if width > n else cache
-        for layer in range(self.num_layers):
-            self.cache.keys[layer] = paddle.concat([self.cache.keys[layer], new.keys[layer]], axis=0)
-            self.cache.values[layer] = paddle.concat([self.cache.values[layer], new.values[layer]], axis=0)
+        self.cache.keys = [
+            paddle.concat([a, b]) for a, b in zip(_tensors(self.cache.keys), _tensors(new.keys))
+        ]
+        self.cache.values = [
+            paddle.concat([a, b]) for a, b in zip(_tensors(self.cache.values), _tensors(new.values))
+        ]
         row = np.zeros((1, width), dtype=np.int64)
         row[0, width - n :] = 1
         self.mask = np.concatenate([self.mask, row], axis=0)
@@ -102,18 +105,26 @@ class Batch:
         lead = self.mask.shape[1] - max(j.length for j in self.jobs)
         if lead > 0:
             self.mask = self.mask[:, lead:]
-            self.cache.keys = [k[:, lead:] for k in self.cache.keys]
-            self.cache.values = [v[:, lead:] for v in self.cache.values]
+            self.cache.keys = [k[:, lead:] for k in _tensors(self.cache.keys)]
+            self.cache.values = [v[:, lead:] for v in _tensors(self.cache.values)]
+
+
+def _tensors(per_layer: List[Optional[paddle.Tensor]]) -> List[paddle.Tensor]:
+    """A prefilled cache's keys (or values) of every layer (none is missing once a prompt ran)."""
+    out = [t for t in per_layer if t is not None]
+    assert len(out) == len(per_layer)
+    return out
 
 
 def _left_padded(cache: KVCache, n: int) -> KVCache:
     """A copy of ``cache`` with ``n`` zero positions before every row's keys and values."""
+
+    def pad(t: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([paddle.zeros([t.shape[0], n, *t.shape[2:]], dtype=t.dtype), t], axis=1)
+
     out = KVCache(len(cache.keys))
-    for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        assert k is not None and v is not None  # a prefilled cache holds every layer
-        pad = paddle.zeros([k.shape[0], n, *k.shape[2:]], dtype=k.dtype)
-        out.keys[layer] = paddle.concat([pad, k], axis=1)
-        out.values[layer] = paddle.concat([pad, v], axis=1)
+    out.keys = [pad(k) for k in _tensors(cache.keys)]
+    out.values = [pad(v) for v in _tensors(cache.values)]
     return out
 
 
@@ -128,9 +139,17 @@ class Scheduler:
         self.batched = batchable(model)
         self.steps = 0  # decode steps run (each one forward over all active rows)
         self.widest = 0  # the most rows one decode step has held
+        self.tokens = 0  # tokens generated
+        self.cancelled = 0  # rows that ended with their client gone
+        self.active = 0  # rows in the batch now
         self._incoming: queue.Queue[Job] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
+
+    def stats(self) -> Dict[str, int]:
+        """The counters above, for /health."""
+        keys = ("max_batch", "active", "steps", "widest", "tokens", "cancelled")
+        return {k: int(getattr(self, k)) for k in keys}
 
     def submit(self, job: Job) -> Future[None]:
         with self._start_lock:
@@ -151,12 +170,15 @@ class Scheduler:
             first = None if batch else self._incoming.get()  # idle: sleep until a job comes
             try:
                 self._admit(batch, first)
+                self.active = len(batch)
                 if batch:
                     self._step(batch)
+                self.active = len(batch)
             except Exception as exc:  # fail the rows involved, keep serving the next ones
                 for job in batch.jobs:
                     _fail(job, exc)
                 batch.keep([])
+                self.active = 0
 
     def _admit(self, batch: Batch, job: Optional[Job]) -> None:
         """Prefill ``job`` and the jobs waiting (up to max_batch rows) and add them to the batch."""
@@ -179,6 +201,7 @@ class Scheduler:
     def _prefill(self, job: Job) -> Optional[KVCache]:
         """Run the prompt alone; None when the job is already over (cancelled, or its first token ends it)."""
         if job.cancelled():
+            self.cancelled += 1
             job.done.set_result(None)
             return None
         job.rng = np.random.default_rng(job.seed)
@@ -199,6 +222,7 @@ class Scheduler:
         live = [i for i, job in enumerate(batch.jobs) if not job.cancelled()]
         for i, job in enumerate(batch.jobs):
             if i not in live:
+                self.cancelled += 1
                 job.done.set_result(None)
         batch.keep(live)
         if not batch:
@@ -224,9 +248,11 @@ class Scheduler:
         """Sample the row's next token and hand it over; False (and the job done) when the row ends."""
         token = int(sample_next(logits, job.temperature, job.top_p, job.rng)[0])
         job.produced += 1
+        self.tokens += 1
         job.last = token
         stop = job.on_token(0, token) or token == self.eos_id or job.produced >= job.max_tokens
         if stop:
+            self.cancelled += int(job.cancelled())
             job.done.set_result(None)
         return not stop
 

@@ -15,6 +15,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 from bmtrain_cli.data.formats import BadRecord, parse_chat
 from bmtrain_cli.serve.batching import Job, Scheduler
 
+OnText = Optional[Callable[[str], None]]  # gets each streamed text delta
+Ask = Callable[[], bool]  # asked before every decode step: stop this reply?
+
+
+def _no() -> bool:
+    return False
+
 
 class RequestError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error body."""
@@ -171,11 +178,7 @@ class Engine:
             self.release()
 
     def start(
-        self,
-        ids: List[int],
-        sampling: Sampling,
-        on_text: Optional[Callable[[str], None]] = None,
-        cancelled: Callable[[], bool] = lambda: False,
+        self, ids: List[int], sampling: Sampling, on_text: OnText = None, cancelled: Ask = _no
     ) -> Future[Result]:
         """Queue one reply for the scheduler; the future's result once it is done. ``on_text`` gets the
         text deltas (on the scheduler's thread); ``cancelled`` is asked before every step."""
@@ -207,13 +210,7 @@ class Engine:
         self.scheduler.submit(job).add_done_callback(finish)
         return out
 
-    def run(
-        self,
-        ids: List[int],
-        sampling: Sampling,
-        on_text: Optional[Callable[[str], None]] = None,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Result:
+    def run(self, ids: List[int], sampling: Sampling, on_text: OnText = None, cancelled: Ask = _no) -> Result:
         """Generate one reply and wait for it. An interrupt (Ctrl-C in `bmtrain chat`) stops the reply
         at the next step, waits until the scheduler has let it go, and is raised again."""
         stop = threading.Event()

@@ -78,7 +78,10 @@ def register(app: typer.Typer) -> None:
         api_key: Optional[str] = typer.Option(None, "--api-key", "--api_key", help="Require 'Bearer KEY'."),
         max_tokens: int = typer.Option(512, "--max-tokens", "--max_tokens", min=1, help="Cap on max_tokens."),
         max_queue: int = typer.Option(
-            64, "--max-queue", "--max_queue", min=1, help="Requests waiting at most."
+            64, "--max-queue", "--max_queue", min=1, help="Requests running or waiting at most."
+        ),
+        max_batch: int = typer.Option(
+            32, "--max-batch", "--max_batch", min=1, help="Requests decoded together at most."
         ),
         template: str = typer.Option("auto", "--template", help="Chat template: auto or a built-in name."),
         tokenizer_path: Optional[Path] = tokenizer_path_option(),
@@ -90,6 +93,7 @@ def register(app: typer.Typer) -> None:
 
         engine = _load_engine(model_path, adapter, tokenizer_path, dtype, template)
         engine.max_queue = max_queue
+        engine.scheduler.max_batch = max_batch
         server = Server(engine, api_key=api_key, max_tokens=max_tokens)
         typer.echo(
             f"serving {engine.model_id} on http://{host}:{port} (chat page at /, API at /v1)", err=True

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API on Starlette: /v1/models, /v1/chat/completions, /v1/completions (both
 with ``stream: true`` as server-sent events ending with ``data: [DONE]``), /health and the chat page at /.
 
-Generations run on one worker thread, one at a time, in arrival order; a streaming client that
-disconnects cancels its generation at the next token."""
+Generations go to the engine's continuous-batching scheduler (serve/batching.py): concurrent requests,
+and the n choices of one request, are decoded together. A client that disconnects (streaming or not)
+cancels its generation at the next decode step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from bmtrain_cli.serve.page import CHAT_PAGE
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts are bounded by the model's context anyway
 OPEN_PATHS = ("/", "/health")
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks whether its client is still there
 
 
 def _error(exc: RequestError) -> JSONResponse:
@@ -51,7 +52,6 @@ class Server:
         self.engine = engine
         self.api_key = api_key
         self.max_tokens = max_tokens
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ plumbing
@@ -63,15 +63,15 @@ class Server:
     async def _generate(
         self, ids: List[int], s: Sampling, cancel: threading.Event, on_text: Any = None
     ) -> Result:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, lambda: self.engine.run(ids, s, on_text, cancel.is_set))
+        return await asyncio.wrap_future(self.engine.start(ids, s, on_text, cancel.is_set))
 
     def _usage(self, prompt: int, completion: int) -> Dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.engine.model_id})
+        stats = self.engine.scheduler.stats()
+        return JSONResponse({"status": "ok", "model": self.engine.model_id, "batching": stats})
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(CHAT_PAGE)
@@ -84,15 +84,15 @@ class Server:
         body = await _read_body(request)
         rq.check_model(body, self.engine)
         ids = self.engine.chat_ids(rq.messages(body))
-        return await self._complete(body, ids, chat=True)
+        return await self._complete(request, body, ids, chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await _read_body(request)
         rq.check_model(body, self.engine)
         ids = self.engine.text_ids(rq.prompt_text(body))
-        return await self._complete(body, ids, chat=False)
+        return await self._complete(request, body, ids, chat=False)
 
-    async def _complete(self, body: Dict[str, Any], ids: List[int], chat: bool) -> Response:
+    async def _complete(self, request: Request, body: Dict[str, Any], ids: List[int], chat: bool) -> Response:
         key = "max_completion_tokens" if chat else "max_tokens"
         sampling = rq.sampling(body, self.engine.room(ids), self.max_tokens, key)
         n, stream = rq.choices(body), rq.stream_flag(body)
@@ -103,11 +103,13 @@ class Server:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             self.engine.acquire()  # now, so that a full queue is a 503 before the stream's 200 goes out
             return _QueuedStream(self._events(rid, ids, sampling, chat, usage), self.engine.release)
-        results = []
+        cancel = threading.Event()
         with self.engine.admit():
-            for i in range(n):
-                s = Sampling(**{**sampling.__dict__, "seed": sampling.seed + i})
-                results.append(await self._generate(ids, s, threading.Event()))
+            runs = [
+                self._generate(ids, Sampling(**{**sampling.__dict__, "seed": sampling.seed + i}), cancel)
+                for i in range(n)
+            ]
+            results = await _unless_disconnected(request, asyncio.gather(*runs), cancel)
         return JSONResponse(self._full(rid, results, chat))
 
     def _full(self, rid: str, results: List[Result], chat: bool) -> Dict[str, Any]:
@@ -178,6 +180,25 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             cancel.set()  # the client went away (or we are done): stop generating
+
+
+async def _unless_disconnected(request: Request, work: Any, cancel: threading.Event) -> Any:
+    """The result of ``work``, cancelling its generations (``cancel``) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            cancel.set()  # the client left: the rows stop at the next step, the reply goes nowhere
+        return await task
+    finally:
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body has been read already)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 class _QueuedStream(StreamingResponse):

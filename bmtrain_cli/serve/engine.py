@@ -1,16 +1,26 @@
 """One loaded model behind the server and the terminal chat: messages or text to prompt ids (the model's
 chat template, as `bmtrain generate --chat`), request bounds against the context, and generation through
 ``models.generate`` (the KV-cached loop) with a token callback that turns ids into streamed text and
-applies stop strings. Generations run one at a time (a lock); ``acquire`` bounds how many may wait."""
+applies stop strings. Generations go to the continuous-batching scheduler (serve/batching.py), which
+decodes concurrent requests together; ``acquire`` bounds how many may run or wait."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from bmtrain_cli.data.formats import BadRecord, parse_chat
+from bmtrain_cli.serve.batching import Job, Scheduler
+
+OnText = Optional[Callable[[str], None]]  # gets each streamed text delta
+Ask = Callable[[], bool]  # asked before every decode step: stop this reply?
+
+
+def _no() -> bool:
+    return False
 
 
 class RequestError(Exception):
@@ -90,7 +100,13 @@ class TextStream:
 
 class Engine:
     def __init__(
-        self, model: Any, tokenizer: Any, model_id: str, template: str = "auto", max_queue: int = 64
+        self,
+        model: Any,
+        tokenizer: Any,
+        model_id: str,
+        template: str = "auto",
+        max_queue: int = 64,
+        max_batch: int = 32,
     ):
         from bmtrain_cli.data.encode import make_encoder
 
@@ -100,7 +116,7 @@ class Engine:
         self.encoder = make_encoder(tokenizer, template)
         self.context = int(model.arch.max_position_embeddings)
         self.max_queue = max_queue
-        self._lock = threading.Lock()
+        self.scheduler = Scheduler(model, tokenizer.eos_id, max_batch)
         self._count_lock = threading.Lock()
         self._pending = 0
 
@@ -161,14 +177,11 @@ class Engine:
         finally:
             self.release()
 
-    def run(
-        self,
-        ids: List[int],
-        sampling: Sampling,
-        on_text: Optional[Callable[[str], None]] = None,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Result:
-        """Generate one reply (waiting for the model if another generation holds it)."""
+    def start(
+        self, ids: List[int], sampling: Sampling, on_text: OnText = None, cancelled: Ask = _no
+    ) -> Future[Result]:
+        """Queue one reply for the scheduler; the future's result once it is done. ``on_text`` gets the
+        text deltas (on the scheduler's thread); ``cancelled`` is asked before every step."""
         stream = TextStream(self.tok, sampling.stop, on_text)
         eos = self.tok.eos_id
         state = {"eos": False, "n": 0}
@@ -180,20 +193,31 @@ class Engine:
                 return True
             return stream.push(token) or cancelled()
 
-        with self._lock:
-            if not cancelled():
-                self._generate(ids, sampling, on_token)
-        text = stream.finish()
-        done = state["eos"] or stream.stopped
-        return Result(text, len(ids), state["n"], "stop" if done else "length")
+        out: Future[Result] = Future()
 
-    def _generate(self, ids: List[int], s: Sampling, on_token: Callable[[int, int], bool]) -> None:
-        args = (s.max_tokens, s.temperature, s.top_p, self.tok.eos_id, s.seed)
-        if getattr(self.model, "predictor", None) is not None:  # a paddle-inference export
-            from bmtrain_cli.export.loading import generate_static
+        def finish(done: Future[None]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            text = stream.finish()
+            reason = "stop" if state["eos"] or stream.stopped else "length"
+            out.set_result(Result(text, len(ids), state["n"], reason))
 
-            generate_static(self.model, [ids], *args, on_token=on_token)
-        else:
-            from bmtrain_cli.models.generate import generate
+        job = Job(
+            ids, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed, on_token, cancelled
+        )
+        self.scheduler.submit(job).add_done_callback(finish)
+        return out
 
-            generate(self.model, [ids], *args, on_token=on_token)
+    def run(self, ids: List[int], sampling: Sampling, on_text: OnText = None, cancelled: Ask = _no) -> Result:
+        """Generate one reply and wait for it. An interrupt (Ctrl-C in `bmtrain chat`) stops the reply
+        at the next step, waits until the scheduler has let it go, and is raised again."""
+        stop = threading.Event()
+        future = self.start(ids, sampling, on_text, lambda: stop.is_set() or cancelled())
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            stop.set()
+            wait([future])
+            raise

@@ -43,7 +43,11 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "remove model_config.quantization",
         )
     if q.block_size is not None and q.method == "int8":
-        err(f"{key}.block_size", "int8 has one scale per output channel and no block size", "remove block_size")
+        err(
+            f"{key}.block_size",
+            "int8 has one scale per output channel and no block size",
+            "remove block_size",
+        )
     if q.double_quant and q.method != "nf4":
         err(f"{key}.double_quant", f"double_quant quantises nf4's absmax; {q.method} has none", "remove it")
     if q.compute_dtype is not None and q.compute_dtype != m.dtype:

@@ -153,6 +153,16 @@ def quantize_int4(w: np.ndarray, group: int = 64) -> Tuple[np.ndarray, np.ndarra
     return pack_nibbles(codes, pad=INT4_MAX + 1), scale
 
 
+def levels(method: str) -> np.ndarray:
+    """The value of each code (fp32 [16] at 4 bits, [256] at 8): nf4's levels; int4's ``code - 8``;
+    int8's code bytes read as signed."""
+    if method == "nf4":
+        return NF4_LEVELS
+    if method == "int4":
+        return np.arange(16, dtype=np.float32) - np.float32(INT4_MAX + 1)
+    return np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
+
+
 def quantize(w: np.ndarray, method: str, block_size: int = 64, double_quant: bool = False) -> QuantizedWeight:
     """``w [out, in]`` in ``method`` (nf4, int8, int4); see the module docstring."""
     w = np.asarray(w, dtype=np.float32)

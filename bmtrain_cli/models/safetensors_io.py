@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -200,3 +201,31 @@ def checkpoint_files(directory: Path) -> Iterator[SafetensorsFile]:
         raise UserError(f"{d}: no *.safetensors weights{hint}")
     for f in files:
         yield SafetensorsFile(f)
+
+
+class LazyTensors(MutableMapping):
+    """The tensors of a checkpoint's files by name, each read from its file when it is looked up (and not
+    kept): loading walks them one at a time, so the host holds one checkpoint tensor at a time beside the
+    model. Assigned entries (split or renamed tensors) are held as given."""
+
+    def __init__(self, files: Iterable[SafetensorsFile]) -> None:
+        self._where: Dict[str, Any] = {}
+        for f in files:
+            for name in f.names():
+                self._where[name] = f
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        where = self._where[name]
+        return where.get(name) if isinstance(where, SafetensorsFile) else where
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._where[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)

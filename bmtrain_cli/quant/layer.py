@@ -140,6 +140,26 @@ def quantize_model(model: nn.Layer, settings: Any, kernels: str = "auto") -> Lis
     return names
 
 
+class Quantizer:
+    """Quantises a model's linear layers as their weights arrive from a checkpoint (the ``take`` of
+    models/hf.py's load_hf_state_dict): the model was built under paddle.LazyGuard, so those layers'
+    full-precision weights are never allocated; each is read, quantised and dropped."""
+
+    def __init__(self, model: nn.Layer, settings: Any, kernels: str = "auto") -> None:
+        self.settings = settings
+        self.impl = impl_for(settings, kernels)
+        self.targets = {f"{name}.weight": place for name, place in quantizable(model, settings).items()}
+
+    def take(self, name: str, weight: np.ndarray) -> bool:
+        """Quantise ``weight`` ([in, out]) into its layer when ``name`` is a quantised layer's weight."""
+        place = self.targets.pop(name, None)
+        if place is None:
+            return False
+        parent, attr, layer = place
+        setattr(parent, attr, quantize_linear(layer, weight, self.settings, self.impl(int(weight.shape[0]))))
+        return True
+
+
 def quantized_layers(model: nn.Layer) -> List[Tuple[str, QuantLinear]]:
     """(name, layer) of every QuantLinear, also those a LoRA wrapper holds as its ``base_layer``."""
     out = []

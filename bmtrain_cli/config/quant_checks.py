@@ -50,6 +50,13 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
         )
     if q.double_quant and q.method != "nf4":
         err(f"{key}.double_quant", f"double_quant quantises nf4's absmax; {q.method} has none", "remove it")
+    if q.double_quant and not m.model_name_or_path:
+        err(
+            f"{key}.double_quant",
+            "a fresh model's base is saved dequantised (output_dir/base_model); re-quantising it on resume "
+            "reproduces nf4's codes but not double-quantised scales, so the resume would not be exact",
+            "use double_quant with a checkpoint (model_name_or_path), or set double_quant: false",
+        )
     if q.compute_dtype is not None and q.compute_dtype != m.dtype:
         err(
             f"{key}.compute_dtype",

@@ -18,7 +18,7 @@ bmtrain_cli/quant/formats.py): element e = r * k + c of w [n, k] is ``levels[cod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import paddle
 from paddle.autograd import PyLayer
@@ -147,13 +147,3 @@ def choose_impl(mode: str, device: str, bits: int, row_groups: bool, block: int,
     if not on_cpu and weight_only_supported(bits, row_groups, block, in_features):
         return "weight_only"
     return "reference"
-
-
-def describe(impl: str, method: Optional[str] = None) -> str:
-    """One line for the run's report: which implementation the quantised layers use."""
-    what = {
-        "custom": "our CPU kernels (tile-by-tile dequantisation)",
-        "reference": "dequantise, then matmul",
-        "weight_only": "Paddle's weight_only_linear",
-    }[impl]
-    return f"{method} layers: {what}" if method else what

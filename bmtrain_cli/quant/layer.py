@@ -173,3 +173,24 @@ def quantized_layers(model: nn.Layer) -> List[Tuple[str, QuantLinear]]:
 def quantized_bytes(model: nn.Layer) -> int:
     """Bytes of every quantised layer's codes and scales."""
     return sum(m.nbytes for _, m in quantized_layers(model))
+
+
+IMPL_NAMES = {
+    "custom": "our CPU kernels",
+    "reference": "dequantise-then-matmul",
+    "weight_only": "Paddle's weight_only_linear",
+}
+
+
+def summary(model: nn.Layer) -> str:
+    """'' without quantised layers, else one line: how many, which format and kernels, how many bytes."""
+    layers = [m for _, m in quantized_layers(model)]
+    if not layers:
+        return ""
+    methods = sorted({m.method for m in layers})
+    impls = sorted({IMPL_NAMES[m.impl] for m in layers})
+    mib = quantized_bytes(model) / 2**20
+    return (
+        f"quantised base: {len(layers)} linear layers in {'/'.join(methods)} ({', '.join(impls)}), "
+        f"{mib:.2f} MiB of codes and scales"
+    )

@@ -69,7 +69,6 @@ class SafetensorsFile:
                 f"{self.path}: truncated safetensors file (the header describes {needed} bytes of "
                 f"tensor data, the file holds {max(have, 0)}); copy or download it again"
             )
-        self._data: Optional[np.memmap] = None
 
     def _check_entry(self, name: str, info: Any) -> None:
         """A tensor's shape and dtype must fill its byte range exactly (else reading it fails to reshape)."""
@@ -104,16 +103,16 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset)
         start, end = info["data_offsets"]
-        raw = self._data[start:end]
+        # read, not memory-mapped: a mapped file's pages stay resident (and counted) after each tensor is
+        # copied out, so loading tensor by tensor would still peak at the file's size
+        raw = np.fromfile(self.path, dtype=np.uint8, count=end - start, offset=self._offset + start)
         code = info["dtype"]
         if code == "BF16":
             return bf16_bits_to_fp32(raw.view(np.uint16)).reshape(info["shape"])
         if code not in _NP_DTYPES:
             raise UserError(f"{self.path}: tensor {name} has unsupported dtype {code}")
-        return np.array(raw.view(_NP_DTYPES[code]).reshape(info["shape"]))
+        return raw.view(_NP_DTYPES[code]).reshape(info["shape"])
 
 
 def write_safetensors(

@@ -77,6 +77,20 @@ class QuantizedWeight:
         return sum(int(p.nbytes) for p in parts if p is not None) + (4 if self.scale_codes is not None else 0)
 
 
+def quantized_nbytes(
+    method: str, out_f: int, in_f: int, block_size: int = 64, double_quant: bool = False
+) -> int:
+    """Bytes of a quantised [out_f, in_f] weight (codes and scales), without quantising it (bmtrain plan)."""
+    n = out_f * in_f
+    if method == "int8":
+        return n + 4 * out_f
+    if method == "int4":
+        return -(-n // 2) + 4 * out_f * -(-in_f // block_size)
+    blocks = -(-n // block_size)
+    scales = blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 4 if double_quant else 4 * blocks
+    return -(-n // 2) + scales
+
+
 def _nearest(scaled: np.ndarray, levels: np.ndarray) -> np.ndarray:
     """Index of the nearest of the sorted ``levels`` (on a midpoint: the lower one)."""
     bounds = ((levels[:-1] + levels[1:]) / np.float32(2)).astype(np.float32)

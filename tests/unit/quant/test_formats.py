@@ -115,3 +115,13 @@ def test_nbytes_counts_codes_and_scales() -> None:
     assert formats.quantize(w, "nf4", 64).nbytes == 64 * 128 // 2 + 128 * 4
     assert formats.quantize(w, "nf4", 64, double_quant=True).nbytes == 64 * 128 // 2 + 128 + 4 + 4
     assert formats.quantize(w, "int8").nbytes == 64 * 128 + 64 * 4
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (7, 70), (3, 129), (300, 700)])
+@pytest.mark.parametrize(
+    "method,dq,block", [("nf4", False, 64), ("nf4", True, 64), ("int8", False, 0), ("int4", False, 32)]
+)
+def test_quantized_nbytes_predicts_the_quantised_size(shape, method, dq, block) -> None:
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    got = formats.quantize(w, method, block, dq).nbytes
+    assert formats.quantized_nbytes(method, shape[0], shape[1], block or shape[1], dq) == got

@@ -132,7 +132,7 @@ def _rename(name: str, renames: Tuple[Tuple[str, str], ...], to_hf: bool) -> str
     return name
 
 
-def _unfuse_experts(tensors: Dict[str, np.ndarray]) -> None:
+def _unfuse_experts(tensors: MutableMapping[str, np.ndarray]) -> None:
     """transformers 5.x's in-memory expert layout (``mlp.experts.gate_up_proj`` [E, 2I, H] and
     ``mlp.experts.down_proj`` [E, H, I]) as the per-expert tensors the hub's checkpoints hold."""
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:

@@ -5,7 +5,7 @@ weight is frozen: no gradient), in three implementations chosen by ``model_confi
   kernels/paddle/quant_op.cc), fp32 on a CPU. They dequantise the weight tile by tile into per-thread
   buffers, so the per-step path never holds the layer's whole dequantised weight.
 * ``reference``: :func:`dequantize` then a matmul, in Paddle ops (any device; it materialises the
-  dequantised weight of one layer for the matmul and, through autograd, for the backward).
+  dequantised weight of one layer for the matmul and again in the backward, one layer at a time).
 * ``weight_only``: on a GPU, Paddle's ``paddle.nn.quant.weight_only_linear`` for int8 and int4 (int4 with
   groups of 64 or 128): the dequantised weight is re-quantised once into Paddle's own layout
   (``weight_quantize``), which reproduces our grid (the same max-abs scales). No GPU Paddle runs where this
@@ -66,12 +66,12 @@ def dequantize(w: QuantWeight) -> paddle.Tensor:
 
 class _CustomQuantLinear(PyLayer):
     @staticmethod
-    def forward(ctx: Any, x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
         ctx.w = w
         return load_extension().bmt_quant_linear_fwd(x, w.codes, w.levels, w.scales, *w.attrs(w.out_features))
 
     @staticmethod
-    def backward(ctx: Any, dy: paddle.Tensor) -> paddle.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, dy: paddle.Tensor) -> paddle.Tensor:
         w = ctx.w
         return load_extension().bmt_quant_linear_bwd(
             contiguous(dy), w.codes, w.levels, w.scales, *w.attrs(w.in_features)
@@ -96,9 +96,25 @@ def custom_linear(x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
     return load_extension().bmt_quant_linear_fwd(x, w.codes, w.levels, w.scales, *w.attrs(w.out_features))
 
 
+class _ReferenceQuantLinear(PyLayer):
+    """Dequantise in the forward, multiply, drop the weight; dequantise again in the backward: one
+    layer's dequantised weight is alive at a time (autograd would keep every layer's until the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
+        ctx.w = w
+        return paddle.matmul(x, dequantize(w).astype(x.dtype), transpose_y=True)
+
+    @staticmethod
+    def backward(ctx: Any, dy: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(dy, dequantize(ctx.w).astype(dy.dtype))
+
+
 def reference_linear(x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
     """Dequantise, then matmul (the weight's tensors carry no gradient)."""
     _check(x, w)
+    if paddle.is_grad_enabled() and not x.stop_gradient:
+        return _ReferenceQuantLinear.apply(x, w)
     return paddle.matmul(x, dequantize(w).astype(x.dtype), transpose_y=True)
 
 
@@ -110,18 +126,18 @@ def weight_only_supported(bits: int, row_groups: bool, block: int, in_features: 
     return (bits == 8 and per_channel) or (bits == 4 and row_groups and block in (64, 128))
 
 
-def to_weight_only(w: QuantWeight, dtype: str) -> Tuple[paddle.Tensor, paddle.Tensor, str, int]:
+def to_weight_only(w: QuantWeight, dtype: Any) -> Tuple[paddle.Tensor, paddle.Tensor, Any, Any]:
     """(weight, scale, weight_dtype, group_size) in Paddle's weight-only layout, made once per layer."""
-    per_channel = w.block >= w.in_features
-    group = -1 if per_channel else w.block
-    kind = "int8" if w.bits == 8 else "int4"
+    group: Any = -1 if w.block >= w.in_features else w.block
+    kind: Any = "int8" if w.bits == 8 else "int4"
+    algo: Any = f"weight_only_{kind}"
     weight = dequantize(w).astype(dtype).t()  # [k, n], as weight_quantize expects
-    q, scale = paddle.nn.quant.weight_quantize(weight, algo=f"weight_only_{kind}", group_size=group)
+    q, scale = paddle.nn.quant.weight_quantize(weight, algo=algo, group_size=group)
     return q, scale, kind, group
 
 
 def weight_only_linear(
-    x: paddle.Tensor, packed: Tuple[paddle.Tensor, paddle.Tensor, str, int]
+    x: paddle.Tensor, packed: Tuple[paddle.Tensor, paddle.Tensor, Any, Any]
 ) -> paddle.Tensor:
     q, scale, kind, group = packed
     return paddle.nn.quant.weight_only_linear(x, q, weight_scale=scale, weight_dtype=kind, group_size=group)
@@ -129,21 +145,18 @@ def weight_only_linear(
 
 def choose_impl(mode: str, device: str, bits: int, row_groups: bool, block: int, in_features: int) -> str:
     """The implementation for ``model_config.kernels`` (auto, custom, paddle, reference) on ``device``.
-    ``custom`` refuses (KernelBuildError) where our kernels cannot run; ``auto`` takes ours on a CPU when
-    they build, Paddle's weight-only kernels on a GPU where they cover the format, else the reference."""
+    ``custom``: our CPU kernels (KernelBuildError where they cannot run). ``auto``: on a CPU the reference,
+    which multiplies with Paddle's (MKL) matmul and was measured faster per training step than our
+    kernels (benchmarks/bench_qlora.py) while holding one layer's dequantised weight at a time; on a GPU Paddle's
+    weight-only kernels where they cover the format, else the reference."""
     if mode == "reference":
         return "reference"
     on_cpu = device.startswith("cpu")
-    if mode == "custom" and not on_cpu:
-        raise KernelBuildError(f"the quantised linear kernels run on a CPU; the device is {device}")
-    if on_cpu and mode in ("custom", "auto"):
-        try:
-            load_extension()
-            return "custom"
-        except KernelBuildError:
-            if mode == "custom":
-                raise
-            return "reference"
+    if mode == "custom":
+        if not on_cpu:
+            raise KernelBuildError(f"the quantised linear kernels run on a CPU; the device is {device}")
+        load_extension()
+        return "custom"
     if not on_cpu and weight_only_supported(bits, row_groups, block, in_features):
         return "weight_only"
     return "reference"

@@ -44,6 +44,7 @@ class QuantLinear(nn.Layer):
         if q.scales is not None:
             self.register_buffer("scales", _buffer(q.scales.reshape(-1)), persistable=False)
         else:  # double quant: the absmax as 8-bit codes, their per-256 absmax and the mean taken off
+            assert q.scale_codes is not None and q.scale_absmax is not None
             self.register_buffer("scale_codes", _buffer(q.scale_codes), persistable=False)
             self.register_buffer("scale_levels", _buffer(formats.dynamic_map()), persistable=False)
             self.register_buffer("scale_absmax", _buffer(q.scale_absmax), persistable=False)
@@ -78,7 +79,8 @@ class QuantLinear(nn.Layer):
 
     def dequantized_weight(self) -> paddle.Tensor:
         """The weight [in, out] (Paddle's Linear layout) in the compute dtype."""
-        return qops.dequantize(self.quant_weight()).t().astype(self.compute_dtype)
+        dtype: Any = self.compute_dtype
+        return qops.dequantize(self.quant_weight()).t().astype(dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.impl == "custom":

@@ -319,10 +319,12 @@ def check_rms(be, lib, dtype: str, rows: int, cols: int, rng, timing: bool) -> D
     return out
 
 
-def check_swiglu(be, lib, dtype: str, n: int, rng, timing: bool) -> Dict[str, float]:
+def check_swiglu(be, lib, dtype: str, n: int, rng, timing: bool, offset: int = 0) -> Dict[str, float]:
+    """``offset`` > 0 starts gate/up/grad that many elements into their buffers (unaligned: the scalar path)."""
     code = {"float32": F32, "float16": F16, "bfloat16": BF16}[dtype]
-    g, u, d = (be.put(rng.standard_normal(n) * 4, dtype), be.put(rng.standard_normal(n), dtype),
-               be.put(rng.standard_normal(n), dtype))  # fmt: skip
+    g, u, d = (be.put(rng.standard_normal(n + offset) * 4, dtype)[offset:],
+               be.put(rng.standard_normal(n + offset), dtype)[offset:],
+               be.put(rng.standard_normal(n + offset), dtype)[offset:])  # fmt: skip
     out, dg, du = be.empty((n,), dtype), be.empty((n,), dtype), be.empty((n,), dtype)
     s = be.stream()
     fwd = lambda: lib.bmt_cuda_swiglu_fwd(code, be.ptr(g), be.ptr(u), be.ptr(out), n, s)  # noqa: E731
@@ -465,15 +467,20 @@ def main(argv: Optional[List[str]] = None) -> dict:
             cases = {
                 "rms_norm 1x1": (check_rms, (1, 1)),
                 "rms_norm 7x4097": (check_rms, (7, 4097)),
+                "rms_norm 3x4104": (check_rms, (3, 4104)),  # 16-byte loads, rows not a multiple of a block's
                 "rms_norm 8192x4096": (check_rms, (8192, 4096)),
                 "swiglu 33": (check_swiglu, (33,)),
+                "swiglu 4099": (check_swiglu, (4099,)),  # 16-byte loads and a scalar tail
+                "swiglu 4099 unaligned": (check_swiglu, (4099,), {"offset": 1}),
                 "swiglu 8192x11008": (check_swiglu, (8192 * 11008,)),
                 "rotary 1x1x1x1x2": (check_rotary, (1, 1, 1, 1, 2)),
+                "rotary 2x5x3x2x24": (check_rotary, (2, 5, 3, 2, 24)),  # half 12: fp32 loads 4, fp16 scalar
+                "rotary 2x3x2x1x16": (check_rotary, (2, 3, 2, 1, 16)),
                 "rotary 4x2048x32x8x128": (check_rotary, (4, 2048, 32, 8, 128)),
             }
-            for name, (fn, shape) in cases.items():
+            for name, (fn, shape, *kw) in cases.items():
                 timing = name.endswith("8192x4096") or name.endswith("x11008") or name.endswith("x128")
-                res = fn(be, lib, dtype, *shape, rng, timing)
+                res = fn(be, lib, dtype, *shape, rng, timing, **(kw[0] if kw else {}))
                 key = f"{name} {dtype}"
                 results[key] = res
                 errs = _errors(res)

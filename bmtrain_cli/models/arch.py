@@ -63,6 +63,11 @@ class ModelArch:
     moe_shared_experts: int = 0  # an always-on SwiGLU this many experts wide beside the routed ones (ERNIE)
     moe_score_bias: bool = False  # top-k picked on probs + e_score_correction_bias, weighted unbiased (ERNIE)
     moe_norm_min: float = 0.0  # the renormalisation divides by max(sum of top-k weights, this) (ERNIE)
+    # group-limited top-k (GLM-4.5, DeepSeek-V3's n_group/topk_group): experts in moe_groups equal groups,
+    # a group scored by the sum of its two best choice scores, the top-k taken in the best moe_topk_groups
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by this (GLM-4.5)
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
     router_aux_loss_coef: float = 0.001
     initializer_range: float = 0.02
@@ -170,6 +175,15 @@ ARCH_RULES: Tuple[ArchRule, ...] = (
             f"num_experts_per_tok ({a.num_experts_per_tok}) must be between 1 and num_experts ({a.num_experts})"
         ),
         {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+    ),
+    ArchRule(
+        "output_router_logits",
+        lambda a: a.output_router_logits and family(a.family).moe_scoring == "sigmoid",
+        lambda a: (
+            f"output_router_logits: the {a.family} family balances its experts with the score-correction "
+            "bias; transformers defines no auxiliary load-balancing loss for it"
+        ),
+        {"family": "glm4_moe", "num_experts": 4, "output_router_logits": True},
     ),
 )
 

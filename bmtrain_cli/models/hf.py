@@ -234,6 +234,7 @@ def load_pretrained(
 def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
     """The model's weights in Hugging Face layout and names (numpy, fp32 for half-precision params)."""
     out: Dict[str, np.ndarray] = {}
+    bias_row = family(model.arch.family).score_bias_row
     for name, param in model.state_dict().items():
         t = param.detach()
         if t.dtype in (paddle.bfloat16, paddle.float16):
@@ -241,7 +242,7 @@ def hf_state_dict(model: CausalLM) -> Dict[str, np.ndarray]:
         arr = t.numpy()
         if _is_matrix(name, arr.ndim):
             arr = np.ascontiguousarray(arr.T)
-        out[name] = arr.reshape(1, -1) if name.endswith(_VECTORS) else arr
+        out[name] = arr.reshape(1, -1) if bias_row and name.endswith(_VECTORS) else arr
     # parts kept apart under tensor parallel are written fused, as the family's checkpoints hold them
     for fused, (parts, _) in _fused_parts(model.arch).items():
         for name in [n for n in list(out) if n.rsplit(".", 1)[0].endswith(parts[0])]:

@@ -1,6 +1,9 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral): a router (``gate``) scores every token in fp32, the top-k
-experts (SwiGLU MLPs) process it and their outputs are summed with the routing weights. Dropless: every
-token reaches its k experts, no capacity limit.
+"""Mixture of experts (Qwen3-MoE, Mixtral, ERNIE 4.5 MoE, GLM-4.5): a router (``gate``) scores every token
+in fp32 (softmax over the experts, or a sigmoid per expert), the top-k experts (SwiGLU MLPs) process it and
+their outputs are summed with the routing weights. Dropless: every token reaches its k experts, no capacity
+limit. Optional per family: a score-correction bias that picks the experts but does not weigh them,
+group-limited top-k (the best groups by the sum of their two best scores), a routed scaling factor and
+always-on shared experts.
 
 Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids) and runs
 one matmul chain per expert over its contiguous rows, then adds the weighted rows back per token. This is
@@ -12,13 +15,14 @@ excluded through the attention mask as transformers does.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
 from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.models.families import family
 from bmtrain_cli.ops import OpSet
 
 
@@ -73,6 +77,9 @@ class SparseMoE(nn.Layer):
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.norm_min = arch.moe_norm_min
+        self.sigmoid = family(arch.family).moe_scoring == "sigmoid"
+        self.groups, self.topk_groups = arch.moe_groups, arch.moe_topk_groups
+        self.scaling = arch.routed_scaling_factor
         self.gate = Router(h, arch.num_experts, arch.moe_score_bias)
         self.experts = nn.LayerList([Expert(h, f, ops) for _ in range(arch.num_experts)])
         self.shared_experts = (
@@ -85,15 +92,7 @@ class SparseMoE(nn.Layer):
         flat = x.reshape([-1, shape[-1]])
         logits = self.gate(flat)
         self.router_logits = logits
-        probs = F.softmax(logits.astype("float32"), axis=-1)
-        statics = self.gate.moe_statics
-        if statics is None:
-            weights, chosen = paddle.topk(probs, self.top_k, axis=-1)
-        else:  # ERNIE: the bias picks the experts, the unbiased probabilities weigh them
-            _, chosen = paddle.topk(probs + statics.e_score_correction_bias, self.top_k, axis=-1)
-            weights = paddle.take_along_axis(probs, chosen, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        weights, chosen = self._route(logits.astype("float32"))
         weights = weights.astype(x.dtype)
         # (token, expert) pairs sorted by expert: each expert's rows are contiguous
         pairs = chosen.reshape([-1])
@@ -113,6 +112,28 @@ class SparseMoE(nn.Layer):
         if self.shared_experts is not None:
             out = self.shared_experts(flat) + out
         return out.reshape(shape)
+
+    def _route(self, logits: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """(weights, chosen experts) [tokens, top_k] from fp32 router logits."""
+        probs = F.sigmoid(logits) if self.sigmoid else F.softmax(logits, axis=-1)
+        statics = self.gate.moe_statics
+        # the bias picks the experts, the unbiased scores weigh them (ERNIE 4.5, GLM-4.5)
+        choice = probs if statics is None else probs + statics.e_score_correction_bias
+        if self.groups > 1:
+            tokens = choice.shape[0]
+            grouped = choice.reshape([tokens, self.groups, -1])
+            group_score = paddle.topk(grouped, 2, axis=-1)[0].sum(axis=-1)
+            _, best = paddle.topk(group_score, self.topk_groups, axis=-1)
+            keep = F.one_hot(best, self.groups).sum(axis=1).unsqueeze(-1)  # [tokens, groups, 1]
+            choice = paddle.where(keep > 0, grouped, paddle.full_like(grouped, float("-inf")))
+            choice = choice.reshape([tokens, -1])
+        _, chosen = paddle.topk(choice, self.top_k, axis=-1)
+        weights = paddle.take_along_axis(probs, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        return weights, chosen
 
 
 def load_balancing_loss(

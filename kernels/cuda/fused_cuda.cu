@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "bmt_kernels.h"
 
@@ -44,6 +45,24 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
 }
 
 constexpr int kThreads = 256;
+
+// 16 bytes of T: the widest load a thread issues (4 fp32 or 8 fp16/bf16 values). Kernels take the vector
+// path only when every pointer is 16-byte aligned and the row length (or, elementwise, the bulk) divides.
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
+  *reinterpret_cast<Vec<T>*>(p) = v;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -87,26 +106,41 @@ __device__ float block_max(float v) {
 }
 
 // ---------------------------------------------------------------- RMSNorm
-template <typename T>
+// VEC values per access: 1 (any shape) or Vec<T>::N (cols divisible, pointers aligned).
+template <typename T, int VEC>
 __global__ void rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                                float* __restrict__ rstd, int64_t cols, float eps) {
   const int64_t r = blockIdx.x;
   const T* xr = x + r * cols;
   T* yr = y + r * cols;
   float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = to_f(xr[c]);
-    ss += v * v;
+  for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    T xv[VEC];
+    if constexpr (VEC == 1) xv[0] = xr[c]; else *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ss += to_f(xv[i]) * to_f(xv[i]);
   }
   const float inv = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
   if (threadIdx.x == 0) rstd[r] = inv;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float normed = to_f(from_f<T>(to_f(xr[c]) * inv));  // rounded like the reference's cast
-    yr[c] = from_f<T>(normed * to_f(w[c]));
+  for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    T xv[VEC], wv[VEC], yv[VEC];
+    if constexpr (VEC == 1) {
+      xv[0] = xr[c];
+      wv[0] = w[c];
+    } else {
+      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
+      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float normed = to_f(from_f<T>(to_f(xv[i]) * inv));  // rounded like the reference's cast
+      yv[i] = from_f<T>(normed * to_f(wv[i]));
+    }
+    if constexpr (VEC == 1) yr[c] = yv[0]; else store_vec(yr + c, *reinterpret_cast<Vec<T>*>(yv));
   }
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void rms_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                   const float* __restrict__ rstd, T* __restrict__ dx, int64_t cols) {
   const int64_t r = blockIdx.x;
@@ -115,10 +149,36 @@ __global__ void rms_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict_
   T* dxr = dx + r * cols;
   const float inv = rstd[r];
   float dot = 0.f;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dot += to_f(dyr[c]) * to_f(w[c]) * to_f(xr[c]);
+  for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    T xv[VEC], wv[VEC], dv[VEC];
+    if constexpr (VEC == 1) {
+      xv[0] = xr[c];
+      wv[0] = w[c];
+      dv[0] = dyr[c];
+    } else {
+      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
+      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
+      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dyr + c);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dot += to_f(dv[i]) * to_f(wv[i]) * to_f(xv[i]);
+  }
   const float k = block_sum(dot) * inv * inv / static_cast<float>(cols);
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-    dxr[c] = from_f<T>(inv * (to_f(dyr[c]) * to_f(w[c]) - to_f(xr[c]) * k));
+  for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    T xv[VEC], wv[VEC], dv[VEC], ov[VEC];
+    if constexpr (VEC == 1) {
+      xv[0] = xr[c];
+      wv[0] = w[c];
+      dv[0] = dyr[c];
+    } else {
+      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
+      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
+      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dyr + c);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ov[i] = from_f<T>(inv * (to_f(dv[i]) * to_f(wv[i]) - to_f(xv[i]) * k));
+    if constexpr (VEC == 1) dxr[c] = ov[0]; else store_vec(dxr + c, *reinterpret_cast<Vec<T>*>(ov));
+  }
 }
 
 constexpr int kDwRows = 8;  // threadIdx.y extent of the dw partial-sum kernel
@@ -129,23 +189,39 @@ int64_t dw_splits(int64_t rows) {
   return s < 1 ? 1 : s;
 }
 
-template <typename T>
+// Each thread sums VEC consecutive columns over its rows, so a warp reads 32 * VEC contiguous values a row.
+template <typename T, int VEC>
 __global__ void rms_bwd_dw_partial(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ rstd,
                                    float* __restrict__ part, int64_t rows, int64_t cols) {
-  __shared__ float buf[kDwRows][33];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float acc = 0.f;
+  __shared__ float buf[kDwRows][32 * VEC + 1];
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  float acc[VEC] = {};
   if (c < cols) {
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * kDwRows + threadIdx.y; r < rows;
-         r += static_cast<int64_t>(gridDim.y) * kDwRows)
-      acc += to_f(dy[r * cols + c]) * to_f(x[r * cols + c]) * rstd[r];
+         r += static_cast<int64_t>(gridDim.y) * kDwRows) {
+      T dv[VEC], xv[VEC];
+      if constexpr (VEC == 1) {
+        dv[0] = dy[r * cols + c];
+        xv[0] = x[r * cols + c];
+      } else {
+        *reinterpret_cast<Vec<T>*>(dv) = load_vec(dy + r * cols + c);
+        *reinterpret_cast<Vec<T>*>(xv) = load_vec(x + r * cols + c);
+      }
+      const float inv = rstd[r];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += to_f(dv[i]) * to_f(xv[i]) * inv;
+    }
   }
-  buf[threadIdx.y][threadIdx.x] = acc;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) buf[threadIdx.y][threadIdx.x * VEC + i] = acc[i];
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
-    float s = 0.f;
-    for (int i = 0; i < kDwRows; ++i) s += buf[i][threadIdx.x];
-    part[static_cast<int64_t>(blockIdx.y) * cols + c] = s;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float sum = 0.f;
+      for (int k = 0; k < kDwRows; ++k) sum += buf[k][threadIdx.x * VEC + i];
+      part[static_cast<int64_t>(blockIdx.y) * cols + c + i] = sum;
+    }
   }
 }
 
@@ -159,7 +235,18 @@ __global__ void rms_bwd_dw_final(const float* __restrict__ part, T* __restrict__
 }
 
 // ---------------------------------------------------------------- rotary
-template <typename T>
+template <typename T, int VEC>
+__device__ __forceinline__ void load_n(const T* p, T* out) {
+  if constexpr (VEC == 1) out[0] = p[0]; else *reinterpret_cast<Vec<T>*>(out) = load_vec(p);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_n(T* p, const T* in) {
+  if constexpr (VEC == 1) p[0] = in[0]; else store_vec(p, *reinterpret_cast<const Vec<T>*>(in));
+}
+
+// Each thread rotates VEC consecutive pairs (j, j + half) of one head (VEC divides half).
+template <typename T, int VEC>
 __global__ void rotary_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ cos,
                               const T* __restrict__ sin, T* __restrict__ qo, T* __restrict__ ko, int64_t seq,
                               int64_t qh, int64_t kh, int64_t dim, int64_t cos_batch, int backward) {
@@ -169,9 +256,9 @@ __global__ void rotary_kernel(const T* __restrict__ q, const T* __restrict__ k, 
   const T* c = cos + crow;
   const T* s = sin + crow;
   const int64_t half = dim / 2;
-  const int64_t pairs = (qh + kh) * half;
-  for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
-    const int64_t h = i / half, j = i % half;
+  const int64_t groups = half / VEC;
+  for (int64_t i = threadIdx.x; i < (qh + kh) * groups; i += blockDim.x) {
+    const int64_t h = i / groups, j = (i % groups) * VEC;
     const T* a;
     T* o;
     if (h < qh) {
@@ -181,40 +268,94 @@ __global__ void rotary_kernel(const T* __restrict__ q, const T* __restrict__ k, 
       a = k + (t * kh + (h - qh)) * dim;
       o = ko + (t * kh + (h - qh)) * dim;
     }
-    const float lo = to_f(a[j]), hi = to_f(a[j + half]);
-    const float clo = to_f(c[j]), chi = to_f(c[j + half]), slo = to_f(s[j]), shi = to_f(s[j + half]);
-    if (!backward) {
-      o[j] = from_f<T>(lo * clo - hi * slo);
-      o[j + half] = from_f<T>(hi * chi + lo * shi);
-    } else {
-      o[j] = from_f<T>(lo * clo + hi * shi);
-      o[j + half] = from_f<T>(hi * chi - lo * slo);
+    T lo[VEC], hi[VEC], clo[VEC], chi[VEC], slo[VEC], shi[VEC], olo[VEC], ohi[VEC];
+    load_n<T, VEC>(a + j, lo);
+    load_n<T, VEC>(a + j + half, hi);
+    load_n<T, VEC>(c + j, clo);
+    load_n<T, VEC>(c + j + half, chi);
+    load_n<T, VEC>(s + j, slo);
+    load_n<T, VEC>(s + j + half, shi);
+#pragma unroll
+    for (int m = 0; m < VEC; ++m) {
+      const float l = to_f(lo[m]), r = to_f(hi[m]);
+      if (!backward) {
+        olo[m] = from_f<T>(l * to_f(clo[m]) - r * to_f(slo[m]));
+        ohi[m] = from_f<T>(r * to_f(chi[m]) + l * to_f(shi[m]));
+      } else {
+        olo[m] = from_f<T>(l * to_f(clo[m]) + r * to_f(shi[m]));
+        ohi[m] = from_f<T>(r * to_f(chi[m]) - l * to_f(slo[m]));
+      }
     }
+    store_n<T, VEC>(o + j, olo);
+    store_n<T, VEC>(o + j + half, ohi);
   }
 }
 
 // ---------------------------------------------------------------- SwiGLU
-template <typename T>
-__global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f(g[i]);
-    const float sg = 1.f / (1.f + __expf(-gv));
-    out[i] = from_f<T>(gv * sg * to_f(u[i]));
+// Elements [0, bulk) in VEC-wide accesses (bulk a multiple of VEC), then [bulk, n) one at a time.
+template <typename T, int VEC>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
+                                  int64_t bulk) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first * VEC; i < bulk; i += stride * VEC) {
+    T gv[VEC], uv[VEC], ov[VEC];
+    if constexpr (VEC == 1) {
+      gv[0] = g[i];
+      uv[0] = u[i];
+    } else {
+      *reinterpret_cast<Vec<T>*>(gv) = load_vec(g + i);
+      *reinterpret_cast<Vec<T>*>(uv) = load_vec(u + i);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float a = to_f(gv[k]);
+      ov[k] = from_f<T>(a * (1.f / (1.f + __expf(-a))) * to_f(uv[k]));
+    }
+    if constexpr (VEC == 1) out[i] = ov[0]; else store_vec(out + i, *reinterpret_cast<Vec<T>*>(ov));
+  }
+  for (int64_t i = bulk + first; i < n; i += stride) {
+    const float a = to_f(g[i]);
+    out[i] = from_f<T>(a * (1.f / (1.f + __expf(-a))) * to_f(u[i]));
   }
 }
 
 template <typename T>
+__device__ __forceinline__ void swiglu_grad(T g, T u, T d, T* dg, T* du) {
+  const float gv = to_f(g), uv = to_f(u), dv = to_f(d);
+  const float sg = 1.f / (1.f + __expf(-gv));
+  const float silu = gv * sg;
+  *du = from_f<T>(dv * silu);
+  *dg = from_f<T>(dv * uv * (sg + silu * (1.f - sg)));
+}
+
+template <typename T, int VEC>
 __global__ void swiglu_bwd_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dout,
-                                  T* __restrict__ dg, T* __restrict__ du, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f(g[i]), uv = to_f(u[i]), d = to_f(dout[i]);
-    const float sg = 1.f / (1.f + __expf(-gv));
-    const float silu = gv * sg;
-    du[i] = from_f<T>(d * silu);
-    dg[i] = from_f<T>(d * uv * (sg + silu * (1.f - sg)));
+                                  T* __restrict__ dg, T* __restrict__ du, int64_t n, int64_t bulk) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first * VEC; i < bulk; i += stride * VEC) {
+    T gv[VEC], uv[VEC], dv[VEC], dgv[VEC], duv[VEC];
+    if constexpr (VEC == 1) {
+      gv[0] = g[i];
+      uv[0] = u[i];
+      dv[0] = dout[i];
+    } else {
+      *reinterpret_cast<Vec<T>*>(gv) = load_vec(g + i);
+      *reinterpret_cast<Vec<T>*>(uv) = load_vec(u + i);
+      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dout + i);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) swiglu_grad(gv[k], uv[k], dv[k], &dgv[k], &duv[k]);
+    if constexpr (VEC == 1) {
+      dg[i] = dgv[0];
+      du[i] = duv[0];
+    } else {
+      store_vec(dg + i, *reinterpret_cast<Vec<T>*>(dgv));
+      store_vec(du + i, *reinterpret_cast<Vec<T>*>(duv));
+    }
   }
+  for (int64_t i = bulk + first; i < n; i += stride) swiglu_grad(g[i], u[i], dout[i], &dg[i], &du[i]);
 }
 
 // ---------------------------------------------------------------- softmax cross-entropy
@@ -256,10 +397,28 @@ void clear_error() { (void)cudaGetLastError(); }
 
 int status() { return cudaGetLastError() == cudaSuccess ? BMT_OK : BMT_ERR_CUDA; }
 
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* q : ptrs)
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
+  return true;
+}
+
 unsigned elem_blocks(int64_t n) {
   int64_t b = (n + kThreads - 1) / kThreads;
   if (b > 65535 * 16) b = 65535 * 16;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+template <typename T, int VEC>
+void rms_bwd_launch(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw, float* part, int64_t rows,
+                    int64_t cols, cudaStream_t st) {
+  const int64_t splits = dw_splits(rows);
+  const dim3 pgrid(static_cast<unsigned>((cols + 32 * VEC - 1) / (32 * VEC)), static_cast<unsigned>(splits));
+  const dim3 pblock(32, kDwRows);
+  const unsigned fgrid = static_cast<unsigned>((cols + kThreads - 1) / kThreads);
+  if (rows > 0) rms_bwd_dx_kernel<T, VEC><<<static_cast<unsigned>(rows), kThreads, 0, st>>>(dy, x, w, rstd, dx, cols);
+  rms_bwd_dw_partial<T, VEC><<<pgrid, pblock, 0, st>>>(dy, x, rstd, part, rows, cols);
+  rms_bwd_dw_final<T><<<fgrid, kThreads, 0, st>>>(part, dw, splits, cols);
 }
 
 }  // namespace
@@ -293,8 +452,12 @@ int bmt_cuda_rms_norm_fwd(int dtype, const void* x, const void* w, void* y, floa
   if (rows < 0 || cols <= 0) return BMT_ERR_SHAPE;
   if (rows == 0) return BMT_OK;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  BMT_DISPATCH(dtype, rms_fwd_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, st>>>(
-                          static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, cols, eps));
+  const unsigned grid = static_cast<unsigned>(rows);
+  BMT_DISPATCH(
+      dtype, constexpr int N = Vec<T>::N; const T* xt = static_cast<const T*>(x);
+      const T* wt = static_cast<const T*>(w); T* yt = static_cast<T*>(y);
+      if (cols % N == 0 && aligned16({x, w, y})) rms_fwd_kernel<T, N><<<grid, kThreads, 0, st>>>(xt, wt, yt, rstd, cols, eps);
+      else rms_fwd_kernel<T, 1><<<grid, kThreads, 0, st>>>(xt, wt, yt, rstd, cols, eps));
   return status();
 }
 
@@ -306,19 +469,14 @@ int bmt_cuda_rms_norm_bwd(int dtype, const void* dy, const void* x, const void* 
                           void* dw, void* workspace, int64_t rows, int64_t cols, void* stream) {
   if (rows < 0 || cols <= 0) return BMT_ERR_SHAPE;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const int64_t splits = dw_splits(rows);
   float* part = static_cast<float*>(workspace);
-  const dim3 pgrid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(splits));
-  const dim3 pblock(32, kDwRows);
-  const unsigned fgrid = static_cast<unsigned>((cols + kThreads - 1) / kThreads);
   BMT_DISPATCH(
-      dtype,
-      if (rows > 0) rms_bwd_dx_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, st>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, static_cast<T*>(dx),
-          cols);
-      rms_bwd_dw_partial<T><<<pgrid, pblock, 0, st>>>(static_cast<const T*>(dy), static_cast<const T*>(x), rstd,
-                                                      part, rows, cols);
-      rms_bwd_dw_final<T><<<fgrid, kThreads, 0, st>>>(part, static_cast<T*>(dw), splits, cols));
+      dtype, constexpr int N = Vec<T>::N; const T* dyt = static_cast<const T*>(dy);
+      const T* xt = static_cast<const T*>(x); const T* wt = static_cast<const T*>(w); T* dxt = static_cast<T*>(dx);
+      T* dwt = static_cast<T*>(dw);
+      if (cols % N == 0 && aligned16({dy, x, w, dx}))
+          rms_bwd_launch<T, N>(dyt, xt, wt, rstd, dxt, dwt, part, rows, cols, st);
+      else rms_bwd_launch<T, 1>(dyt, xt, wt, rstd, dxt, dwt, part, rows, cols, st));
   return status();
 }
 
@@ -329,18 +487,26 @@ int bmt_cuda_rotary(int dtype, const void* q, const void* k, const void* cos, co
   const int64_t tokens = batch * seq;
   if (tokens == 0) return BMT_OK;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  BMT_DISPATCH(dtype, rotary_kernel<T><<<static_cast<unsigned>(tokens), 128, 0, st>>>(
-                          static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(cos),
-                          static_cast<const T*>(sin), static_cast<T*>(q_out), static_cast<T*>(k_out), seq, q_heads,
-                          k_heads, dim, cos_batch, backward));
+  const unsigned grid = static_cast<unsigned>(tokens);
+  BMT_DISPATCH(
+      dtype, constexpr int N = Vec<T>::N; const T* qt = static_cast<const T*>(q);
+      const T* kt = static_cast<const T*>(k); const T* ct = static_cast<const T*>(cos);
+      const T* stt = static_cast<const T*>(sin); T* qot = static_cast<T*>(q_out); T* kot = static_cast<T*>(k_out);
+      if ((dim / 2) % N == 0 && aligned16({q, k, cos, sin, q_out, k_out}))
+          rotary_kernel<T, N><<<grid, 128, 0, st>>>(qt, kt, ct, stt, qot, kot, seq, q_heads, k_heads, dim, cos_batch, backward);
+      else rotary_kernel<T, 1><<<grid, 128, 0, st>>>(qt, kt, ct, stt, qot, kot, seq, q_heads, k_heads, dim, cos_batch,
+                                                     backward));
   return status();
 }
 
 int bmt_cuda_swiglu_fwd(int dtype, const void* gate, const void* up, void* out, int64_t n, void* stream) {
   if (n == 0) return BMT_OK;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  BMT_DISPATCH(dtype, swiglu_fwd_kernel<T><<<elem_blocks(n), kThreads, 0, st>>>(
-                          static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(out), n));
+  BMT_DISPATCH(
+      dtype, constexpr int N = Vec<T>::N; const T* g = static_cast<const T*>(gate);
+      const T* u = static_cast<const T*>(up); T* o = static_cast<T*>(out);
+      if (aligned16({gate, up, out})) swiglu_fwd_kernel<T, N><<<elem_blocks(n / N + 1), kThreads, 0, st>>>(g, u, o, n, n / N * N);
+      else swiglu_fwd_kernel<T, 1><<<elem_blocks(n), kThreads, 0, st>>>(g, u, o, n, n));
   return status();
 }
 
@@ -348,9 +514,13 @@ int bmt_cuda_swiglu_bwd(int dtype, const void* gate, const void* up, const void*
                         int64_t n, void* stream) {
   if (n == 0) return BMT_OK;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  BMT_DISPATCH(dtype, swiglu_bwd_kernel<T><<<elem_blocks(n), kThreads, 0, st>>>(
-                          static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<const T*>(dout),
-                          static_cast<T*>(dgate), static_cast<T*>(dup), n));
+  BMT_DISPATCH(
+      dtype, constexpr int N = Vec<T>::N; const T* g = static_cast<const T*>(gate);
+      const T* u = static_cast<const T*>(up); const T* d = static_cast<const T*>(dout); T* dg = static_cast<T*>(dgate);
+      T* du = static_cast<T*>(dup);
+      if (aligned16({gate, up, dout, dgate, dup}))
+          swiglu_bwd_kernel<T, N><<<elem_blocks(n / N + 1), kThreads, 0, st>>>(g, u, d, dg, du, n, n / N * N);
+      else swiglu_bwd_kernel<T, 1><<<elem_blocks(n), kThreads, 0, st>>>(g, u, d, dg, du, n, n));
   return status();
 }
 

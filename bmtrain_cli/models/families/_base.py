@@ -47,6 +47,10 @@ class Family:
     # writing (Mixtral's block_sparse_moe / w1 w2 w3)
     hf_renames: Tuple[Tuple[str, str], ...] = ()
     moe: bool = False  # its checkpoints may have a mixture of experts (num_experts > 0)
+    # how the router scores experts: "softmax" over them, or "sigmoid" each (GLM-4.5, DeepSeek-V3: the
+    # top-k weights are the sigmoid scores, renormalised with norm_topk_prob)
+    moe_scoring: str = "softmax"
+    score_bias_row: bool = False  # its checkpoints hold e_score_correction_bias as [1, experts] (ERNIE)
 
     def default(self, key: str, fallback: Any) -> Any:
         return self.defaults.get(key, fallback)

@@ -87,4 +87,5 @@ FAMILY = Family(
     free_head_dim=True,
     # the hub's name of the score bias; transformers 5.x keeps it inside the router
     hf_renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
+    score_bias_row=True,
 )

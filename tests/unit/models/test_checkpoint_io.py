@@ -183,6 +183,16 @@ def _reference_python():
         _fresh("qwen3_moe", num_experts=4, moe_intermediate_size=24, mlp_only_layers=(0,), head_dim=32),
         _fresh("mixtral", num_experts=4, moe_intermediate_size=24, sliding_window=4),
         _fresh("ernie4_5_moe", num_experts=4, moe_intermediate_size=24, head_dim=32),
+        _fresh(
+            "glm4_moe",
+            num_experts=8,
+            moe_intermediate_size=24,
+            head_dim=32,
+            qk_norm=True,
+            moe_groups=4,
+            moe_topk_groups=2,
+            routed_scaling_factor=2.5,
+        ),
     ],
     ids=[
         "llama",
@@ -197,6 +207,7 @@ def _reference_python():
         "qwen3_moe",
         "mixtral",
         "ernie4_5_moe",
+        "glm4_moe",
     ],
 )
 def test_transformers_loads_our_checkpoint(arch, tmp_path):

@@ -36,6 +36,7 @@ def test_fixtures_present():
         "qwen3_moe",
         "mixtral",
         "ernie4_5_moe",
+        "glm4_moe",
     } <= set(NAMES)
 
 

@@ -1,4 +1,5 @@
-"""Mixture of experts (models/moe.py; families qwen3_moe and mixtral): the auxiliary load-balancing loss
+"""Mixture of experts (models/moe.py; families qwen3_moe, mixtral, ernie4_5_moe, glm4_moe): the auxiliary
+load-balancing loss
 against transformers' (fixtures from tests/fixtures/hf/make_fixtures.py), the checkpoint names of the hub
 and of transformers 5.x, a fresh model's training step, and what is refused."""
 
@@ -28,7 +29,9 @@ from bmtrain_cli.models.moe import SparseMoE
 from bmtrain_cli.models.safetensors_io import checkpoint_files
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
-MOE = ("qwen3_moe", "mixtral", "ernie4_5_moe")
+MOE = ("qwen3_moe", "mixtral", "ernie4_5_moe")  # the families transformers gives an auxiliary loss
+ALL_MOE = (*MOE, "glm4_moe")
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}
 
 
 def _ref(name: str) -> dict:
@@ -62,7 +65,7 @@ def test_loss_with_aux_matches_transformers(name, tmp_path):
     assert float(ref["loss_aux"]) != pytest.approx(float(ref["loss"]), abs=1e-3)  # the aux term shows
 
 
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", ALL_MOE)
 def test_transformers_5_fused_expert_layout_loads(name):
     """transformers 5.x keeps the experts stacked in memory (mlp.experts.gate_up_proj [E, 2I, H],
     mlp.experts.down_proj [E, H, I], Mixtral's block_sparse_moe renamed mlp): read as the same model."""
@@ -91,15 +94,16 @@ def test_transformers_5_fused_expert_layout_loads(name):
     np.testing.assert_array_equal(model(ids).numpy(), hub(ids).numpy())
 
 
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", ALL_MOE)
 def test_save_pretrained_round_trip_keeps_the_hub_names(name, tmp_path):
     model = load_pretrained(FIXTURES / name)
     save_pretrained(model, tmp_path)
     assert set(_tensors(tmp_path)) == set(_tensors(FIXTURES / name))
     theirs = json.loads((FIXTURES / name / "config.json").read_text())
     ours = json.loads((tmp_path / "config.json").read_text())
-    experts_key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(name, "moe_num_experts")
-    assert ours[experts_key] == 4 and ours["moe_k" if name == "ernie4_5_moe" else "num_experts_per_tok"] == 2
+    experts = 8 if name == "glm4_moe" else 4
+    assert ours[EXPERTS_KEY.get(name, "moe_num_experts")] == experts
+    assert ours["moe_k" if name == "ernie4_5_moe" else "num_experts_per_tok"] == 2
     assert arch_from_hf_dict(ours) == replace(arch_from_hf_dict(theirs), extra=arch_from_hf_dict(ours).extra)
     again = load_pretrained(tmp_path)
     ids = paddle.to_tensor(_ref(name)["input_ids"])
@@ -291,3 +295,53 @@ def _fresh_arch():
             family="qwen3_moe", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
         )
     )
+
+
+def _route_reference(logits, bias, groups, topk_groups, top_k, scale):
+    """GLM-4.5 / DeepSeek-V3 routing in numpy, token by token: sigmoid scores, groups ranked by the sum of
+    their two best biased scores, the top-k among the best groups' experts, weighted by the unbiased scores
+    renormalised and scaled."""
+    scores = 1 / (1 + np.exp(-logits))
+    weights, chosen = [], []
+    for row in scores:
+        biased = (row + bias).reshape(groups, -1)
+        best = np.argsort(-np.sort(biased, axis=1)[:, -2:].sum(axis=1))[:topk_groups]
+        allowed = np.concatenate([g * biased.shape[1] + np.arange(biased.shape[1]) for g in best])
+        pick = allowed[np.argsort(-(row + bias)[allowed])[:top_k]]
+        w = row[pick] / row[pick].sum() * scale
+        order = np.argsort(pick)
+        chosen.append(pick[order])
+        weights.append(w[order])
+    return np.array(weights), np.array(chosen)
+
+
+def test_sigmoid_group_limited_routing_equals_a_reference():
+    """glm4_moe's router on random logits: the chosen experts and weights equal an independent numpy
+    reading of transformers' rule, and the groups and the bias change the choice for some tokens (so both
+    are exercised)."""
+    model = load_pretrained(FIXTURES / "glm4_moe")
+    moe = model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and moe.groups == 4 and moe.topk_groups == 2 and moe.scaling == 2.5
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (64, 8)).astype("float32")
+    bias = moe.gate.moe_statics.e_score_correction_bias.numpy()
+    assert np.abs(bias).max() > 0
+    weights, chosen = moe._route(paddle.to_tensor(logits))
+    order = np.argsort(chosen.numpy(), axis=1)
+    got_chosen = np.take_along_axis(chosen.numpy(), order, axis=1)
+    got_weights = np.take_along_axis(weights.numpy(), order, axis=1)
+    want_weights, want_chosen = _route_reference(logits, bias, 4, 2, 2, 2.5)
+    np.testing.assert_array_equal(got_chosen, want_chosen)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5)
+    plain = np.sort(np.argsort(-logits, axis=1)[:, :2], axis=1)  # no groups, no bias
+    ungrouped = _route_reference(logits, bias, 1, 1, 2, 2.5)[1]
+    assert (ungrouped != want_chosen).any(axis=1).sum() > 0
+    assert (plain != want_chosen).any(axis=1).sum() > 0
+
+
+def test_glm4_moe_refuses_groups_that_cannot_hold_the_top_k():
+    cfg = json.loads((FIXTURES / "glm4_moe" / "config.json").read_text())
+    with pytest.raises(UserError, match="topk_group"):
+        arch_from_hf_dict({**cfg, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3})
+    with pytest.raises(UserError, match="equal groups"):
+        arch_from_hf_dict({**cfg, "n_group": 3})

@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.moe_checks import check_moe
 from bmtrain_cli.config.preference_checks import check_preference
+from bmtrain_cli.config.quant_checks import check_quantization
 from bmtrain_cli.config.recipe_checks import check_recipe
 from bmtrain_cli.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from bmtrain_cli.errors import Problem, UserError
@@ -420,6 +421,7 @@ def check_config(  # noqa: C901
                     )
 
     check_moe(config, arch, err)
+    check_quantization(config, arch, err)
     check_preference(config, err, warn)
     check_recipe(config, err)
 

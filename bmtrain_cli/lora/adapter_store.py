@@ -33,6 +33,8 @@ from bmtrain_cli.lora.merge import (
     strip_lora,
 )
 from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.quant.layer import quantized_layers
+from bmtrain_cli.quant.layer import summary as quant_summary
 
 BASE_FILE = "lora_base.json"
 FRESH_BASE_DIR = "base_model"
@@ -261,11 +263,13 @@ class LoRARun:
 
         n = trainable_count(model)
         s = self.settings
-        return (
+        line = (
             f"LoRA rank {s.rank} (alpha {s.alpha:g}, dropout {s.dropout:g}) on {len(self.wrapped)} layers "
             f"({', '.join(s.target_modules)}): {n:,} trainable parameters "
             f"({100 * n / (total_parameters + n):.2f}% of {total_parameters + n:,})"
         )
+        quantised = quant_summary(model)
+        return f"{line}; {quantised}" if quantised else line
 
 
 def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str, np.ndarray]:
@@ -276,6 +280,9 @@ def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str,
         full = ctx.full_state_dict(model)
     else:
         full = {n: p.numpy() for n, p in unwrap(model).state_dict().items()}
+        # a quantised base's layers hold codes, not weights: the weights they stand for (QLoRA)
+        for name, layer in quantized_layers(unwrap(model)):
+            full[f"{name}.weight"] = layer.dequantized_weight().numpy()
     return {k: v for k, v in full.items() if not is_lora_name(k)}
 
 

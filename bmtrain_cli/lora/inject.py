@@ -18,6 +18,7 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, lora_expert_targets
+from bmtrain_cli.quant.layer import QuantLinear
 
 PROJECTIONS = LORA_PROJECTIONS
 ALL_LINEAR = "all-linear"
@@ -54,7 +55,10 @@ def _decoder_projections(model: nn.Layer) -> List[Tuple[str, nn.Layer, str, nn.L
             continue
         for attr in PROJECTIONS:
             child = layer._sub_layers.get(attr)
-            if child is not None and len(getattr(getattr(child, "weight", None), "shape", [])) == 2:
+            if child is not None and (
+                isinstance(child, QuantLinear)
+                or len(getattr(getattr(child, "weight", None), "shape", [])) == 2
+            ):
                 found.append((f"{name}.{attr}" if name else attr, layer, attr, child))
     return found
 

@@ -3,6 +3,9 @@
 ``y = base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r``. A is [in, r] and B is [r, out]
 (Paddle's [in, out] layout); B starts at zero, so the wrapped model's output at step 0 is the base model's.
 
+The base may be a quantised layer (bmtrain_cli/quant/layer.py, QLoRA): it has no weight parameter, only
+its codes, and cannot be merged into; the adapters are the same.
+
 The base layer's parameters are registered on the wrapper under their own names (``weight``, ``bias``),
 so the wrapped model keeps the Hugging Face parameter names (``...q_proj.weight``) and the adapters add
 ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight`` (PEFT's names). The base layer itself is kept
@@ -28,6 +31,9 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import paddle
 from paddle import nn
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.quant.layer import QuantLinear
 
 LORA_ATTR = "is_lora"  # set on every adapter parameter
 
@@ -59,16 +65,22 @@ class LoRALinear(nn.Layer):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
-        weight = base.weight
-        if len(weight.shape) != 2:
+        # a quantised base (bmtrain_cli/quant/layer.py) holds codes, not a weight parameter
+        weight = None if isinstance(base, QuantLinear) else base.weight
+        if weight is not None and len(weight.shape) != 2:
             raise ValueError("LoRA wraps linear layers with a 2-D weight")
         kind, world, tp_rank, group = tensor_parallel_kind(base)
-        in_local, out_local = int(weight.shape[0]), int(weight.shape[1])
+        if weight is None:
+            in_local, out_local, dtype = base.in_features, base.out_features, base.compute_dtype
+        else:
+            in_local, out_local = int(weight.shape[0]), int(weight.shape[1])
+            dtype = str(weight.dtype).replace("paddle.", "")
         self.tp_kind, self.tp_world, self.tp_rank = kind, world, tp_rank
         object.__setattr__(self, "_group", group)
         # Not a sublayer: its parameters are registered below under the wrapper's own names.
         object.__setattr__(self, "base_layer", base)
-        self.weight = weight
+        if weight is not None:
+            self.weight = weight
         bias = getattr(base, "bias", None)
         if bias is not None:
             self.bias = bias
@@ -86,9 +98,9 @@ class LoRALinear(nn.Layer):
         b_out = out_local if kind == "column" else self.out_features
         self.lora_A = nn.Linear(a_in, self.r, bias_attr=False)
         self.lora_B = nn.Linear(self.r, b_out, bias_attr=False)
-        if self.lora_A.weight.dtype != weight.dtype:
-            self.lora_A.to(dtype=weight.dtype)
-            self.lora_B.to(dtype=weight.dtype)
+        if str(self.lora_A.weight.dtype).replace("paddle.", "") != dtype:
+            self.lora_A.to(dtype=dtype)
+            self.lora_B.to(dtype=dtype)
         self.reset_lora_parameters()
         if kind == "row":
             self.lora_A.weight.is_distributed = True
@@ -149,10 +161,18 @@ class LoRALinear(nn.Layer):
         """Fold the adapter into the base weight (idempotent); forward then skips the adapter."""
         if self.merged:
             return
+        self._refuse_quantised("merge")
         with paddle.no_grad():
             w = self.weight
             w.set_value((w.astype("float32") + self.delta_weight()).astype(w.dtype))
         self.merged = True
+
+    def _refuse_quantised(self, what: str) -> None:
+        if isinstance(self.base_layer, QuantLinear):
+            raise UserError(
+                f"LoRA: cannot {what} adapters into a quantised ({self.base_layer.method}) base layer; the "
+                "adapters are saved alone (PEFT layout) for the original base"
+            )
 
     def unmerge(self) -> None:
         """Undo :meth:`merge` (up to rounding in the weight's dtype)."""

@@ -428,12 +428,11 @@ def lora_expert_targets(targets: Any) -> Tuple[str, ...]:
     return tuple(n for n in names if n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "all-linear"))
 
 
-def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
-    """Adapter parameters (A: in x r, B: r x out) of one decoder layer on one tensor-parallel rank:
-    column-parallel projections split B's output, row-parallel ones A's input."""
+def projection_shapes(arch: ModelArch) -> Dict[str, Tuple[int, int]]:
+    """(in, out) of each projection a decoder layer may hold (arch_projections says which it has)."""
     h, hd = arch.hidden_size, arch.head_dim
     q, kv, inter = arch.num_attention_heads * hd, arch.num_key_value_heads * hd, arch.intermediate_size
-    shapes = {
+    return {
         "q_proj": (h, q),
         "k_proj": (h, kv),
         "v_proj": (h, kv),
@@ -445,10 +444,15 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
         "qkv_proj": (h, q + 2 * kv),
         "gate_up_proj": (h, 2 * inter),
     }
+
+
+def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int = 1) -> int:
+    """Adapter parameters (A: in x r, B: r x out) of one decoder layer on one tensor-parallel rank:
+    column-parallel projections split B's output, row-parallel ones A's input."""
     selected = set(lora_targets(arch, targets)) & set(arch_projections(arch))
     return sum(
         rank * (i // tp + o) if name in ROW_PARALLEL_PROJECTIONS else rank * (i + o // tp)
-        for name, (i, o) in shapes.items()
+        for name, (i, o) in projection_shapes(arch).items()
         if name in selected
     )
 

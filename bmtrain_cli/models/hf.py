@@ -14,7 +14,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple, Union
 
 import numpy as np
 import paddle
@@ -23,7 +23,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch, arch_from_model_config, arch_to_hf_dict, read_hf_config
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.families import family
-from bmtrain_cli.models.safetensors_io import checkpoint_files, write_safetensors
+from bmtrain_cli.models.safetensors_io import LazyTensors, checkpoint_files, write_safetensors
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -57,8 +57,10 @@ def build(
     kernels: str = "auto",
     attention_implementation: Optional[str] = None,
     dtype: Optional[str] = None,
+    quantization: Any = None,
 ) -> CausalLM:
-    """A freshly initialised model from a config ``ModelConfig`` or a :class:`ModelArch`."""
+    """A freshly initialised model from a config ``ModelConfig`` or a :class:`ModelArch`; with
+    ``quantization`` (model_config.quantization) its linear layers then quantised."""
     if isinstance(cfg_or_arch, ModelArch):
         arch = cfg_or_arch
         attn = attention_implementation or "auto"
@@ -78,6 +80,10 @@ def build(
         model = CausalLM(arch, factory=factory, kernels=kernels, attention_implementation=attn)
         paddle.set_rng_state(state)
         model.init_weights()
+    if quantization is not None:
+        from bmtrain_cli.quant.layer import quantize_model
+
+        quantize_model(model, quantization, kernels)
     return model
 
 
@@ -126,7 +132,7 @@ def _rename(name: str, renames: Tuple[Tuple[str, str], ...], to_hf: bool) -> str
     return name
 
 
-def _unfuse_experts(tensors: Dict[str, np.ndarray]) -> None:
+def _unfuse_experts(tensors: MutableMapping[str, np.ndarray]) -> None:
     """transformers 5.x's in-memory expert layout (``mlp.experts.gate_up_proj`` [E, 2I, H] and
     ``mlp.experts.down_proj`` [E, H, I]) as the per-expert tensors the hub's checkpoints hold."""
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
@@ -141,11 +147,20 @@ def _unfuse_experts(tensors: Dict[str, np.ndarray]) -> None:
                 tensors[f"{prefix}.{e}.up_proj.weight"] = up
 
 
-def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: str = "checkpoint") -> None:
-    """Copy Hugging Face-layout tensors (name -> array) into ``model``."""
+def load_hf_state_dict(
+    model: CausalLM,
+    tensors: MutableMapping[str, np.ndarray],
+    source: str = "checkpoint",
+    take: Optional[Callable[[str, np.ndarray], bool]] = None,
+) -> None:
+    """Copy Hugging Face-layout tensors (name -> array; a LazyTensors reads each when it is reached)
+    into ``model``, one at a time. ``take(name, array in our layout)``, when given, may keep a tensor
+    itself (the quantised layers of bmtrain_cli/quant/layer.py) and return True; the others are copied
+    into their parameters (initialised first when the model was built under paddle.LazyGuard)."""
     arch = model.arch
     renames = family(arch.family).hf_renames
-    tensors = {_rename(n, renames, to_hf=False): t for n, t in tensors.items()}
+    if renames:
+        tensors = {_rename(n, renames, to_hf=False): t for n, t in tensors.items()}
     if arch.num_experts:
         _unfuse_experts(tensors)
     params = model.state_dict()
@@ -157,8 +172,8 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
             pieces = np.split(tensors.pop(name), np.cumsum(sizes)[:-1], axis=0)
             for part, piece in zip(parts, pieces):
                 tensors[f"{prefix}{part}.{kind}"] = piece
-    if arch.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    if arch.tie_word_embeddings and "lm_head.weight" in tensors:
+        del tensors["lm_head.weight"]
     missing = [n for n in params if n not in tensors]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -176,6 +191,10 @@ def load_hf_state_dict(model: CausalLM, tensors: Dict[str, np.ndarray], source: 
         if name.endswith(_VECTORS):
             arr = arr.reshape(param.shape)
         arr = _local_slice(arr, list(param.shape), model.factory, name)
+        if take is not None and take(name, arr):
+            continue
+        if not param._is_initialized():  # built lazily (quantised loading)
+            param.initialize()
         value = paddle.to_tensor(np.ascontiguousarray(arr, dtype=np.float32)).astype(param.dtype)
         param.set_value(value)
 
@@ -186,22 +205,28 @@ def load_pretrained(
     kernels: str = "auto",
     factory: Any = None,
     attention_implementation: str = "auto",
+    quantization: Any = None,
 ) -> CausalLM:
-    """Load a Hugging Face-style directory (config.json + safetensors, sharded or not)."""
+    """Load a Hugging Face-style directory (config.json + safetensors, sharded or not), one tensor at a
+    time; with ``quantization`` (model_config.quantization) its linear layers quantised as they are read."""
     d = Path(path)
     arch = read_hf_config(str(d))
     if not d.is_dir():
         raise UserError(f"{path}: expected a checkpoint directory")
-    files = list(checkpoint_files(d))
-    with _default_dtype(_check_dtype(dtype)):
+    tensors = LazyTensors(checkpoint_files(d))
+    # quantised: the parameters are created lazily, so a layer that is quantised never holds its
+    # full-precision weight; each arrives from the file and is quantised at once
+    lazy = paddle.LazyGuard() if quantization is not None else contextlib.nullcontext()
+    with _default_dtype(_check_dtype(dtype)), lazy:
         model = CausalLM(
             arch, factory=factory, kernels=kernels, attention_implementation=attention_implementation
         )
-    tensors: Dict[str, np.ndarray] = {}
-    for f in files:
-        for name in f.names():
-            tensors[name] = f.get(name)
-    load_hf_state_dict(model, tensors, str(d))
+    take = None
+    if quantization is not None:
+        from bmtrain_cli.quant.layer import Quantizer
+
+        take = Quantizer(model, quantization, kernels).take
+    load_hf_state_dict(model, tensors, str(d), take=take)
     model.eval()
     return model
 

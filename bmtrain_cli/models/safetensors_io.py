@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -68,7 +69,6 @@ class SafetensorsFile:
                 f"{self.path}: truncated safetensors file (the header describes {needed} bytes of "
                 f"tensor data, the file holds {max(have, 0)}); copy or download it again"
             )
-        self._data: Optional[np.memmap] = None
 
     def _check_entry(self, name: str, info: Any) -> None:
         """A tensor's shape and dtype must fill its byte range exactly (else reading it fails to reshape)."""
@@ -103,16 +103,16 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset)
         start, end = info["data_offsets"]
-        raw = self._data[start:end]
+        # read, not memory-mapped: a mapped file's pages stay resident (and counted) after each tensor is
+        # copied out, so loading tensor by tensor would still peak at the file's size
+        raw = np.fromfile(self.path, dtype=np.uint8, count=end - start, offset=self._offset + start)
         code = info["dtype"]
         if code == "BF16":
             return bf16_bits_to_fp32(raw.view(np.uint16)).reshape(info["shape"])
         if code not in _NP_DTYPES:
             raise UserError(f"{self.path}: tensor {name} has unsupported dtype {code}")
-        return np.array(raw.view(_NP_DTYPES[code]).reshape(info["shape"]))
+        return raw.view(_NP_DTYPES[code]).reshape(info["shape"])
 
 
 def write_safetensors(
@@ -200,3 +200,31 @@ def checkpoint_files(directory: Path) -> Iterator[SafetensorsFile]:
         raise UserError(f"{d}: no *.safetensors weights{hint}")
     for f in files:
         yield SafetensorsFile(f)
+
+
+class LazyTensors(MutableMapping):
+    """The tensors of a checkpoint's files by name, each read from its file when it is looked up (and not
+    kept): loading walks them one at a time, so the host holds one checkpoint tensor at a time beside the
+    model. Assigned entries (split or renamed tensors) are held as given."""
+
+    def __init__(self, files: Iterable[SafetensorsFile]) -> None:
+        self._where: Dict[str, Any] = {}
+        for f in files:
+            for name in f.names():
+                self._where[name] = f
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        where = self._where[name]
+        return where.get(name) if isinstance(where, SafetensorsFile) else where
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._where[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -42,10 +42,12 @@ CPU_SOURCES = [
     "cpu/adamw_cpu.cc",
     "cpu/grad_norm_cpu.cc",
     "cpu/attention_cpu.cc",
+    "cpu/quant_cpu.cc",
     "paddle/fused_ops.cc",
     "paddle/adamw_op.cc",
     "paddle/grad_norm_op.cc",
     "paddle/attention_op.cc",
+    "paddle/quant_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
@@ -252,7 +254,7 @@ def _build(verbose: bool) -> ModuleType:
         if fresh:
             print(
                 f"building the custom kernels ({len(sources)} C++{'/CUDA' if cuda else ''} sources: RMSNorm, "
-                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention) for Paddle {paddle.__version__} "
+                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention, quantised linear) for Paddle {paddle.__version__} "
                 f"with the C++ compiler {find_cxx()} into {build_dir}: once per Paddle and compiler, "
                 "1-3 minutes on 2 cores",
                 file=sys.stderr,

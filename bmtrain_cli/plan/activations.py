@@ -34,6 +34,26 @@ def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     return mats, vecs
 
 
+def quantized_layer(w: Workload) -> Tuple[int, int]:
+    """(elements, bytes) of one decoder layer's projections that model_config.quantization stores
+    low-bit (codes and scales, bmtrain_cli/quant/formats.py); (0, 0) without quantization."""
+    if not w.quant_method:
+        return 0, 0
+    from bmtrain_cli.models.arch import arch_projections, projection_shapes
+    from bmtrain_cli.quant.formats import quantized_nbytes
+    from bmtrain_cli.quant.select import is_skipped
+
+    shapes = projection_shapes(w.arch)
+    elements = nbytes = 0
+    for name in arch_projections(w.arch):
+        if is_skipped(name, w.quant_skip):
+            continue
+        k, n = shapes[name]
+        elements += k * n
+        nbytes += quantized_nbytes(w.quant_method, n, k, w.quant_block or k, w.quant_double)
+    return elements, nbytes
+
+
 def lora_layer_params(w: Workload, tp: int) -> int:
     return lora_parameters_per_layer(w.arch, w.lora_rank, w.lora_targets, tp)
 

@@ -39,6 +39,7 @@ from bmtrain_cli.plan.activations import (
     lora_layer_params,
     loss_bytes,
     no_grad_forward_bytes,
+    quantized_layer,
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
@@ -105,6 +106,13 @@ def _stage_estimate(  # noqa: C901
     pbytes = 2 if (low and w.amp_level == "O2") else 4
     S = layout.sharding
     params = (frozen + trainable) * pbytes
+    q_elements, q_bytes = quantized_layer(w)
+    if q_elements and w.finetuning == "lora":  # QLoRA: the layers' projections as codes and scales
+        params += layers * (q_bytes - q_elements * pbytes)
+        notes.append(
+            f"base projections in {w.quant_method}: {format_bytes(layers * q_bytes)} of codes and scales "
+            f"instead of {format_bytes(layers * q_elements * pbytes)}"
+        )
     grads = trainable * pbytes
     master = trainable * 4 if (low and w.amp_level == "O2") else 0
     opt = trainable * 8  # AdamW moment1 + moment2 (fp32)

@@ -100,6 +100,11 @@ class Workload:
     stage: str = "sft"  # the training method (methods.py; dpo: a sample is a preference pair)
     reference: str = NO_REFERENCE  # dpo's reference model (preference/reference_kind.py)
     note: str = ""  # what the plan assumed about the data (plan/data_facts.py)
+    # model_config.quantization (QLoRA): method ('' for none), block size, double quant, skipped names
+    quant_method: str = ""
+    quant_block: int = 0
+    quant_double: bool = False
+    quant_skip: Tuple[str, ...] = ()
 
     @property
     def method(self) -> Method:
@@ -163,7 +168,19 @@ class Workload:
             stage=t.stage,
             reference=reference_kind(t),
             note=facts.note,
+            **_quant_fields(m.quantization),
         )
+
+
+def _quant_fields(q: Any) -> Dict[str, Any]:
+    if q is None:
+        return {}
+    return {
+        "quant_method": q.method,
+        "quant_block": q.resolved_block_size,
+        "quant_double": q.double_quant,
+        "quant_skip": tuple(q.skip_modules),
+    }
 
 
 @dataclass

@@ -206,9 +206,9 @@ def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
 
         alternatives = [m.model_name_or_path] if m.model_name_or_path else []
         base = find_base(rt.resume_from, alternatives)
-        return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory)
+        return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
     path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
-    return load_pretrained(str(path), kernels=m.kernels, factory=ctx.factory)
+    return load_pretrained(str(path), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
 
 
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
@@ -229,7 +229,7 @@ def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
-    return build(arch, factory=ctx.factory, kernels=m.kernels)
+    return build(arch, factory=ctx.factory, kernels=m.kernels, quantization=m.quantization)
 
 
 def build_model_and_optimizer(

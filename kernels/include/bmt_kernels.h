@@ -23,6 +23,13 @@
 //               optional segment_ids [b, s] (NULL: plain causal); out [b, s, h, d], lse [b, h, s] in the
 //               dtype of q (kernels/cpu/attention_cpu.cc). Causal: query i sees the keys j <= i whose
 //               segment id equals its own. bwd: dq, dk, dv from out, lse and dout (probabilities recomputed).
+//   quant_linear: y [m, n] = x [m, k] @ w^T for a weight w [n, k] (Hugging Face's layout) stored as codes
+//               (kernels/cpu/quant_cpu.cc, fp32): element e = r * k + c of w is levels[code(e)] * scale,
+//               code(e) the e-th byte (bits 8) or nibble (bits 4, two per byte, even e in the high
+//               nibble); scale = scales[e / block] (row_groups 0: blocks over the flattened weight) or
+//               scales[r * ceil(k / block) + c / block] (row_groups 1: groups within each row). levels
+//               holds 2^bits values. bwd: dx [m, k] = dy [m, n] @ w. The weight is dequantised tile by
+//               tile into per-thread buffers, never whole.
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -87,6 +94,14 @@ int bmt_cuda_swiglu_bwd(int dtype, const void* gate, const void* up, const void*
                         int64_t n, void* stream);
 int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
                           int64_t rows, int64_t vocab, int64_t ignore_index, int* bad_label, void* stream);
+
+/* ---- CPU (kernels/cpu/quant_cpu.cc): fp32, parallel over tiles of the weight with OpenMP ---- */
+int bmt_cpu_quant_linear_fwd(const uint8_t* codes, int bits, const float* levels, const float* scales,
+                             int64_t block, int row_groups, const float* x, float* y, int64_t m, int64_t n,
+                             int64_t k);
+int bmt_cpu_quant_linear_bwd(const uint8_t* codes, int bits, const float* levels, const float* scales,
+                             int64_t block, int row_groups, const float* dy, float* dx, int64_t m, int64_t n,
+                             int64_t k);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,198 @@
+"""The quantised linear layer: a frozen weight held as codes and scales (bmtrain_cli/quant/formats.py),
+multiplied by bmtrain_cli/ops/quant_linear.py, and the swap of a model's linear layers for it.
+
+``QuantLinear`` keeps its codes and scales as non-persistable buffers: they are not parameters (no
+gradient, no optimizer state) and not in ``state_dict()`` (a LoRA run saves only its adapters; its base is
+the checkpoint it was read from, re-quantised the same way on resume). An optional bias stays a frozen
+parameter. ``dequantized_weight()`` gives the weight back in the Paddle layout [in, out] for the few
+whole-weight paths (saving a fresh base).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from bmtrain_cli.ops import quant_linear as qops
+from bmtrain_cli.quant import formats
+from bmtrain_cli.quant.select import is_skipped
+
+
+def _buffer(array: np.ndarray) -> paddle.Tensor:
+    t = paddle.to_tensor(np.ascontiguousarray(array))
+    t.stop_gradient = True
+    return t
+
+
+class QuantLinear(nn.Layer):
+    """y = x @ dequant(W)^T (+ bias) for a frozen quantised W [out, in]; see the module docstring."""
+
+    def __init__(
+        self, q: formats.QuantizedWeight, bias: Optional[paddle.Tensor], dtype: str, impl: str
+    ) -> None:
+        super().__init__()
+        if impl not in qops.IMPLS:
+            raise ValueError(f"QuantLinear: unknown implementation {impl!r} ({', '.join(qops.IMPLS)})")
+        self.method, self.block_size, self.impl, self.compute_dtype = q.method, q.block_size, impl, dtype
+        self.out_features, self.in_features = q.shape
+        self.nbytes = q.nbytes
+        self.register_buffer("codes", _buffer(q.codes.view(np.uint8).reshape(-1)), persistable=False)
+        self.register_buffer("levels", _buffer(formats.levels(q.method)), persistable=False)
+        if q.scales is not None:
+            self.register_buffer("scales", _buffer(q.scales.reshape(-1)), persistable=False)
+        else:  # double quant: the absmax as 8-bit codes, their per-256 absmax and the mean taken off
+            assert q.scale_codes is not None and q.scale_absmax is not None
+            self.register_buffer("scale_codes", _buffer(q.scale_codes), persistable=False)
+            self.register_buffer("scale_levels", _buffer(formats.dynamic_map()), persistable=False)
+            self.register_buffer("scale_absmax", _buffer(q.scale_absmax), persistable=False)
+            self.scale_offset = float(q.scale_offset)
+        self.bias = bias
+        self._weight_only: Optional[Tuple[paddle.Tensor, paddle.Tensor, str, int]] = None
+
+    def _scales(self) -> paddle.Tensor:
+        if "scales" in self._buffers:
+            return self.scales
+        n = int(self.scale_codes.shape[0])
+        absmax = qops.QuantWeight(
+            self.scale_codes, self.scale_levels, self.scale_absmax, 8, formats.DOUBLE_QUANT_BLOCK, False, 1, n
+        )
+        return qops.dequantize(absmax).reshape([-1]) + self.scale_offset
+
+    def quant_weight(self) -> qops.QuantWeight:
+        """The weight as ops/quant_linear.py takes it (double-quantised scales restored first)."""
+        bits = 8 if self.method == "int8" else 4
+        row_groups = self.method != "nf4"
+        block = self.in_features if self.method == "int8" else self.block_size
+        return qops.QuantWeight(
+            self.codes,
+            self.levels,
+            self._scales(),
+            bits,
+            block,
+            row_groups,
+            self.out_features,
+            self.in_features,
+        )
+
+    def dequantized_weight(self) -> paddle.Tensor:
+        """The weight [in, out] (Paddle's Linear layout) in the compute dtype."""
+        dtype: Any = self.compute_dtype
+        return qops.dequantize(self.quant_weight()).t().astype(dtype)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.impl == "custom":
+            y = qops.custom_linear(x, self.quant_weight())
+        elif self.impl == "weight_only":
+            if self._weight_only is None:
+                self._weight_only = qops.to_weight_only(
+                    self.quant_weight(), str(x.dtype).replace("paddle.", "")
+                )
+            y = qops.weight_only_linear(x, self._weight_only)
+        else:
+            y = qops.reference_linear(x, self.quant_weight())
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.method}, impl={self.impl}"
+
+
+def quantize_linear(layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str) -> QuantLinear:
+    """A QuantLinear for ``layer`` (an nn.Linear) holding ``weight`` ([in, out], Paddle's layout)."""
+    block = settings.resolved_block_size or int(weight.shape[0])
+    q = formats.quantize(np.asarray(weight, np.float32).T, settings.method, block, settings.double_quant)
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        bias.stop_gradient = True
+    return QuantLinear(q, bias, str(layer.weight.dtype).replace("paddle.", ""), impl)
+
+
+def quantizable(model: nn.Layer, settings: Any) -> Dict[str, Tuple[nn.Layer, str, nn.Linear]]:
+    """{dotted name: (parent, attribute, layer)} of the linear layers ``settings`` quantises."""
+    out: Dict[str, Tuple[nn.Layer, str, nn.Linear]] = {}
+    for name, parent in model.named_sublayers(include_self=True):
+        for attr, child in parent._sub_layers.items():
+            full = f"{name}.{attr}" if name else attr
+            if isinstance(child, nn.Linear) and not is_skipped(full, settings.skip_modules):
+                out[full] = (parent, attr, child)
+    return out
+
+
+def impl_for(settings: Any, kernels: str) -> Callable[[int], str]:
+    """in_features -> the implementation (ops/quant_linear.choose_impl) on this device."""
+    device = paddle.get_device()
+    bits = 8 if settings.method == "int8" else 4
+    row_groups = settings.method != "nf4"
+    return lambda in_f: qops.choose_impl(
+        kernels, device, bits, row_groups, settings.resolved_block_size or in_f, in_f
+    )
+
+
+def quantize_model(model: nn.Layer, settings: Any, kernels: str = "auto") -> List[str]:
+    """Swap the model's quantisable linear layers (built and holding their weights) for QuantLinear ones,
+    one at a time, each fp32 weight released as soon as its codes exist; returns their names."""
+    impl = impl_for(settings, kernels)
+    names = []
+    for full, (parent, attr, layer) in quantizable(model, settings).items():
+        weight = layer.weight.numpy()
+        setattr(parent, attr, quantize_linear(layer, weight, settings, impl(int(weight.shape[0]))))
+        names.append(full)
+    return names
+
+
+class Quantizer:
+    """Quantises a model's linear layers as their weights arrive from a checkpoint (the ``take`` of
+    models/hf.py's load_hf_state_dict): the model was built under paddle.LazyGuard, so those layers'
+    full-precision weights are never allocated; each is read, quantised and dropped."""
+
+    def __init__(self, model: nn.Layer, settings: Any, kernels: str = "auto") -> None:
+        self.settings = settings
+        self.impl = impl_for(settings, kernels)
+        self.targets = {f"{name}.weight": place for name, place in quantizable(model, settings).items()}
+
+    def take(self, name: str, weight: np.ndarray) -> bool:
+        """Quantise ``weight`` ([in, out]) into its layer when ``name`` is a quantised layer's weight."""
+        place = self.targets.pop(name, None)
+        if place is None:
+            return False
+        parent, attr, layer = place
+        setattr(parent, attr, quantize_linear(layer, weight, self.settings, self.impl(int(weight.shape[0]))))
+        return True
+
+
+def quantized_layers(model: nn.Layer) -> List[Tuple[str, QuantLinear]]:
+    """(name, layer) of every QuantLinear, also those a LoRA wrapper holds as its ``base_layer``."""
+    out = []
+    for name, m in model.named_sublayers():
+        layer = m if isinstance(m, QuantLinear) else getattr(m, "base_layer", None)
+        if isinstance(layer, QuantLinear):
+            out.append((name, layer))
+    return out
+
+
+def quantized_bytes(model: nn.Layer) -> int:
+    """Bytes of every quantised layer's codes and scales."""
+    return sum(m.nbytes for _, m in quantized_layers(model))
+
+
+IMPL_NAMES = {
+    "custom": "our CPU kernels",
+    "reference": "dequantise-then-matmul",
+    "weight_only": "Paddle's weight_only_linear",
+}
+
+
+def summary(model: nn.Layer) -> str:
+    """'' without quantised layers, else one line: how many, which format and kernels, how many bytes."""
+    layers = [m for _, m in quantized_layers(model)]
+    if not layers:
+        return ""
+    methods = sorted({m.method for m in layers})
+    impls = sorted({IMPL_NAMES[m.impl] for m in layers})
+    mib = quantized_bytes(model) / 2**20
+    return (
+        f"quantised base: {len(layers)} linear layers in {'/'.join(methods)} ({', '.join(impls)}), "
+        f"{mib:.2f} MiB of codes and scales"
+    )

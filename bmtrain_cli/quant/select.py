@@ -1,0 +1,20 @@
+"""Which linear layers of a model a quantization config stores low-bit: every ``nn.Linear`` whose dotted
+name has no component in ``skip_modules`` (by default the embeddings, the LM head, norms and MoE routers;
+embeddings and norms are not linear layers, so the LM head is the one that default spares)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+HEAD_NAME = "lm_head"
+
+
+def is_skipped(name: str, skip_modules: Iterable[str]) -> bool:
+    """True when one of ``skip_modules`` is a component, or a run of components, of the dotted ``name``
+    (``layers.0`` skips ``model.layers.0.self_attn.q_proj``, ``proj`` skips nothing)."""
+    parts = name.split(".")
+    for skip in skip_modules:
+        want = skip.split(".")
+        if any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1)):
+            return True
+    return False

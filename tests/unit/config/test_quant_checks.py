@@ -1,0 +1,62 @@
+"""validate-config for model_config.quantization (QLoRA): what this version cannot run on a quantised
+base is refused at the key's file:line, with the reason; a plain QLoRA config passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmtrain_cli.config import load_config
+from bmtrain_cli.errors import ConfigError
+from bmtrain_cli.quant.select import is_skipped
+
+MODEL = "model_config:\n  hidden_size: 64\n  num_attention_heads: 4\n  quantization:\n    method: {method}\n{quant}"
+TRAIN = "train_config:\n  finetuning: {finetuning}\n  demo_data: arithmetic\n{train}"
+
+
+def _text(method="nf4", quant="", finetuning="lora", train="", parallel="") -> str:
+    return (
+        MODEL.format(method=method, quant=quant) + TRAIN.format(finetuning=finetuning, train=train) + parallel
+    )
+
+
+def test_a_qlora_config_passes(write_yaml):
+    cfg = load_config(write_yaml(_text(quant="    double_quant: false\n    block_size: 128\n")))
+    q = cfg.config.model.quantization
+    assert (q.method, q.resolved_block_size, q.skip_modules) == (
+        "nf4",
+        128,
+        ["embed_tokens", "lm_head", "norm", "gate"],
+    )
+    assert load_config(write_yaml(_text(method="int8"))).config.model.quantization.resolved_block_size == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, line, message",
+    [
+        ({"finetuning": "full"}, 7, "only LoRA trains on it"),
+        ({"parallel": "parallel:\n  tensor_parallel: 2\n"}, 10, "tensor_parallel > 1 yet"),
+        ({"parallel": "parallel:\n  pipeline_parallel: 2\n"}, 10, "pipeline_parallel > 1 yet"),
+        ({"train": "  to_static: true\n"}, 9, "dygraph only"),
+        ({"method": "int8", "quant": "    block_size: 32\n"}, 6, "no block size"),
+        ({"method": "int4", "quant": "    double_quant: true\n"}, 6, "int4 has none"),
+        ({"quant": "    double_quant: true\n"}, 6, "would not be exact"),
+        ({"quant": "    compute_dtype: bfloat16\n"}, 6, "not supported yet"),
+        ({"quant": "    skip_modules: [embed_tokens]\n"}, 6, "LM head cannot be quantised"),
+        ({"method": "nf3"}, 5, "'nf4', 'int8' or 'int4'"),
+    ],
+)
+def test_refused_at_file_line(write_yaml, kwargs, line, message):
+    path = write_yaml(_text(**kwargs))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert message in text, text
+    assert any(f"{path}:{line}:" in row and message in row for row in text.splitlines()), text
+
+
+def test_skip_modules_match_whole_name_components():
+    skip = ["lm_head", "gate", "layers.1"]
+    assert is_skipped("lm_head", skip) and is_skipped("model.layers.1.mlp.up_proj", skip)
+    assert is_skipped("model.layers.0.mlp.gate", skip)  # a MoE router
+    assert not is_skipped("model.layers.0.mlp.gate_proj", skip)
+    assert not is_skipped("model.layers.11.mlp.up_proj", skip)

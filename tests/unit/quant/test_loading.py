@@ -1,0 +1,80 @@
+"""A checkpoint quantised while it is read (models/hf.py load_pretrained(quantization=...)): the same codes
+and logits as loading it whole and quantising afterwards, the skipped layers untouched, and a peak host
+memory near the quantised size rather than the full-precision model's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.config.schema import ModelConfig, QuantizationConfig
+from bmtrain_cli.models import build, load_pretrained, save_pretrained
+from bmtrain_cli.quant.layer import QuantLinear, quantize_model, quantized_layers
+
+TINY = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def test_quantised_while_read_equals_quantised_after(tmp_path) -> None:
+    save_pretrained(build(ModelConfig(vocab_size=128, kernels="reference", **TINY)), tmp_path)
+    q = QuantizationConfig(method="int4", block_size=32, skip_modules=["lm_head", "down_proj"])
+    read = load_pretrained(tmp_path, quantization=q, kernels="reference")
+    after = load_pretrained(tmp_path, kernels="reference")
+    quantize_model(after, q, "reference")
+    got, want = dict(quantized_layers(read)), dict(quantized_layers(after))
+    assert sorted(got) == sorted(want) and len(got) == 2 * 6  # 6 projections a layer, down_proj skipped
+    assert not isinstance(read.lm_head, QuantLinear) and not any("down_proj" in n for n in got)
+    for name, layer in got.items():
+        np.testing.assert_array_equal(layer.codes.numpy(), want[name].codes.numpy())
+        np.testing.assert_array_equal(layer.scales.numpy(), want[name].scales.numpy())
+    ids = paddle.to_tensor([[1, 5, 9, 2, 7]])
+    with paddle.no_grad():
+        np.testing.assert_array_equal(read(ids).numpy(), after(ids).numpy())
+
+
+PEAK = textwrap.dedent(
+    """
+    import sys
+    from bmtrain_cli.config.schema import QuantizationConfig
+    from bmtrain_cli.models import load_pretrained
+    import paddle
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    q = QuantizationConfig(method="nf4") if sys.argv[2] == "nf4" else None
+    paddle.zeros([8, 8]).numpy()  # the allocator's first arena
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    model = load_pretrained(sys.argv[1], quantization=q, kernels="reference")
+    print(status("VmHWM") - before)
+    """
+)
+
+
+def test_peak_host_memory_while_loading_stays_near_the_quantised_size(tmp_path) -> None:
+    # 4 layers of h768 / ffn 2048: at most 28.3 M projection weights (108 MiB fp32, 15 MiB in nf4)
+    cfg = dict(TINY, hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12)
+    save_pretrained(build(ModelConfig(vocab_size=256, kernels="reference", **cfg)), tmp_path)
+    grown = {}
+    for kind in ("fp32", "nf4"):
+        r = subprocess.run(
+            [sys.executable, "-c", PEAK, str(tmp_path), kind], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        grown[kind] = int(r.stdout.split()[-1])
+    projections = 4 * (4 * 768 * 768 + 3 * 768 * 2048)
+    assert grown["fp32"] > 0.9 * projections * 4, grown
+    # the codes and scales (4.5 bits a weight), the unquantised embeddings and head, and the temporaries of
+    # quantising one tensor at a time (a few copies of the largest, one 768 x 2048 fp32 matrix)
+    quantised = projections * 4.5 / 8 + 2 * 256 * 768 * 4
+    assert grown["nf4"] < quantised + 8 * 768 * 2048 * 4, grown
+    assert grown["nf4"] < 0.5 * grown["fp32"], grown

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from bmtrain_cli.config.refusals import refuse_model_parallel
 from bmtrain_cli.models.arch import lora_expert_targets
 
 
@@ -14,13 +15,13 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
         return
     p, t = config.parallel, config.train
     what = f"the {arch.family} mixture of experts"
-    for key, degree in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
-        if degree > 1:
-            err(
-                f"parallel_config.{key}",
-                f"{what} does not support {key} > 1 yet (no sharded experts, no expert parallelism)",
-                "use data_parallel and/or sharding_parallel",
-            )
+    refuse_model_parallel(
+        p,
+        what,
+        "no sharded experts, no expert parallelism",
+        "use data_parallel and/or sharding_parallel",
+        err,
+    )
     if t.to_static:
         err(
             "train_config.to_static",

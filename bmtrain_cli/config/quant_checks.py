@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from bmtrain_cli.config.refusals import refuse_model_parallel
 from bmtrain_cli.quant.select import HEAD_NAME
 
 
@@ -23,13 +24,13 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "LoRA trains on it",
             "set finetuning: lora, or remove model_config.quantization",
         )
-    for name, degree in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
-        if degree > 1:
-            err(
-                f"parallel_config.{name}",
-                f"a quantised base does not support {name} > 1 yet (the codes are not split across ranks)",
-                "use data_parallel, or remove model_config.quantization",
-            )
+    refuse_model_parallel(
+        p,
+        "a quantised base",
+        "the codes are not split across ranks",
+        "use data_parallel, or remove model_config.quantization",
+        err,
+    )
     if t.to_static:
         err(
             "train_config.to_static",

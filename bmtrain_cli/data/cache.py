@@ -28,7 +28,7 @@ from bmtrain_cli.data.turns import DEFAULT
 from bmtrain_cli.data.workers import EncodeSpec, Item, OrderedPool
 from bmtrain_cli.errors import user_write_error
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a tokenizer chat template's text is tokenised as one string between specials
 CACHE_DIRNAME = ".bmtrain_cache"
 MAX_REJECTED_KEPT = 100_000
 ENCODE_CHUNK = 1024  # records per worker task (one batched tokenizer call)

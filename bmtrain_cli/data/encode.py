@@ -67,7 +67,37 @@ class Encoder:
         return out
 
     def _pieces_to_ids(self, pieces: Sequence[Piece]) -> Tuple[List[int], List[bool]]:
+        if self.template.joint:
+            return self._joint(self._plan(pieces))
         return self._assemble(self._plan(pieces), None)
+
+    def _joint(self, plan: Sequence[Tuple[Union[str, int], bool]]) -> Tuple[List[int], List[bool]]:
+        """The text between special tokens tokenised as one string; a token is trainable when any of its
+        characters is (transformers' assistant mask takes the tokens that its spans' characters fall in)."""
+        ids: List[int] = []
+        mask: List[bool] = []
+        text: List[str] = []
+        flags: List[bool] = []
+
+        def flush() -> None:
+            if text:
+                part_ids, spans = self.tokenizer.encode_offsets("".join(text))
+                for idx, (a, b) in zip(part_ids, spans):
+                    ids.append(idx)
+                    mask.append(any(flags[a : max(b, a + 1)]) or self.train_on_prompt)
+                text.clear()
+                flags.clear()
+
+        for part, trainable in plan:
+            if isinstance(part, int):
+                flush()
+                ids.append(part)
+                mask.append(trainable or self.train_on_prompt)
+            else:
+                text.append(part)
+                flags.extend([trainable] * len(part))
+        flush()
+        return self._with_bos(ids, mask)
 
     def _plan(self, pieces: Sequence[Piece]) -> List[Tuple[Union[str, int], bool]]:
         return [(part, trainable) for text, trainable in pieces for part in self.split_specials(text)]
@@ -85,6 +115,10 @@ class Encoder:
                 part_ids = next(encoded) if encoded is not None else tok.encode(part)
             ids.extend(part_ids)
             mask.extend([trainable or self.train_on_prompt] * len(part_ids))
+        return self._with_bos(ids, mask)
+
+    def _with_bos(self, ids: List[int], mask: List[bool]) -> Tuple[List[int], List[bool]]:
+        tok = self.tokenizer
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
             ids.insert(0, tok.bos_id)
             mask.insert(0, False)
@@ -100,6 +134,9 @@ class Encoder:
                 plans.append(None)
                 texts.append(conv.text or "")
                 continue
+            if self.template.joint:  # one string per run of text: encoded with its offsets, per sample
+                plans.append(self._finish(*self._pieces_to_ids(self.render(conv))))
+                continue
             plan = self._plan(self.render(conv))
             plans.append(plan)
             texts.extend(p for p, _ in plan if isinstance(p, str))
@@ -108,6 +145,9 @@ class Encoder:
         for plan in plans:
             if plan is None:
                 out.append(self._text_sample(next(encoded)))
+                continue
+            if isinstance(plan, tuple):
+                out.append(plan)
                 continue
             ids, mask = self._assemble(plan, encoded)
             out.append(self._finish(ids, mask))

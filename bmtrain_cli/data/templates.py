@@ -14,7 +14,19 @@ import functools
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from bmtrain_cli.data.formats import Conversation
 from bmtrain_cli.errors import UserError
@@ -38,6 +50,8 @@ class BuiltinTemplate:
     system_in_first_user: bool = False  # llama2 puts <<SYS>> inside the first [INST]
     bos_before_user: bool = False  # llama2 starts every [INST] with BOS
     specials: Tuple[str, ...] = ()  # marker strings that map to one token id when the tokenizer has them
+    # the prompt and each answer are tokenised apart (the built-in layouts' own rule)
+    joint: ClassVar[bool] = False
 
     def render(
         self, conv: Conversation, tokenizer: Optional[Tokenizer] = None, options: Any = None
@@ -333,6 +347,8 @@ class JinjaTemplate:
 
     name = "tokenizer"
     specials: Tuple[str, ...] = ()
+    # the text between special tokens is tokenised as one string, as transformers' apply_chat_template does
+    joint = True
 
     def __init__(self, source: str, origin: Optional[str] = None):
         from jinja2 import TemplateError

@@ -12,7 +12,7 @@ import io
 import json
 import string
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.errors import UserError
 
@@ -76,6 +76,10 @@ class Tokenizer:
 
     # -- backend hooks
     def encode(self, text: str) -> List[int]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def encode_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:  # pragma: no cover
+        """``encode`` plus each token's [start, end) character span in ``text``."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:  # pragma: no cover
@@ -221,6 +225,12 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str) -> List[int]:
         return list(self.sp.encode(text))
 
+    def encode_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        pieces = self.sp.encode(text, return_type="proto").pieces
+        # sentencepiece's spans count bytes of the UTF-8 input: map them to characters
+        char_at = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))] + [len(text)]
+        return [p.id for p in pieces], [(char_at[p.begin], char_at[p.end]) for p in pieces]
+
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [list(x) for x in self.sp.encode(list(texts))] if texts else []
 
@@ -278,6 +288,10 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> List[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [list(e.ids) for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -14,12 +14,28 @@ Tensor names come from gguf's own map (``gguf.get_tensor_name_map``) applied to 
   under ``q4_0``, the output projection (``output.weight``, or ``token_embd`` when tied) is written q8_0,
   as llama-quantize keeps it above 4 bits;
 - LLaMA 3 rope scaling becomes the ``rope_freqs`` tensor, linear scaling ``rope.scaling.*``; dynamic
-  NTK and YaRN are refused (llama.cpp does not compute them as our decoder does); so is ALiBi Baichuan.
+  NTK and YaRN are refused (llama.cpp does not compute them as our decoder does); so is ALiBi Baichuan;
+- Phi-3 keeps its fused ``qkv_proj`` and ``gate_up_proj`` (llama.cpp's ``attn_qkv`` and ``ffn_up``), its
+  partial rotary dimension, and LongRoPE as the ``rope_factors_long``/``rope_factors_short`` tensors with
+  the attention factor;
+- Gemma 3 stores its norms as ``1 + weight`` (llama.cpp's Gemma converters do; transformers' reader takes
+  the 1 off again); llama.cpp fixes its layer pattern (every sixth layer global), the sliding layers'
+  rope base (10000) and the score scale (head_dim^-1/2), so a model that differs is refused;
+- Qwen3-MoE's and Mixtral's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` [experts, out,
+  in] (Mixtral is llama.cpp's ``llama`` with experts); llama.cpp's qwen3moe makes every layer sparse and
+  renormalises the top-k weights, so dense layers or ``norm_topk_prob: false`` are refused;
+- ERNIE 4.5 and GLM-4 rotate interleaved pairs as transformers holds them (no reordering; GLM-4's rotary
+  part is ``rope.dimension_count``); ERNIE 4.5 MoE adds shared experts (``ffn_*_shexp``), its selection bias
+  (``exp_probs_b.bias``) and leading dense layers, with experts in every later layer (other layouts refused);
+- llama.cpp's baichuan rotates q/k only in 32-layer models, so other layer counts are refused.
+
+Every family is checked by running the file in llama.cpp (tests/unit/export/test_gguf_llama_cpp.py).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,9 +54,22 @@ GGUF_ARCHS = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "baichuan": "baichuan",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "ernie4_5": "ernie4_5",
+    "glm4": "glm4",
+    "mixtral": "llama",
+    "ernie4_5_moe": "ernie4_5-moe",
 }
+# what llama.cpp's gemma3 assumes rather than reads
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+_BAICHUAN_ROPE_LAYERS = 32  # llama.cpp's baichuan: 32 layers rotate q/k, any other count runs unrotated
 _INTERLEAVED_ROPE = ("llama", "baichuan")
 _BLOCK = 32  # values per q8_0/q4_0 block
+_SCORE_BIAS = ".moe_statics.e_score_correction_bias"
+_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(.+)$")
 
 
 def import_gguf() -> Any:
@@ -66,12 +95,56 @@ def check_exportable(arch: Any) -> str:
             "count, not from the file); export --format hf instead"
         )
     kind = rope_type(arch.rope_scaling)
-    if kind not in ("default", "linear", "llama3"):
+    supported = ("default", "linear", "llama3", *(("longrope",) if arch.family == "phi3" else ()))
+    if kind not in supported:
         raise UserError(
-            f"--format gguf: rope_scaling type {kind!r} is not exported (llama.cpp does not compute it as "
-            "the trained model does); supported: none, linear, llama3"
+            f"--format gguf: rope_scaling type {kind!r} is not exported for {arch.family} (llama.cpp does not "
+            f"compute it as the trained model does); supported: none, {', '.join(supported[1:])}"
         )
+    problems = _llama_cpp_assumptions(arch)
+    if problems:
+        raise UserError(f"--format gguf: {'; '.join(problems)}; export --format hf instead")
     return GGUF_ARCHS[arch.family]
+
+
+def _llama_cpp_assumptions(arch: Any) -> List[str]:
+    """What llama.cpp fixes for the family where ``arch`` differs (see the module docstring)."""
+    problems = []
+    if arch.family == "gemma3_text":
+        layers = range(arch.num_hidden_layers)
+        expected = [
+            "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention" for i in layers
+        ]
+        if [arch.layer_type(i) for i in layers] != expected:
+            problems.append(
+                f"llama.cpp's gemma3 makes every {_GEMMA3_PATTERN}th layer global, this model does not"
+            )
+        if (arch.rope_local_theta or _GEMMA3_LOCAL_THETA) != _GEMMA3_LOCAL_THETA:
+            problems.append(f"llama.cpp's gemma3 uses rope base {_GEMMA3_LOCAL_THETA:g} on sliding layers")
+        if arch.query_pre_attn_scalar not in (None, arch.head_dim):
+            problems.append(
+                "llama.cpp's gemma3 scales scores by head_dim^-1/2, not query_pre_attn_scalar^-1/2"
+            )
+    if arch.family == "qwen3_moe":
+        if not all(arch.is_sparse(i) for i in range(arch.num_hidden_layers)):
+            problems.append(
+                "llama.cpp's qwen3moe has experts in every layer (mlp_only_layers/decoder_sparse_step)"
+            )
+        if not arch.norm_topk_prob:
+            problems.append("llama.cpp's qwen3moe renormalises the top-k weights (norm_topk_prob: false)")
+    if arch.family == "ernie4_5_moe":
+        last = arch.num_hidden_layers - 1
+        if arch.decoder_sparse_step != 1 or arch.moe_layer_end not in (None, last):
+            problems.append(
+                "llama.cpp's ernie4_5-moe has experts in every layer from moe_layer_start_index on "
+                "(moe_layer_interval 1, moe_layer_end_index the last layer)"
+            )
+    if arch.family == "baichuan" and arch.num_hidden_layers != _BAICHUAN_ROPE_LAYERS:
+        problems.append(
+            f"llama.cpp's baichuan applies RoPE only to {_BAICHUAN_ROPE_LAYERS}-layer (7B) models, "
+            f"this one has {arch.num_hidden_layers} layers"
+        )
+    return problems
 
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -92,6 +165,42 @@ def _split_w_pack(hf: Dict[str, np.ndarray], arch: Any) -> Dict[str, np.ndarray]
                 out[f"{prefix}{proj}.weight"] = part
         else:
             out[name] = arr
+    return out
+
+
+def _stack_experts(hf: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Per-expert ``<moe>.experts.E.P.weight`` (Qwen3-MoE's ``mlp``, Mixtral's ``block_sparse_moe``) -> one
+    ``<moe>.experts.P.weight`` [experts, out, in] per layer and projection, in expert order (llama.cpp's
+    ``ffn_*_exps``)."""
+    out: Dict[str, np.ndarray] = {}
+    stacks: Dict[str, Dict[int, np.ndarray]] = {}
+    for name, arr in hf.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = arr
+            continue
+        head, expert, proj = match.groups()
+        stacks.setdefault(f"{head}.experts.{proj}", {})[int(expert)] = arr
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
+def longrope_tensors(arch: Any) -> Dict[str, np.ndarray]:
+    """Phi-3's LongRoPE factors as llama.cpp's ``rope_factors_long``/``rope_factors_short`` tensors."""
+    from bmtrain_cli.models.rope import rope_type
+
+    if rope_type(arch.rope_scaling) != "longrope":
+        return {}
+    half = arch.rotary_dim // 2
+    out = {}
+    for kind in ("long", "short"):
+        factors = np.asarray(arch.rope_scaling[f"{kind}_factor"], dtype=np.float32)
+        if factors.shape != (half,):
+            raise UserError(
+                f"--format gguf: {kind}_factor has {factors.size} entries, the rotary dimension needs {half}"
+            )
+        out[f"rope_factors_{kind}.weight"] = factors
     return out
 
 
@@ -118,6 +227,8 @@ def gguf_tensors(model: Any) -> Dict[str, np.ndarray]:
     arch = model.arch
     name = check_exportable(arch)
     hf = _split_w_pack(hf_state_dict(model), arch) if arch.fused_qkv else hf_state_dict(model)
+    if arch.num_experts:
+        hf = _stack_experts(hf)
     if arch.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
     if arch.norm_head:
@@ -127,6 +238,8 @@ def gguf_tensors(model: Any) -> Dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(_arch_enum(gguf, name), arch.num_hidden_layers)
     out: Dict[str, np.ndarray] = {}
     for hf_name, arr in hf.items():
+        if hf_name.endswith(_SCORE_BIAS):  # ERNIE 4.5 MoE's [1, experts] selection bias: exp_probs_b.bias
+            hf_name, arr = hf_name[: -len("_bias")] + ".bias", arr.reshape(-1)
         new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise UserError(f"--format gguf: no llama.cpp tensor for {hf_name} ({name} architecture)")
@@ -134,7 +247,10 @@ def gguf_tensors(model: Any) -> Dict[str, np.ndarray]:
             arr = permute_rows(arr, arch.num_attention_heads)
         elif name in _INTERLEAVED_ROPE and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = permute_rows(arr, arch.num_key_value_heads)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            arr = arr + 1.0  # Gemma: the file holds the scale itself
         out[new] = np.ascontiguousarray(arr, dtype=np.float32)
+    out.update(longrope_tensors(arch))
     factors = rope_factors(arch)
     if factors is not None:
         out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = factors
@@ -146,9 +262,9 @@ def _arch_enum(gguf: Any, name: str) -> Any:
 
 
 def tensor_type(name: str, arr: np.ndarray, quantize: str, tied: bool) -> str:
-    """The GGML type of one tensor: f32 for 1-D ones and rope_freqs, else ``quantize`` with llama.cpp's
-    fallbacks (see the module docstring)."""
-    if arr.ndim < 2 or name.startswith("rope_freqs"):
+    """The GGML type of one tensor: f32 for 1-D ones, rope_freqs/rope_factors and MoE routers (as llama.cpp's
+    converter keeps them), else ``quantize`` with llama.cpp's fallbacks (see the module docstring)."""
+    if arr.ndim < 2 or name.startswith(("rope_freqs", "rope_factors")) or ".ffn_gate_inp." in name:
         return "f32"
     if quantize in ("q8_0", "q4_0") and arr.shape[-1] % _BLOCK:
         return "f16"
@@ -205,15 +321,36 @@ def _add_hparams(w: Any, arch: Any, gguf: Any) -> None:
     w.add_head_count_kv(arch.num_key_value_heads)
     w.add_layer_norm_rms_eps(arch.rms_norm_eps)
     w.add_rope_freq_base(arch.rope_theta)
-    w.add_rope_dimension_count(arch.head_dim)
+    w.add_rope_dimension_count(arch.rotary_dim)
     w.add_vocab_size(arch.vocab_size)
-    if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+    if arch.head_dim * arch.num_attention_heads != arch.hidden_size or arch.family == "gemma3_text":
         w.add_key_length(arch.head_dim)
         w.add_value_length(arch.head_dim)
+    if arch.sliding_window is not None:
+        w.add_sliding_window(arch.sliding_window)
+    if arch.num_experts:
+        w.add_expert_count(arch.num_experts)
+        w.add_expert_used_count(arch.num_experts_per_tok)
+        w.add_expert_feed_forward_length(arch.moe_intermediate_size)
+    if arch.family == "ernie4_5_moe":
+        w.add_interleave_moe_layer_step(arch.decoder_sparse_step)
+        w.add_leading_dense_block_count(arch.moe_layer_start)
+        w.add_expert_shared_count(arch.moe_shared_experts)
+        w.add_expert_shared_feed_forward_length(arch.moe_intermediate_size * arch.moe_shared_experts)
     scaling = arch.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "longrope":
+        from bmtrain_cli.models.rope import inv_frequencies
+
+        original = int(scaling["original_max_position_embeddings"])
+        _, attention_factor = inv_frequencies(
+            arch.rotary_dim, arch.rope_theta, scaling, arch.max_position_embeddings
+        )
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(attention_factor)
 
 
 def write_gguf(

@@ -2,91 +2,61 @@
 
 from typing import Any, Dict
 
+
+def _published(
+    model_type: str,
+    layers: int,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    context: int,
+    **keys: Any,
+) -> Dict[str, Any]:
+    """One checkpoint's config.json: the sizes every family has, then its own keys."""
+    return dict(
+        model_type=model_type,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=context,
+        **keys,
+    )
+
+
 # Published architectures of well-known checkpoints, so that validate-config and plan can size a
 # config written for another machine (the weights themselves are only ever read from a local path).
+# Columns: model_type, layers, hidden, ffn, heads, kv_heads, vocab, context, then the checkpoint's own keys.
 KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
-    "meta-llama/Llama-2-7b-hf": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
+    "meta-llama/Llama-2-7b-hf": _published("llama", 32, 4096, 11008, 32, 32, 32000, 4096, rms_norm_eps=1e-5),
+    "meta-llama/Llama-2-13b-hf": _published("llama", 40, 5120, 13824, 40, 40, 32000, 4096, rms_norm_eps=1e-5),
+    "meta-llama/Llama-2-70b-hf": _published("llama", 80, 8192, 28672, 64, 8, 32000, 4096, rms_norm_eps=1e-5),
+    "meta-llama/Meta-Llama-3-8B": _published(
+        "llama", 32, 4096, 14336, 32, 8, 128256, 8192, rope_theta=500000.0, rms_norm_eps=1e-5
     ),
-    "meta-llama/Llama-2-13b-hf": dict(
-        model_type="llama",
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=40,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
+    "Qwen/Qwen2.5-7B-Instruct": _published(
+        "qwen2", 28, 3584, 18944, 28, 4, 152064, 32768, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True
     ),
-    "meta-llama/Llama-2-70b-hf": dict(
-        model_type="llama",
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "meta-llama/Meta-Llama-3-8B": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        attention_bias=True,
-    ),
-    "baidu/ERNIE-4.5-0.3B-PT": dict(
-        model_type="ernie4_5",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=18,
-        num_attention_heads=16,
-        num_key_value_heads=2,
+    "baidu/ERNIE-4.5-0.3B-PT": _published(
+        "ernie4_5",
+        18,
+        1024,
+        3072,
+        16,
+        2,
+        103424,
+        131072,
         head_dim=128,
-        vocab_size=103424,
-        max_position_embeddings=131072,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         use_bias=False,
     ),
-    "baichuan-inc/Baichuan2-7B-Chat": dict(
-        model_type="baichuan",
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        vocab_size=125696,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
+    "baichuan-inc/Baichuan2-7B-Chat": _published(
+        "baichuan", 32, 4096, 11008, 32, 32, 125696, 4096, rope_theta=10000.0, rms_norm_eps=1e-6
     ),
 }

@@ -1,5 +1,5 @@
-"""Token ids we feed equal transformers' apply_chat_template for published chat templates (chat, tool
-calls, thinking; English, Chinese, emoji), and the trained runs are the assistant turns. Fixtures:
+"""Token ids we feed equal transformers' apply_chat_template for published chat templates (Qwen3, SmolLM2,
+Llama 3.1, ERNIE 4.5; chat, tool calls, thinking; English, Chinese, emoji), and the trained runs are the assistant turns. Fixtures:
 tests/fixtures/make_chat_parity.py (reference venv); with BMTRAIN_REF_PYTHON set the reference side is
 re-run live."""
 
@@ -20,6 +20,7 @@ from bmtrain_cli.data.turns import RenderOptions
 ROOT = Path(__file__).resolve().parents[2] / "fixtures" / "chat_parity"
 CASES = {c["name"]: c for c in json.loads((ROOT / "cases.json").read_text(encoding="utf-8"))}
 EXPECTED = json.loads((ROOT / "expected.json").read_text(encoding="utf-8"))
+MARKS = json.loads((ROOT / "templates.json").read_text(encoding="utf-8"))  # each template's end and header
 
 
 def _encode(key: str, **opts):
@@ -46,17 +47,18 @@ def _runs(ids, mask):
 @pytest.mark.parametrize("key", sorted(EXPECTED))
 def test_ids_equal_apply_chat_template(key):
     tok, case, ids, mask = _encode(key)
+    marks = MARKS[key.split("/")[0]]
     assert ids == EXPECTED[key]
     runs = _runs(ids, mask)
     answers = [m for m in case["messages"] if m["role"] == "assistant"]
     assert len(runs) == len(answers)
     for run, m in zip(runs, answers):
         text = tok.decode(run, skip_special_tokens=False)
-        assert text.rstrip("\n").endswith("<|im_end|>")
+        assert text.rstrip("\n").endswith(marks["end"])
         assert m["content"].split("</think>")[-1].strip() in text
         for call in m.get("tool_calls", []):
             assert call["function"]["name"] in text
-        assert "<|im_start|>" not in text  # the header and the prompt are not trained
+        assert marks["header"] not in text  # the header and the prompt are not trained
 
 
 def test_masked_reasoning_and_history():

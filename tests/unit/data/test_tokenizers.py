@@ -84,3 +84,20 @@ def test_ids_past_the_vocabulary_decode_to_nothing(sp_tok):
     ids = sp_tok.encode("12+3")
     n = sp_tok.vocab_size
     assert sp_tok.decode(ids + [n, n + 7]) == sp_tok.decode(ids) == "12+3"
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_encode_offsets_are_character_spans(tmp_path, sp_tok, kind):
+    """encode_offsets gives encode's ids and each token's character span (sentencepiece counts bytes:
+    Chinese and emoji are several bytes a character)."""
+    tok = sp_tok if kind == "sentencepiece" else load_tokenizer(str(_hf_tokenizer_dir(tmp_path)))
+    text = "Assistant: Fine 你好🙂 12+35=47"
+    ids, spans = tok.encode_offsets(text)
+    assert ids == tok.encode(text)
+    assert len(spans) == len(ids)
+    assert all(0 <= a <= b <= len(text) for a, b in spans)
+    assert [a for a, _ in spans] == sorted(a for a, _ in spans)
+    assert spans[-1][1] == len(text)
+    # every character lies in some token's span (a byte-fallback character's tokens share its span)
+    covered = {i for a, b in spans for i in range(a, b)}
+    assert {i for i, ch in enumerate(text) if ch != " "} <= covered

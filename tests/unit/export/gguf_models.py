@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -67,12 +67,14 @@ def family_checkpoint(
     family: str = "llama",
     tokenizer: str = "sentencepiece",
     steps: int = 6,
-    tie: bool = False,
+    tie: Optional[bool] = None,
     vocab_pad: int = 0,
+    setup: Optional[Callable[[Any], None]] = None,
     **arch_updates: Any,
 ) -> Path:
     """Train a tiny ``family`` model for ``steps`` steps and save it as a run; returns the run dir.
-    ``vocab_pad`` extra embedding rows past the tokenizer's vocabulary."""
+    ``vocab_pad`` extra embedding rows past the tokenizer's vocabulary; ``tie`` None keeps the family's
+    default; ``setup`` is called on the built model before training (to set what training leaves alone)."""
     import paddle
 
     from bmtrain_cli.data.demo import demo_corpus, train_demo_tokenizer, write_demo_data
@@ -100,12 +102,13 @@ def family_checkpoint(
         head_dim=16,
         vocab_size=tok.vocab_size + vocab_pad,
         max_position_embeddings=128,
-        tie_word_embeddings=tie,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
-        **family_of(family).defaults,
+        **{**family_of(family).defaults, **({} if tie is None else {"tie_word_embeddings": tie})},
     )
     model = build(replace(arch, **arch_updates), kernels="reference")
+    if setup is not None:
+        setup(model)
     _train(model, encode_eval_file(train, tok, max_records=400), steps)
     run = root / "run"
     ckpt = run / "checkpoints" / f"step-{steps}"
@@ -134,6 +137,31 @@ def _train(model: Any, samples: list, steps: int) -> None:
             if done >= steps:
                 break
     model.eval()
+
+
+def logits_with_file_weights(run: Path, quantize: str, ids: np.ndarray) -> np.ndarray:
+    """Our logits when every matrix carries the rounding the GGUF stores: ``quantize`` along each weight's
+    input axis (f16 for rows that do not split into 32-value blocks), routers and 1-D tensors in fp32."""
+    import gguf
+
+    from bmtrain_cli.export.loading import load_for_inference
+
+    loaded = load_for_inference(str(run), kernels="reference")
+    model = next(v for v in vars(loaded).values() if hasattr(v, "named_parameters"))
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or name.endswith("mlp.gate.weight"):
+            continue
+        w = p.numpy()
+        hf = w if "embed_tokens" in name else w.T  # Paddle's linear weights are [in, out]
+        if quantize == "q8_0" and hf.shape[-1] % 32 == 0:
+            qt = gguf.GGMLQuantizationType.Q8_0
+            r = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(hf), qt), qt).reshape(
+                hf.shape
+            )
+        else:
+            r = hf.astype(np.float16).astype(np.float32)
+        p.set_value((r if "embed_tokens" in name else r.T).astype(w.dtype))
+    return loaded.logits(ids)
 
 
 def read_gguf(path: Path, name: Optional[str] = None) -> Any:

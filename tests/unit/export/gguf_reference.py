@@ -38,6 +38,7 @@ def read(d):
         "ids": [tok.encode(t, add_special_tokens=False) for t in texts],
         "model_type": model.config.model_type,
         "tie_word_embeddings": bool(model.config.tie_word_embeddings),
+        "sliding_window": getattr(model.config, "sliding_window", None),
         "eos_token": tok.eos_token,
         "chat_template": tok.chat_template,
     }

@@ -91,7 +91,7 @@ def test_baichuan_w_pack_split_and_norm_head():
     from bmtrain_cli.export.gguf_export import gguf_tensors
     from bmtrain_cli.models import hf_state_dict
 
-    model = _tiny("baichuan", norm_head=True)
+    model = _tiny("baichuan", norm_head=True, num_hidden_layers=32)
     t, hf = gguf_tensors(model), hf_state_dict(model)
     w_pack = hf["model.layers.0.self_attn.W_pack.weight"]
     np.testing.assert_array_equal(_unpermute(t["blk.0.attn_q.weight"], 4), w_pack[:32])
@@ -121,6 +121,184 @@ def test_llama3_rope_scaling_becomes_rope_freqs():
         expected.append(1.0 if wavelen < 16 else 8.0 if wavelen > 64 else 1 / ((1 - smooth) / 8.0 + smooth))
     np.testing.assert_allclose(f, expected, rtol=1e-5)
     assert f[0] == 1.0 and f[-1] == 8.0
+
+
+def test_phi3_keeps_fused_projections_partial_rotary_and_longrope(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    half = 3  # rotary dim 6 of head_dim 8 (partial_rotary_factor 0.75, as Phi-4-mini)
+    scaling = {
+        "rope_type": "longrope",
+        "long_factor": [1.0, 2.0, 4.0],
+        "short_factor": [1.0, 1.5, 2.0],
+        "original_max_position_embeddings": 32,
+    }
+    model = _tiny(
+        "phi3", partial_rotary_factor=0.75, rope_scaling=scaling, max_position_embeddings=128, vocab_size=512
+    )
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    np.testing.assert_array_equal(t["blk.0.attn_qkv.weight"], hf["model.layers.0.self_attn.qkv_proj.weight"])
+    np.testing.assert_array_equal(t["blk.1.ffn_up.weight"], hf["model.layers.1.mlp.gate_up_proj.weight"])
+    assert "blk.0.attn_q.weight" not in t and "blk.0.ffn_gate.weight" not in t
+    np.testing.assert_array_equal(t["rope_factors_long.weight"], [1.0, 2.0, 4.0])
+    np.testing.assert_array_equal(t["rope_factors_short.weight"], [1.0, 1.5, 2.0])
+    assert t["rope_factors_long.weight"].shape == (half,)
+    summary = write_gguf(model, sp_tokenizer, tmp_path / "g")
+    assert summary.tensor_types["rope_factors_long.weight"] == "f32"
+    r = gguf.GGUFReader(str(summary.path))
+    assert field_value(r, "phi3.rope.dimension_count") == 2 * half
+    assert field_value(r, "phi3.rope.scaling.original_context_length") == 32
+    # LongRoPE's attention factor for 128 / 32 positions: sqrt(1 + ln 4 / ln 32)
+    assert field_value(r, "phi3.rope.scaling.attn_factor") == pytest.approx(
+        (1 + np.log(4) / np.log(32)) ** 0.5
+    )
+
+
+def test_gemma3_norms_hold_one_plus_weight_and_the_window_is_recorded(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("gemma3_text", sliding_window=4, query_pre_attn_scalar=8, vocab_size=512)
+    for p in model.parameters():  # Gemma's norms start at 0: move them so that +1 is not all ones
+        if p.ndim == 1:
+            p.set_value(p + 0.25)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    for ours, theirs in [
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+        ("blk.1.post_ffw_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"),
+        ("blk.0.attn_q_norm.weight", "model.layers.0.self_attn.q_norm.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ]:
+        np.testing.assert_array_equal(t[ours], hf[theirs] + 1.0)
+    np.testing.assert_array_equal(t["blk.0.attn_q.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    assert "output.weight" not in t  # tied, as Gemma's
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "gemma3"
+    assert field_value(r, "gemma3.attention.sliding_window") == 4
+    assert field_value(r, "gemma3.attention.key_length") == 8
+
+
+def test_qwen3_moe_experts_are_stacked_per_layer(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=512)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    assert t["blk.1.ffn_gate_exps.weight"].shape == (4, 16, 32)
+    assert t["blk.1.ffn_down_exps.weight"].shape == (4, 32, 16)
+    for e in range(4):
+        for proj, name in [
+            ("gate_proj", "ffn_gate_exps"),
+            ("up_proj", "ffn_up_exps"),
+            ("down_proj", "ffn_down_exps"),
+        ]:
+            np.testing.assert_array_equal(
+                t[f"blk.1.{name}.weight"][e], hf[f"model.layers.1.mlp.experts.{e}.{proj}.weight"]
+            )
+    np.testing.assert_array_equal(t["blk.0.ffn_gate_inp.weight"], hf["model.layers.0.mlp.gate.weight"])
+    assert not any(".experts." in n for n in t)
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "qwen3moe"
+    assert field_value(r, "qwen3moe.expert_count") == 4
+    assert field_value(r, "qwen3moe.expert_used_count") == 2
+    assert field_value(r, "qwen3moe.expert_feed_forward_length") == 16
+
+
+@pytest.mark.parametrize(
+    "family, kw, needle",
+    [
+        ("gemma3_text", dict(layer_types=("full_attention", "sliding_attention")), "every 6th layer global"),
+        ("gemma3_text", dict(rope_local_theta=5000.0), "rope base 10000"),
+        ("gemma3_text", dict(query_pre_attn_scalar=64.0), "query_pre_attn_scalar"),
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, mlp_only_layers=(0,)), "every layer"),
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False), "norm_topk_prob"),
+        ("ernie4_5_moe", dict(num_experts=4, moe_intermediate_size=16, decoder_sparse_step=2), "every layer"),
+        ("baichuan", dict(num_hidden_layers=30), "only to 32-layer"),
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "long_factor": [1.0] * 4,
+                    "short_factor": [1.0] * 4,
+                    "original_max_position_embeddings": 8,
+                }
+            ),
+            "longrope",
+        ),
+    ],
+)
+def test_what_llama_cpp_fixes_is_refused_when_the_model_differs(family, kw, needle):
+    from bmtrain_cli.export.gguf_export import check_exportable
+
+    with pytest.raises(UserError, match=needle):
+        check_exportable(replace(_tiny(family).arch, **kw))
+
+
+def test_a_family_without_a_llama_cpp_architecture_is_refused_by_name(monkeypatch):
+    from bmtrain_cli.export import gguf_export
+
+    monkeypatch.delitem(gguf_export.GGUF_ARCHS, "glm4")
+    with pytest.raises(UserError, match="the glm4 family has no llama.cpp architecture"):
+        gguf_export.check_exportable(_tiny("glm4").arch)
+
+
+def test_mixtral_and_ernie4_5_moe_experts_shared_experts_and_score_bias(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=512)
+    mixtral = _tiny("mixtral", **moe)
+    t, hf = gguf_tensors(mixtral), hf_state_dict(mixtral)
+    for e in range(4):
+        np.testing.assert_array_equal(
+            t["blk.1.ffn_gate_exps.weight"][e], hf[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"]
+        )
+        np.testing.assert_array_equal(
+            t["blk.1.ffn_down_exps.weight"][e], hf[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"]
+        )
+    assert "blk.0.ffn_gate_inp.weight" in t and not any(".experts." in n for n in t)
+
+    ernie = _tiny("ernie4_5_moe", num_hidden_layers=3, moe_layer_start=1, moe_shared_experts=2, **moe)
+    t, hf = gguf_tensors(ernie), hf_state_dict(ernie)
+    assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_exps.weight" not in t  # the leading dense layer
+    assert t["blk.1.ffn_up_exps.weight"].shape == (4, 16, 32)
+    assert t["blk.1.ffn_gate_shexp.weight"].shape == (32, 32)
+    np.testing.assert_array_equal(
+        t["blk.2.exp_probs_b.bias"],
+        hf["model.layers.2.mlp.moe_statics.e_score_correction_bias"].reshape(-1),
+    )
+    r = gguf.GGUFReader(str(write_gguf(ernie, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "ernie4_5-moe"
+    assert field_value(r, "ernie4_5-moe.leading_dense_block_count") == 1
+    assert field_value(r, "ernie4_5-moe.interleave_moe_layer_step") == 1
+    assert field_value(r, "ernie4_5-moe.expert_shared_count") == 2
+    assert field_value(r, "ernie4_5-moe.expert_shared_feed_forward_length") == 32
+
+
+def test_glm4_post_norms_fused_gate_up_and_partial_rotary(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("glm4", vocab_size=512)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    # interleaved rope in both: q/k rows as transformers holds them
+    np.testing.assert_array_equal(t["blk.0.attn_q.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(t["blk.0.ffn_up.weight"], hf["model.layers.0.mlp.gate_up_proj.weight"])
+    assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.attn_q.bias"} <= set(t)
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "glm4.rope.dimension_count") == 4  # head_dim 8 x partial_rotary_factor 0.5
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(tmp_path_factory):
+    """The demo's sentencepiece tokenizer (360 pieces: the tiny models below have 512 rows)."""
+    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+
+    root = tmp_path_factory.mktemp("sp")
+    train, _ = write_demo_data(str(root / "data"))
+    return train_demo_tokenizer(str(root / "tok"), [train], vocab_size=64)
 
 
 @pytest.mark.parametrize(
@@ -322,13 +500,15 @@ def test_sentencepiece_model_is_used_beside_a_non_byte_level_tokenizer_json(sp_r
 
 
 def test_baichuan_file_metadata(sp_run, tmp_path):
-    """Baichuan (RoPE) through the writer; no GGUF reader here runs it (transformers has no Baichuan GGUF
-    support), so the file is checked with gguf.GGUFReader only."""
+    """Baichuan (RoPE, 32 layers as llama.cpp needs) through the writer, read back with gguf.GGUFReader
+    (llama.cpp itself runs it in test_gguf_llama_cpp.py)."""
     from bmtrain_cli.data.tokenizers import load_tokenizer
     from bmtrain_cli.export.gguf_export import write_gguf
 
     tok = load_tokenizer(str(sp_run / "checkpoints" / "step-2"))
-    summary = write_gguf(_tiny("baichuan", vocab_size=tok.vocab_size), tok, tmp_path, "q8_0")
+    summary = write_gguf(
+        _tiny("baichuan", vocab_size=tok.vocab_size, num_hidden_layers=32), tok, tmp_path, "q8_0"
+    )
     reader = gguf.GGUFReader(str(summary.path))
     assert field_value(reader, "general.architecture") == "baichuan"
     assert field_value(reader, "baichuan.attention.head_count") == 4

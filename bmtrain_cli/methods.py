@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Literal, Tuple
 _PACKAGE = Path(__file__).resolve().parent
 
 REFERENCE_FREE = ("simpo", "orpo")  # the dpo_loss values that compare against no reference model
+# the reward functions of stage grpo named by a word (grpo/rewards.py builds them)
+BUILTIN_REWARDS = ("accuracy", "format", "overlong")
 
 
 @dataclass(frozen=True)

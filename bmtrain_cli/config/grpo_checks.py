@@ -8,9 +8,23 @@ from typing import Callable, List, Tuple
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
-from bmtrain_cli.grpo.rewards import is_builtin, user_reference_problem
+from bmtrain_cli.methods import BUILTIN_REWARDS
 
 LATER = "this slice of stage grpo runs on one process (docs/grpo.md)"
+
+
+def user_reward_problem(name: str, base: Path) -> str:
+    """Why a user's reward reference cannot be used, without running it ("" when it may be):
+    ``file.py:function`` must name an existing file (relative to ``base``); ``module:function`` both parts."""
+    where, sep, function = name.rpartition(":")
+    if not sep or not where or not function.isidentifier():
+        builtins = ", ".join(BUILTIN_REWARDS)
+        return f"{name!r} is neither a built-in reward ({builtins}) nor file.py:function / module:function"
+    if where.endswith(".py"):
+        path = Path(where) if Path(where).is_absolute() else base / where
+        if not path.is_file():
+            return f"reward file {path} does not exist"
+    return ""
 
 
 def _layout_refusals(config: Config) -> List[Tuple[bool, str, str, str]]:
@@ -85,7 +99,7 @@ def check_grpo(config: Config, err: Callable[..., None]) -> None:
             "e.g. reward_funcs: [accuracy] (the final answer against the answer column), or path/to/file.py:name",
         )
     for i, name in enumerate(g.reward_funcs):
-        problem = "" if is_builtin(name) else user_reference_problem(name, Path.cwd())
+        problem = "" if name in BUILTIN_REWARDS else user_reward_problem(name, Path.cwd())
         if problem:
             err(f"train_config.grpo.reward_funcs.{i}", problem, "see docs/grpo.md, Rewards")
     if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):

@@ -156,6 +156,7 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
     correction. Also the std used (``std``) for frac_reward_zero_std."""
     grouped = rewards.reshape(-1, num_generations).astype(np.float64)
     mean = np.repeat(grouped.mean(1), num_generations)
+    std: np.ndarray
     if scale_rewards == "batch":
         std = np.full(rewards.shape, rewards.astype(np.float64).std(ddof=1) if rewards.size > 1 else 0.0)
     elif scale_rewards in ("group", "none"):

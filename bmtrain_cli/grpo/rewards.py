@@ -3,7 +3,7 @@
 A reward function is called once per rollout batch as ``f(prompts, completions, **columns)``: ``prompts``
 and ``completions`` are lists of strings (a prompt repeated once per completion of its group), each column
 of the prompt records (``answer``, ...) a list of the same length; it returns one float per completion.
-Built-ins are named by a word (``BUILTIN``); a user's function by ``path/to/file.py:name`` or
+Built-ins are named by a word (methods.py ``BUILTIN_REWARDS``); a user's function by ``path/to/file.py:name`` or
 ``module:name``. A function that raises, returns something other than a list of len(completions) numbers,
 or returns a non-finite number stops the run with its name and the record (RewardError), never a zero.
 """
@@ -17,15 +17,19 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.methods import BUILTIN_REWARDS
 
 RewardFn = Callable[..., Any]
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-class RewardError(Exception):
-    """A reward function failed or broke its contract; the message names it and the record."""
+class RewardError(UserError):
+    """A reward function failed or broke its contract; the message names it and the record (the CLI
+    prints it as one line and exits 2)."""
 
 
 def final_answer(completion: str) -> str:
@@ -82,26 +86,6 @@ def overlong_reward(max_length: int, buffer: int) -> RewardFn:
     return overlong
 
 
-BUILTIN = ("accuracy", "format", "overlong")
-
-
-def is_builtin(name: str) -> bool:
-    return name in BUILTIN
-
-
-def user_reference_problem(name: str, base: Path) -> str:
-    """Why a user's reward reference cannot be used, without running it ("" when it may be):
-    ``file.py:function`` must name an existing file (relative to ``base``); ``module:function`` both parts."""
-    where, sep, function = name.rpartition(":")
-    if not sep or not where or not function.isidentifier():
-        return f"{name!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor file.py:function / module:function"
-    if where.endswith(".py"):
-        path = Path(where) if Path(where).is_absolute() else base / where
-        if not path.is_file():
-            return f"reward file {path} does not exist"
-    return ""
-
-
 def load_user_function(name: str, base: Path) -> RewardFn:
     """The function ``file.py:function`` (a path relative to ``base``) or ``module:function``."""
     where, _, function = name.rpartition(":")
@@ -147,17 +131,14 @@ def build_rewards(grpo: Any, base: Path) -> List[Reward]:
     }
     out = []
     for name, weight in zip(grpo.reward_funcs, weights):
-        fn = made[name]() if is_builtin(name) else load_user_function(name, base)
-        out.append(
-            Reward(
-                name=name.rpartition(":")[2] if not is_builtin(name) else name, weight=float(weight), fn=fn
-            )
-        )
+        builtin = name in BUILTIN_REWARDS
+        fn = made[name]() if builtin else load_user_function(name, base)
+        out.append(Reward(name=name if builtin else name.rpartition(":")[2], weight=float(weight), fn=fn))
     return out
 
 
 def _record_text(
-    i: int, prompts: Sequence[str], completions: Sequence[str], columns: Dict[str, Sequence[Any]]
+    i: int, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
 ) -> str:
     shown = {"prompt": prompts[i], "completion": completions[i]}
     shown.update({k: v[i] for k, v in columns.items() if k not in ("completion_lengths", "truncated")})
@@ -168,7 +149,7 @@ def score(
     rewards: Sequence[Reward],
     prompts: Sequence[str],
     completions: Sequence[str],
-    columns: Dict[str, Sequence[Any]],
+    columns: Mapping[str, Sequence[Any]],
 ) -> List[List[float]]:
     """[reward function][completion] scores; RewardError (one line: the function, what went wrong, the
     record) when a function raises or breaks its contract."""

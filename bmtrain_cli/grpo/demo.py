@@ -9,11 +9,11 @@ on by SFT or here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record
+from bmtrain_cli.preference.demo import write_jsonl
 
 GRPO_TASKS = ("reverse",)
 PROMPTS_TRAIN = 4000  # of the quickstart's training strings: more than a demo run draws
@@ -22,14 +22,6 @@ PROMPTS_TRAIN = 4000  # of the quickstart's training strings: more than a demo r
 def prompt_record(word: str) -> Dict[str, str]:
     rec = reverse_record(word)
     return {"prompt": rec["input"], "answer": rec["output"]}
-
-
-def _write(path: Path, records: List[dict]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    tmp.replace(path)
 
 
 def write_demo_prompts(out_dir: str, task: str = "reverse", seed: int = 0) -> Dict[str, str]:
@@ -45,7 +37,7 @@ def write_demo_prompts(out_dir: str, task: str = "reverse", seed: int = 0) -> Di
         "prompts_heldout": out / "prompts_heldout.jsonl",
         "heldout": out / "heldout.jsonl",
     }
-    _write(paths["prompts_train"], [prompt_record(w) for w in train[:PROMPTS_TRAIN]])
-    _write(paths["prompts_heldout"], [prompt_record(w) for w in held])
-    _write(paths["heldout"], [reverse_record(w) for w in held])
+    write_jsonl(paths["prompts_train"], [prompt_record(w) for w in train[:PROMPTS_TRAIN]])
+    write_jsonl(paths["prompts_heldout"], [prompt_record(w) for w in held])
+    write_jsonl(paths["heldout"], [reverse_record(w) for w in held])
     return {k: str(v) for k, v in paths.items()}

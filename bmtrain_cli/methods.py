@@ -1,10 +1,11 @@
 """The training methods: ``train_config.stage`` -> the recipe that trains it. The one place a stage is
-looked up (the config checks that belong to a stage aside: config/checks.py, config/preference_checks.py).
+looked up (the config checks that belong to a stage aside: config/checks.py, config/preference_checks.py,
+config/grpo_checks.py).
 
 A method is a recipe file, ``recipes/<stage>.py`` (a wheel carries them as ``bmtrain_cli/_recipes``),
 which builds its own data and objective from the shared pieces of bmtrain_cli.train, plus what the tools
 that read a run's data before it starts (the memory plan, data-preview, prepare-data, data-stats) need to
-know of its samples. Adding a method (e.g. grpo) is one entry here, one recipe file, and its config checks
+know of its samples. Adding a method is one entry here, one recipe file, and its config checks
 (docs/architecture.md, "Where to add a method").
 """
 
@@ -12,18 +13,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Literal, Tuple
+from typing import Any, Callable, Dict, Literal, Tuple
 
 _PACKAGE = Path(__file__).resolve().parent
+
+REFERENCE_FREE = ("simpo", "orpo")  # the dpo_loss values that compare against no reference model
+# the reward functions of stage grpo named by a word (grpo/rewards.py builds them)
+BUILTIN_REWARDS = ("accuracy", "format", "overlong")
 
 
 @dataclass(frozen=True)
 class Method:
     recipe: str  # recipes/<recipe>.py
-    # what one training sample is: "sequence" (an SFT record: one token sequence) or "pair" (a preference
-    # pair: the chosen and the rejected conversation, two sequences; micro_batch_size counts pairs)
-    sample: Literal["sequence", "pair"]
-    reference: bool  # may compare against a reference model (preference/reference_kind.py)
+    # what one training sample is: "sequence" (an SFT record: one token sequence), "pair" (a preference
+    # pair: the chosen and the rejected conversation, two sequences; micro_batch_size counts pairs) or
+    # "completion" (a prompt record's sampled completion, one sequence; micro_batch_size counts completions,
+    # each prompt giving train_config.grpo.num_generations of them)
+    sample: Literal["sequence", "pair", "completion"]
+    # whether a train_config of this method compares against a reference model (preference/reference_kind.py)
+    reference: Callable[[Any], bool]
 
     @property
     def sequences_per_sample(self) -> int:
@@ -31,8 +39,9 @@ class Method:
 
 
 METHODS: Dict[str, Method] = {
-    "sft": Method(recipe="sft", sample="sequence", reference=False),
-    "dpo": Method(recipe="dpo", sample="pair", reference=True),
+    "sft": Method(recipe="sft", sample="sequence", reference=lambda t: False),
+    "dpo": Method(recipe="dpo", sample="pair", reference=lambda t: t.dpo_loss not in REFERENCE_FREE),
+    "grpo": Method(recipe="grpo", sample="completion", reference=lambda t: t.grpo.beta > 0),
 }
 STAGES: Tuple[str, ...] = tuple(METHODS)  # train_config.stage's choices (config/schema.py)
 

@@ -23,6 +23,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from bmtrain_cli.config.load import LoadedConfig
+from bmtrain_cli.methods import REFERENCE_FREE
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.preference.demo import write_demo_pairs
 from bmtrain_cli.preference.loader import build_preference_loader
@@ -37,7 +38,6 @@ from bmtrain_cli.preference.reference import (
     precompute,
     precompute_key,
 )
-from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
 from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
 from bmtrain_cli.train.run import load_recipe
 from bmtrain_cli.train.runtime import Runtime

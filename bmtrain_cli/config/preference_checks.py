@@ -7,7 +7,7 @@ from typing import Callable, List, Tuple
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
-from bmtrain_cli.preference.reference_kind import REFERENCE_FREE
+from bmtrain_cli.methods import REFERENCE_FREE
 
 PREFERENCE_FIELDS = (
     "dpo_loss",

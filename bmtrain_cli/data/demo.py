@@ -119,14 +119,17 @@ def write_demo_data(out_dir: str, task: str = "arithmetic", seed: int = 0) -> Tu
 
 
 def demo_corpus(paths: Iterable[str]) -> List[str]:
-    """The texts a quickstart tokenizer is trained on: every prompt and answer of the given JSONL files."""
+    """The texts a quickstart tokenizer is trained on: every prompt and answer of the given JSONL files
+    (SFT records' input/output, or GRPO prompt records' prompt/answer)."""
     texts: List[str] = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     rec = json.loads(line)
-                    texts.append(rec["input"] + rec["output"])
+                    texts.append(
+                        rec.get("input", rec.get("prompt", "")) + rec.get("output", rec.get("answer", ""))
+                    )
     return texts
 
 

@@ -47,7 +47,8 @@ def preference_records(words: List[str], rng: random.Random) -> List[Dict[str, s
     return out
 
 
-def _write(path: Path, records: List[dict]) -> None:
+def write_jsonl(path: Path, records: List[dict]) -> None:
+    """``records`` as JSON lines at ``path``, written whole or not at all."""
     tmp = path.with_suffix(".jsonl.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for rec in records:
@@ -69,7 +70,7 @@ def write_demo_pairs(out_dir: str, task: str = "reverse", seed: int = 0) -> Dict
         "pairs_heldout": out / "pairs_heldout.jsonl",
         "heldout": out / "heldout.jsonl",
     }
-    _write(paths["pairs_train"], preference_records(train, rng))
-    _write(paths["pairs_heldout"], preference_records(held, rng))
-    _write(paths["heldout"], [reverse_record(w) for w in held])
+    write_jsonl(paths["pairs_train"], preference_records(train, rng))
+    write_jsonl(paths["pairs_heldout"], preference_records(held, rng))
+    write_jsonl(paths["heldout"], [reverse_record(w) for w in held])
     return {k: str(v) for k, v in paths.items()}

@@ -7,18 +7,17 @@ from typing import Any
 
 from bmtrain_cli.methods import method_of
 
-REFERENCE_FREE = ("simpo", "orpo")
-
 # what a run's reference is (docs/preference.md "The reference"; docs/plan.md counts each)
-NO_REFERENCE = "none"  # stage sft, or a reference-free loss
+NO_REFERENCE = "none"  # stage sft, a reference-free loss, or grpo with beta 0
 FROZEN_COPY = "frozen_copy"  # full fine-tuning: a second copy of the starting weights, never trained
 ADAPTERS_OFF = "adapters_off"  # LoRA: the policy with its adapters switched off (no second copy)
 PRECOMPUTED = "precomputed"  # numbers computed once before training; the model used for them is dropped
 
 
 def reference_kind(train: Any) -> str:
-    """The reference of a train_config (``stage``, ``dpo_loss``, ``finetuning``, ``precompute_ref_log_probs``)."""
-    if not method_of(train).reference or train.dpo_loss in REFERENCE_FREE:
+    """The reference of a train_config (its method's rule on ``dpo_loss`` or ``grpo.beta``, ``finetuning``,
+    ``precompute_ref_log_probs``)."""
+    if not method_of(train).reference(train):
         return NO_REFERENCE
     if train.precompute_ref_log_probs:
         return PRECOMPUTED

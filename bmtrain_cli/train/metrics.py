@@ -37,6 +37,27 @@ PREFERENCE_KEYS = (
     "logps/rejected",
     "preference_accuracy",
 )
+# stage grpo, named as TRL logs them (bmtrain_cli/grpo/objective.py), with each reward function's
+# rewards/<name>/mean and /std (GRPO_REWARD_SUFFIXES), and the seconds of the rollout and of the update
+GRPO_KEYS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "entropy",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "time/rollout",
+    "time/update",
+)
+GRPO_REWARD_SUFFIXES = ("/mean", "/std")
 
 
 # ----------------------------------------------------------------------------- memory / flops
@@ -240,7 +261,11 @@ class MetricsWriter:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._write_record(record)
         if self._is_logging_step(step):
-            keys = TRAIN_KEYS + COMPRESSION_KEYS + MOE_KEYS + PREFERENCE_KEYS + ("loss_scale",)
+            per_reward = tuple(
+                k for k in values if k.startswith("rewards/") and k.endswith(GRPO_REWARD_SUFFIXES)
+            )
+            keys = TRAIN_KEYS + COMPRESSION_KEYS + MOE_KEYS + PREFERENCE_KEYS + GRPO_KEYS + per_reward
+            keys += ("loss_scale",)
             self._scalars({f"train/{k}": values.get(k) for k in keys}, step)
         self._progress(step, values)
 

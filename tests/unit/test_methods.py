@@ -21,6 +21,7 @@ STAGE_ALLOWED = {
     "bmtrain_cli/methods.py",
     "bmtrain_cli/config/checks.py",
     "bmtrain_cli/config/preference_checks.py",
+    "bmtrain_cli/config/grpo_checks.py",
     "bmtrain_cli/config/recipe_checks.py",
 }
 # the old second test of the method: an optional preference part consulted by the shared code

@@ -1,0 +1,174 @@
+"""The GRPO objective as the shared step calls it (train/parts.py Objective): the per-token log-probs of
+the completions in a micro-batch, the loss of grpo/loss.py weighted so that a step equals TRL's over its
+accumulation steps, the step's metrics, and the held-out reward as the evaluation.
+
+Per optimizer step TRL averages its micro-batch losses over the accumulation steps, and ``dapo`` divides
+the rollout batch's summed token losses by its completion tokens. Here each micro-batch's summed loss is
+divided by one denominator for the whole step: ``dapo`` sums token losses over the completion tokens of
+the step; the others give (their micro-batch loss x its completions) over the step's completions, which is
+TRL's mean of equal-sized micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from bmtrain_cli.grpo.loss import LossSettings, grpo_loss, loss_metrics
+from bmtrain_cli.grpo.prompts import PromptSet
+from bmtrain_cli.grpo.rollout import (
+    RolloutSource,
+    Sampling,
+    decode_completion,
+    sample_completions,
+    score_completions,
+)
+from bmtrain_cli.preference.logps import model_inputs, token_logps
+from bmtrain_cli.preference.reference import adapters_disabled
+
+Batch = Dict[str, np.ndarray]
+
+
+def completion_logps(
+    model: Any, batch: Batch, temperature: float, with_entropy: bool = False
+) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+    """(log p(completion token) [rows, T] under ``model`` with logits / temperature, as TRL scores them;
+    the entropy of each of those predictions, or None). Only the positions that predict a completion
+    token go through the LM head."""
+    hidden = model.hidden_states(**model_inputs(batch))
+    rows, width = batch["input_ids"].shape
+    t = batch["completion_ids"].shape[1]
+    cols = batch["completion_start"][:, None] - 1 + np.arange(t)[None, :]
+    cols = np.where(batch["completion_mask"] > 0, cols, batch["completion_start"][:, None] - 1)
+    flat = paddle.to_tensor((np.arange(rows)[:, None] * width + cols).reshape(-1).astype(np.int64))
+    picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
+    logits = model.logits_from_hidden(picked).astype("float32") / temperature
+    targets = paddle.to_tensor(batch["completion_ids"].reshape(-1).astype(np.int64))
+    logps = token_logps(logits, targets, getattr(model, "factory", None)).reshape([rows, t])
+    entropy = None
+    if with_entropy:
+        with paddle.no_grad():
+            logp_all = F.log_softmax(logits, axis=-1)
+            entropy = -(paddle.exp(logp_all) * logp_all).sum(-1).reshape([rows, t])
+    return logps, entropy
+
+
+def no_grad_logps(
+    model: Any, temperature: float, adapters_off: bool = False
+) -> Callable[[Batch], np.ndarray]:
+    """Per-token completion log-probs of ``model`` without gradient, in eval mode: the old policy (the
+    current weights when the rollout is sampled) or the reference (a frozen copy, or the policy with its
+    LoRA adapters off)."""
+
+    def logps(batch: Batch) -> np.ndarray:
+        was_training = model.training
+        model.eval()
+        try:
+            with paddle.no_grad(), adapters_disabled(model) if adapters_off else contextlib.nullcontext():
+                return completion_logps(model, batch, temperature)[0].numpy().astype(np.float32)
+        finally:
+            model.train(was_training)
+
+    return logps
+
+
+class GrpoObjective:
+    """train/parts.py Objective of stage grpo."""
+
+    perplexity = False  # the eval loss is minus the held-out mean reward, not a token NLL
+
+    def __init__(
+        self,
+        settings: LossSettings,
+        temperature: float,
+        source: RolloutSource,
+        eval_prompts: Optional[PromptSet],
+        eval_limit: int,
+        all_reduce_sum: Callable[[float], float],
+    ) -> None:
+        self.settings = settings
+        self.temperature = temperature
+        self.source = source
+        self.eval_prompts = eval_prompts
+        self.eval_limit = eval_limit
+        self.all_reduce_sum = all_reduce_sum
+        self._micro: List[Dict[str, float]] = []
+        self._step_started = 0.0
+
+    # ------------------------------------------------------------------ the step
+
+    def begin_step(self, micro: List[Batch]) -> Tuple[float, float]:
+        self._micro = []
+        self._step_started = time.perf_counter()
+        tokens = float(sum(int(b["attention_mask"].sum()) for b in micro))
+        if self.settings.loss_type == "dapo":
+            count = float(sum(int(b["completion_mask"].sum()) for b in micro))
+        else:
+            count = float(sum(len(b["advantages"]) for b in micro))
+        return self.all_reduce_sum(count), self.all_reduce_sum(tokens)
+
+    def loss_sum(self, model: Any, batch: Batch) -> Tuple[Any, Any]:
+        logps, entropy = completion_logps(model, batch, self.temperature, with_entropy=True)
+        old = paddle.to_tensor(batch["old_logps"]) if "old_logps" in batch else logps.detach()
+        ref = paddle.to_tensor(batch["ref_logps"]) if "ref_logps" in batch else None
+        mask = paddle.to_tensor(batch["completion_mask"])
+        adv = paddle.to_tensor(batch["advantages"])
+        s = self.settings
+        terms = grpo_loss(logps, old, ref, adv, mask, s, num_items=1.0)  # dapo: the token sum
+        rows = len(batch["advantages"])
+        loss = terms.loss if s.loss_type == "dapo" else terms.loss * rows
+        entropies = entropy.numpy() if entropy is not None else None
+        self._micro.append(loss_metrics(terms, batch["advantages"], batch["completion_mask"], s, entropies))
+        return loss, paddle.to_tensor(float(rows))
+
+    def step_metrics(self) -> Dict[str, float]:
+        """TRL's names: the rollout batch's reward figures and completion lengths, the micro-batches' mean
+        of kl, entropy and clip_ratio/*, and the seconds spent on rollouts and on the update."""
+        out: Dict[str, float] = dict(self.source.metrics)
+        for name in self._micro[0] if self._micro else {}:
+            values = np.asarray([m[name] for m in self._micro], dtype=np.float64)
+            out[name] = float(np.nanmean(values)) if not np.isnan(values).all() else float("nan")
+        out["time/rollout"] = self.source.take_rollout_time()
+        out["time/update"] = time.perf_counter() - self._step_started
+        return out
+
+    def pipeline(self, ctx: Any, micro_batch_size: int) -> None:
+        return None  # validate-config refuses pipeline parallel for stage grpo
+
+    # ------------------------------------------------------------------ evaluation
+
+    def held_out_reward(self, model: Any, tokenizer: Any) -> Dict[str, float]:
+        """Greedy completions of the first eval_prompts held-out prompts, scored: reward and
+        rewards/<name>/mean."""
+        assert self.eval_prompts is not None, "held-out prompts (eval_data_path) first"
+        prompts = self.eval_prompts.prompts[: self.eval_limit]
+        s = self.source.sampling
+        greedy = Sampling(
+            num_generations=1,
+            max_completion_length=s.max_completion_length,
+            temperature=0.0,
+            top_p=1.0,
+            mask_truncated_completions=False,
+            scale_rewards="none",
+            eos_id=s.eos_id,
+        )
+        completions = sample_completions(model, [p.ids for p in prompts], greedy, 0, 64)
+        texts = [decode_completion(tokenizer, c, s.eos_id) for c in completions]
+        per_func, total, _ = score_completions(
+            self.source.reward_functions, prompts, completions, texts, greedy
+        )
+        out = {"reward": float(total.mean())}
+        for r, values in zip(self.source.reward_functions, per_func):
+            out[f"rewards/{r.name}/mean"] = float(values.mean())
+        return out
+
+    def evaluate(self, parts: Any, state: Any) -> Tuple[float, Dict[str, Any]]:
+        """Minus the held-out mean reward (so the best eval loss is the best reward), with the rewards."""
+        figures = self.held_out_reward(parts.model.raw, parts.tokenizer)
+        state.history["eval_rewards"] = figures
+        return -figures["reward"], figures

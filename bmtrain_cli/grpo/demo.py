@@ -1,4 +1,4 @@
-"""The GRPO demo task (configs/quickstart-grpo.yaml): reverse the quickstart's strings, rewarded by exact
+"""The GRPO demo task (``train_config.demo_data`` with stage grpo): reverse the quickstart's strings, rewarded by exact
 match, on the quickstart's strings.
 
 ``prompts_train.jsonl`` / ``prompts_heldout.jsonl`` hold ``{"prompt": "kqzfa=", "answer": "afzqk"}``;
@@ -9,11 +9,10 @@ on by SFT or here.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict
 
 from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record
-from bmtrain_cli.preference.demo import write_jsonl
+from bmtrain_cli.preference.demo import write_demo_files
 
 GRPO_TASKS = ("reverse",)
 PROMPTS_TRAIN = 4000  # of the quickstart's training strings: more than a demo run draws
@@ -30,14 +29,11 @@ def write_demo_prompts(out_dir: str, task: str = "reverse", seed: int = 0) -> Di
         raise ValueError(f"no GRPO demo for {task!r}; available: {', '.join(GRPO_TASKS)}")
     # the same draw as the SFT quickstart (data/demo.py, salt 1): the same held-out strings
     train, held = _words(seed * 1000 + 1, WORD_TRAIN, WORD_HELDOUT)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "prompts_train": out / "prompts_train.jsonl",
-        "prompts_heldout": out / "prompts_heldout.jsonl",
-        "heldout": out / "heldout.jsonl",
-    }
-    write_jsonl(paths["prompts_train"], [prompt_record(w) for w in train[:PROMPTS_TRAIN]])
-    write_jsonl(paths["prompts_heldout"], [prompt_record(w) for w in held])
-    write_jsonl(paths["heldout"], [reverse_record(w) for w in held])
-    return {k: str(v) for k, v in paths.items()}
+    return write_demo_files(
+        out_dir,
+        {
+            "prompts_train": [prompt_record(w) for w in train[:PROMPTS_TRAIN]],
+            "prompts_heldout": [prompt_record(w) for w in held],
+            "heldout": [reverse_record(w) for w in held],
+        },
+    )

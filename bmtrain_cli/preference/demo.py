@@ -47,6 +47,16 @@ def preference_records(words: List[str], rng: random.Random) -> List[Dict[str, s
     return out
 
 
+def write_demo_files(out_dir: str, files: Dict[str, List[dict]]) -> Dict[str, str]:
+    """Each ``files`` entry as ``out_dir/<name>.jsonl`` (the directory made if needed); name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in files}
+    for name, records in files.items():
+        write_jsonl(paths[name], records)
+    return {k: str(v) for k, v in paths.items()}
+
+
 def write_jsonl(path: Path, records: List[dict]) -> None:
     """``records`` as JSON lines at ``path``, written whole or not at all."""
     tmp = path.with_suffix(".jsonl.tmp")
@@ -63,14 +73,11 @@ def write_demo_pairs(out_dir: str, task: str = "reverse", seed: int = 0) -> Dict
     # the same draw as the SFT quickstart (data/demo.py, salt 1): the same held-out strings
     train, held = _words(seed * 1000 + 1, WORD_TRAIN, WORD_HELDOUT)
     rng = random.Random(seed * 1000 + 7)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "pairs_train": out / "pairs_train.jsonl",
-        "pairs_heldout": out / "pairs_heldout.jsonl",
-        "heldout": out / "heldout.jsonl",
-    }
-    write_jsonl(paths["pairs_train"], preference_records(train, rng))
-    write_jsonl(paths["pairs_heldout"], preference_records(held, rng))
-    write_jsonl(paths["heldout"], [reverse_record(w) for w in held])
-    return {k: str(v) for k, v in paths.items()}
+    return write_demo_files(
+        out_dir,
+        {
+            "pairs_train": preference_records(train, rng),
+            "pairs_heldout": preference_records(held, rng),
+            "heldout": [reverse_record(w) for w in held],
+        },
+    )

@@ -64,6 +64,17 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
   *reinterpret_cast<Vec<T>*>(p) = v;
 }
 
+// VEC values of T: one plain access (VEC 1) or one 16-byte access (VEC Vec<T>::N, p aligned).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_n(const T* p, T* out) {
+  if constexpr (VEC == 1) out[0] = p[0]; else *reinterpret_cast<Vec<T>*>(out) = load_vec(p);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_n(T* p, const T* in) {
+  if constexpr (VEC == 1) p[0] = in[0]; else store_vec(p, *reinterpret_cast<const Vec<T>*>(in));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -116,7 +127,7 @@ __global__ void rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w,
   float ss = 0.f;
   for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
     T xv[VEC];
-    if constexpr (VEC == 1) xv[0] = xr[c]; else *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
+    load_n<T, VEC>(xr + c, xv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) ss += to_f(xv[i]) * to_f(xv[i]);
   }
@@ -124,19 +135,14 @@ __global__ void rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w,
   if (threadIdx.x == 0) rstd[r] = inv;
   for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
     T xv[VEC], wv[VEC], yv[VEC];
-    if constexpr (VEC == 1) {
-      xv[0] = xr[c];
-      wv[0] = w[c];
-    } else {
-      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
-      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
-    }
+    load_n<T, VEC>(xr + c, xv);
+    load_n<T, VEC>(w + c, wv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       const float normed = to_f(from_f<T>(to_f(xv[i]) * inv));  // rounded like the reference's cast
       yv[i] = from_f<T>(normed * to_f(wv[i]));
     }
-    if constexpr (VEC == 1) yr[c] = yv[0]; else store_vec(yr + c, *reinterpret_cast<Vec<T>*>(yv));
+    store_n<T, VEC>(yr + c, yv);
   }
 }
 
@@ -151,33 +157,21 @@ __global__ void rms_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict_
   float dot = 0.f;
   for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
     T xv[VEC], wv[VEC], dv[VEC];
-    if constexpr (VEC == 1) {
-      xv[0] = xr[c];
-      wv[0] = w[c];
-      dv[0] = dyr[c];
-    } else {
-      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
-      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
-      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dyr + c);
-    }
+    load_n<T, VEC>(xr + c, xv);
+    load_n<T, VEC>(w + c, wv);
+    load_n<T, VEC>(dyr + c, dv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) dot += to_f(dv[i]) * to_f(wv[i]) * to_f(xv[i]);
   }
   const float k = block_sum(dot) * inv * inv / static_cast<float>(cols);
   for (int64_t c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
     T xv[VEC], wv[VEC], dv[VEC], ov[VEC];
-    if constexpr (VEC == 1) {
-      xv[0] = xr[c];
-      wv[0] = w[c];
-      dv[0] = dyr[c];
-    } else {
-      *reinterpret_cast<Vec<T>*>(xv) = load_vec(xr + c);
-      *reinterpret_cast<Vec<T>*>(wv) = load_vec(w + c);
-      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dyr + c);
-    }
+    load_n<T, VEC>(xr + c, xv);
+    load_n<T, VEC>(w + c, wv);
+    load_n<T, VEC>(dyr + c, dv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) ov[i] = from_f<T>(inv * (to_f(dv[i]) * to_f(wv[i]) - to_f(xv[i]) * k));
-    if constexpr (VEC == 1) dxr[c] = ov[0]; else store_vec(dxr + c, *reinterpret_cast<Vec<T>*>(ov));
+    store_n<T, VEC>(dxr + c, ov);
   }
 }
 
@@ -200,13 +194,8 @@ __global__ void rms_bwd_dw_partial(const T* __restrict__ dy, const T* __restrict
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * kDwRows + threadIdx.y; r < rows;
          r += static_cast<int64_t>(gridDim.y) * kDwRows) {
       T dv[VEC], xv[VEC];
-      if constexpr (VEC == 1) {
-        dv[0] = dy[r * cols + c];
-        xv[0] = x[r * cols + c];
-      } else {
-        *reinterpret_cast<Vec<T>*>(dv) = load_vec(dy + r * cols + c);
-        *reinterpret_cast<Vec<T>*>(xv) = load_vec(x + r * cols + c);
-      }
+      load_n<T, VEC>(dy + r * cols + c, dv);
+      load_n<T, VEC>(x + r * cols + c, xv);
       const float inv = rstd[r];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += to_f(dv[i]) * to_f(xv[i]) * inv;
@@ -235,16 +224,6 @@ __global__ void rms_bwd_dw_final(const float* __restrict__ part, T* __restrict__
 }
 
 // ---------------------------------------------------------------- rotary
-template <typename T, int VEC>
-__device__ __forceinline__ void load_n(const T* p, T* out) {
-  if constexpr (VEC == 1) out[0] = p[0]; else *reinterpret_cast<Vec<T>*>(out) = load_vec(p);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_n(T* p, const T* in) {
-  if constexpr (VEC == 1) p[0] = in[0]; else store_vec(p, *reinterpret_cast<const Vec<T>*>(in));
-}
-
 // Each thread rotates VEC consecutive pairs (j, j + half) of one head (VEC divides half).
 template <typename T, int VEC>
 __global__ void rotary_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ cos,
@@ -292,6 +271,12 @@ __global__ void rotary_kernel(const T* __restrict__ q, const T* __restrict__ k, 
 }
 
 // ---------------------------------------------------------------- SwiGLU
+template <typename T>
+__device__ __forceinline__ T swiglu_out(T g, T u) {
+  const float a = to_f(g);
+  return from_f<T>(a * (1.f / (1.f + __expf(-a))) * to_f(u));
+}
+
 // Elements [0, bulk) in VEC-wide accesses (bulk a multiple of VEC), then [bulk, n) one at a time.
 template <typename T, int VEC>
 __global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
@@ -300,24 +285,13 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first * VEC; i < bulk; i += stride * VEC) {
     T gv[VEC], uv[VEC], ov[VEC];
-    if constexpr (VEC == 1) {
-      gv[0] = g[i];
-      uv[0] = u[i];
-    } else {
-      *reinterpret_cast<Vec<T>*>(gv) = load_vec(g + i);
-      *reinterpret_cast<Vec<T>*>(uv) = load_vec(u + i);
-    }
+    load_n<T, VEC>(g + i, gv);
+    load_n<T, VEC>(u + i, uv);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float a = to_f(gv[k]);
-      ov[k] = from_f<T>(a * (1.f / (1.f + __expf(-a))) * to_f(uv[k]));
-    }
-    if constexpr (VEC == 1) out[i] = ov[0]; else store_vec(out + i, *reinterpret_cast<Vec<T>*>(ov));
+    for (int k = 0; k < VEC; ++k) ov[k] = swiglu_out(gv[k], uv[k]);
+    store_n<T, VEC>(out + i, ov);
   }
-  for (int64_t i = bulk + first; i < n; i += stride) {
-    const float a = to_f(g[i]);
-    out[i] = from_f<T>(a * (1.f / (1.f + __expf(-a))) * to_f(u[i]));
-  }
+  for (int64_t i = bulk + first; i < n; i += stride) out[i] = swiglu_out(g[i], u[i]);
 }
 
 template <typename T>
@@ -336,24 +310,13 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ g, const T* __restrict__
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first * VEC; i < bulk; i += stride * VEC) {
     T gv[VEC], uv[VEC], dv[VEC], dgv[VEC], duv[VEC];
-    if constexpr (VEC == 1) {
-      gv[0] = g[i];
-      uv[0] = u[i];
-      dv[0] = dout[i];
-    } else {
-      *reinterpret_cast<Vec<T>*>(gv) = load_vec(g + i);
-      *reinterpret_cast<Vec<T>*>(uv) = load_vec(u + i);
-      *reinterpret_cast<Vec<T>*>(dv) = load_vec(dout + i);
-    }
+    load_n<T, VEC>(g + i, gv);
+    load_n<T, VEC>(u + i, uv);
+    load_n<T, VEC>(dout + i, dv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) swiglu_grad(gv[k], uv[k], dv[k], &dgv[k], &duv[k]);
-    if constexpr (VEC == 1) {
-      dg[i] = dgv[0];
-      du[i] = duv[0];
-    } else {
-      store_vec(dg + i, *reinterpret_cast<Vec<T>*>(dgv));
-      store_vec(du + i, *reinterpret_cast<Vec<T>*>(duv));
-    }
+    store_n<T, VEC>(dg + i, dgv);
+    store_n<T, VEC>(du + i, duv);
   }
   for (int64_t i = bulk + first; i < n; i += stride) swiglu_grad(g[i], u[i], dout[i], &dg[i], &du[i]);
 }

@@ -301,7 +301,14 @@ class MetricsWriter:
         if ppl is not None:
             scalars["eval/ppl"] = ppl
         self._scalars(scalars, step)
-        self.message(f"eval step {step}: loss {loss:.4f}" + (f" ppl {ppl:.2f}" if ppl is not None else ""))
+        # the method's headline figures (GRPO's reward, DPO's accuracies) beside the loss; per-function
+        # or per-part figures (names with a "/") only in metrics.jsonl and TensorBoard
+        headline = "".join(
+            f" {k} {v:.4f}" for k, v in (extra or {}).items() if "/" not in k and isinstance(v, (int, float))
+        )
+        self.message(
+            f"eval step {step}: loss {loss:.4f}" + (f" ppl {ppl:.2f}" if ppl is not None else "") + headline
+        )
 
     def log_event(self, step: int, event: str, **fields: Any) -> None:
         """A non-metric event (skipped step, checkpoint saved) in metrics.jsonl."""

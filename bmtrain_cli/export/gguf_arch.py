@@ -132,14 +132,14 @@ def add_hparams(w: Any, arch: Any, gguf: Any) -> None:
         w.add_expert_feed_forward_length(arch.moe_intermediate_size)
     if arch.family in _MOE_HPARAMS:
         _MOE_HPARAMS[arch.family](w, arch, gguf)
+    from bmtrain_cli.models.rope import inv_frequencies, rope_type
+
     scaling = arch.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_type(arch.rope_scaling)
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
     elif kind == "longrope":
-        from bmtrain_cli.models.rope import inv_frequencies
-
         original = int(scaling["original_max_position_embeddings"])
         _, attention_factor = inv_frequencies(
             arch.rotary_dim, arch.rope_theta, scaling, arch.max_position_embeddings

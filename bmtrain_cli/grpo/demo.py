@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record
-from bmtrain_cli.preference.demo import write_demo_files
+from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record, write_demo_files
 
 GRPO_TASKS = ("reverse",)
 PROMPTS_TRAIN = 4000  # of the quickstart's training strings: more than a demo run draws

@@ -10,12 +10,10 @@ the quickstart's held-out strings, so none of them was trained on, by SFT or her
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Dict, List
 
-from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record
+from bmtrain_cli.data.demo import WORD_HELDOUT, WORD_TRAIN, _words, reverse_record, write_demo_files
 
 PREFERENCE_TASKS = ("reverse",)
 
@@ -45,25 +43,6 @@ def preference_records(words: List[str], rng: random.Random) -> List[Dict[str, s
             {"prompt": rec["input"], "chosen": rec["output"], "rejected": near_miss(rec["output"], rng)}
         )
     return out
-
-
-def write_demo_files(out_dir: str, files: Dict[str, List[dict]]) -> Dict[str, str]:
-    """Each ``files`` entry as ``out_dir/<name>.jsonl`` (the directory made if needed); name -> path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / f"{name}.jsonl" for name in files}
-    for name, records in files.items():
-        write_jsonl(paths[name], records)
-    return {k: str(v) for k, v in paths.items()}
-
-
-def write_jsonl(path: Path, records: List[dict]) -> None:
-    """``records`` as JSON lines at ``path``, written whole or not at all."""
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    tmp.replace(path)
 
 
 def write_demo_pairs(out_dir: str, task: str = "reverse", seed: int = 0) -> Dict[str, str]:

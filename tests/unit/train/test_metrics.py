@@ -77,6 +77,19 @@ def test_eval_of_a_non_nll_loss_has_no_perplexity(tmp_path):
     assert "eval step 2: loss 0.6900" in out.getvalue() and "ppl" not in out.getvalue()
 
 
+def test_eval_line_shows_the_methods_headline_figures_not_per_part_ones(tmp_path):
+    """GRPO's eval: the held-out reward beside the loss; the per-function rewards (names with a "/") only in
+    metrics.jsonl."""
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=2, logging_steps=1, stream=out, tty=False)
+    w.log_eval(2, -0.75, {"reward": 0.75, "rewards/accuracy/mean": 0.75}, nll=False)
+    w.close()
+    (line,) = [x for x in out.getvalue().splitlines() if x.startswith("eval step")]
+    assert line == "eval step 2: loss -0.7500 reward 0.7500"
+    (rec,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+    assert rec["rewards/accuracy/mean"] == 0.75
+
+
 def test_resume_truncates_later_records(tmp_path):
     w = MetricsWriter(tmp_path, total_steps=10, stream=io.StringIO(), tty=False, report_to=())
     for step in range(1, 8):

@@ -26,7 +26,7 @@ from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.methods import REFERENCE_FREE
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.preference.demo import write_demo_pairs
-from bmtrain_cli.preference.loader import build_preference_loader
+from bmtrain_cli.preference.loader import PreferenceLoader, build_preference_loader
 from bmtrain_cli.preference.objective import PreferenceObjective
 from bmtrain_cli.preference.pipeline import PairPipeline, pipeline_rows
 from bmtrain_cli.preference.reference import (
@@ -119,6 +119,7 @@ def pair_loss(
             what = f"a frozen copy of {config.model.model_name_or_path}"
         if t.precompute_ref_log_probs:
             for loader in (ld for ld in (data.loader, data.eval_loader) if ld is not None):
+                assert isinstance(loader, PreferenceLoader)  # as pair_data built them
                 path = precompute(loader, live, precompute_key(config, loader.dataset), ctx.is_main)
                 console.say(f"reference log-probs of {len(loader.dataset):,} pairs ({what}): {path}")
             reference = Precomputed()

@@ -29,7 +29,7 @@ from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.grpo.demo import write_demo_prompts
 from bmtrain_cli.grpo.loss import LossSettings
 from bmtrain_cli.grpo.objective import GrpoObjective, no_grad_logps
-from bmtrain_cli.grpo.prompts import read_prompts
+from bmtrain_cli.grpo.prompts import PromptSet, read_prompts
 from bmtrain_cli.grpo.rewards import build_rewards
 from bmtrain_cli.grpo.rollout import RolloutSource, Sampling
 from bmtrain_cli.parallel.protocol import ParallelCtx
@@ -112,9 +112,11 @@ def grpo_objective(
             frozen = FrozenCopy(load_reference_model(config, ctx.factory, dtype)).model
             ref = no_grad_logps(frozen, g.temperature)
             console.say(f"reference model: a frozen copy of {config.model.model_name_or_path}")
-    data.loader.attach(model.raw, old, ref)
+    rollouts, prompts = data.loader, data.eval_loader  # as prompt_data built them
+    assert isinstance(rollouts, RolloutSource) and (prompts is None or isinstance(prompts, PromptSet))
+    rollouts.attach(model.raw, old, ref)
     return GrpoObjective(
-        LossSettings.of(g), g.temperature, data.loader, data.eval_loader, g.eval_prompts, ctx.all_reduce_sum
+        LossSettings.of(g), g.temperature, rollouts, prompts, g.eval_prompts, ctx.all_reduce_sum
     )
 
 

@@ -32,6 +32,7 @@ from bmtrain_cli.lora.merge import (
     settings_from_adapter_config,
     strip_lora,
 )
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.quant.layer import quantized_layers
 from bmtrain_cli.quant.layer import summary as quant_summary
@@ -134,7 +135,7 @@ def load_lora_checkpoint(
     *,
     merge: bool = False,
     kernels: str = "auto",
-    factory: Any = None,
+    factory: Optional[LayerFactory] = None,
     dtype: Optional[str] = None,
     alternatives: Optional[List[str]] = None,
 ) -> nn.Layer:

@@ -16,6 +16,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.attention import attend
 from bmtrain_cli.models.families import family
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.moe import SparseMoE
 from bmtrain_cli.ops import OpSet, reference
 
@@ -76,7 +77,9 @@ def _local_heads(total: int, tp: int, what: str) -> int:
 
 
 class Attention(nn.Layer):
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
+    def __init__(
+        self, arch: ModelArch, factory: LayerFactory, ops: OpSet, layer_idx: int, implementation: str
+    ):
         super().__init__()
         tp = factory.tp_degree
         self.layer_idx = layer_idx
@@ -107,7 +110,7 @@ class Attention(nn.Layer):
         self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
         if arch.qk_norm:
             # one weight for all heads: under tensor parallel its gradient sums every rank's heads
-            grad_sum = factory.sum_grad_over_group if tp > 1 else None
+            grad_sum = factory.sum_grad_over_group
             self.q_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum, arch.norm_offset)
             self.k_norm = RMSNorm(hd, arch.rms_norm_eps, ops, grad_sum, arch.norm_offset)
         self.qk_norm = arch.qk_norm
@@ -167,7 +170,7 @@ class Attention(nn.Layer):
 
 
 class MLP(nn.Layer):
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet):
+    def __init__(self, arch: ModelArch, factory: LayerFactory, ops: OpSet):
         super().__init__()
         h, f, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
         # one gate_up_proj [gate; up] on one device; under TP it is split into gate/up on load
@@ -196,7 +199,9 @@ class DecoderLayer(nn.Layer):
     """Attention and MLP (or mixture of experts), each with a residual. The RMSNorms are the family's (``norm_names``: role ->
     Hugging Face name): before each block always, after each block too in Gemma 3 and GLM-4."""
 
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
+    def __init__(
+        self, arch: ModelArch, factory: LayerFactory, ops: OpSet, layer_idx: int, implementation: str
+    ):
         super().__init__()
         self.norm_names = dict(family(arch.family).norm_names)
         self.layer_type = arch.layer_type(layer_idx)

@@ -42,7 +42,7 @@ from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch, arch_problems
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, batch_segments, build_bias
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
-from bmtrain_cli.models.layers import PlainFactory
+from bmtrain_cli.models.layers import LayerFactory, PlainFactory
 from bmtrain_cli.models.moe import load_balancing_loss
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
@@ -51,7 +51,7 @@ from bmtrain_cli.ops import OpSet, OpShapes, select
 class DecoderModel(nn.Layer):
     """The transformer body (Hugging Face's ``model.`` prefix): embeddings, layers, final norm."""
 
-    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, implementation: str):
+    def __init__(self, arch: ModelArch, factory: LayerFactory, ops: OpSet, implementation: str):
         super().__init__()
         self.embed_tokens = factory.embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.LayerList(
@@ -80,7 +80,11 @@ def head_weight(
 
 
 def project_to_vocab(
-    hidden: paddle.Tensor, arch: ModelArch, factory: Any, lm_head: Optional[nn.Layer], embed_weight: Any
+    hidden: paddle.Tensor,
+    arch: ModelArch,
+    factory: LayerFactory,
+    lm_head: Optional[nn.Layer],
+    embed_weight: Any,
 ) -> paddle.Tensor:
     """Logits from the final (normed) hidden state; the local vocabulary shard under tensor parallel.
     ``embed_weight`` is read only for tied embeddings (``lm_head`` None)."""
@@ -165,7 +169,7 @@ class CausalLM(nn.Layer):
     def __init__(
         self,
         arch: ModelArch,
-        factory: Any = None,
+        factory: Optional[LayerFactory] = None,
         kernels: str = "auto",
         attention_implementation: str = "auto",
     ):
@@ -199,7 +203,7 @@ class CausalLM(nn.Layer):
             rotary = {"full_attention": full, "sliding_attention": local}
         alibi = None
         if arch.position_embedding == "alibi":
-            tp_rank = int(getattr(self.factory, "tp_rank", 0))
+            tp_rank = self.factory.tp_rank
             n_local = arch.num_attention_heads // self.factory.tp_degree
             alibi = alibi_slopes(arch.num_attention_heads)[tp_rank * n_local : (tp_rank + 1) * n_local]
         self.layer_inputs = LayerInputs(arch, rotary, alibi)
@@ -228,8 +232,8 @@ class CausalLM(nn.Layer):
         std = self.arch.initializer_range
         normal, zeros = nn.initializer.Normal(0.0, std), nn.initializer.Constant(0.0)
         ones = nn.initializer.Constant(1.0)
-        tp = int(getattr(self.factory, "tp_degree", 1))
-        tp_rank = int(getattr(self.factory, "tp_rank", 0))
+        tp = self.factory.tp_degree
+        tp_rank = self.factory.tp_rank
         for name, p in self.named_parameters():
             axis = getattr(p, "split_axis", None) if getattr(p, "is_distributed", False) else None
             if len(p.shape) >= 2 and tp > 1 and axis is not None:

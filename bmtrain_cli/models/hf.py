@@ -23,6 +23,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.arch import ModelArch, arch_from_model_config, arch_to_hf_dict, read_hf_config
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.families import family
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.safetensors_io import LazyTensors, checkpoint_files, write_safetensors
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -53,7 +54,7 @@ def _check_dtype(dtype: Optional[str]) -> str:
 def build(
     cfg_or_arch: Any,
     *,
-    factory: Any = None,
+    factory: Optional[LayerFactory] = None,
     kernels: str = "auto",
     attention_implementation: Optional[str] = None,
     dtype: Optional[str] = None,
@@ -109,7 +110,7 @@ def _fused_parts(arch: ModelArch, every: bool = False) -> Dict[str, Tuple[Tuple[
     return out
 
 
-def _local_slice(full: np.ndarray, local_shape: List[int], factory: Any, name: str) -> np.ndarray:
+def _local_slice(full: np.ndarray, local_shape: List[int], factory: LayerFactory, name: str) -> np.ndarray:
     if list(full.shape) == list(local_shape):
         return full
     tp, rank = int(getattr(factory, "tp_degree", 1)), int(getattr(factory, "tp_rank", 0))
@@ -203,7 +204,7 @@ def load_pretrained(
     path: Union[str, Path],
     dtype: Optional[str] = None,
     kernels: str = "auto",
-    factory: Any = None,
+    factory: Optional[LayerFactory] = None,
     attention_implementation: str = "auto",
     quantization: Any = None,
 ) -> CausalLM:

@@ -4,7 +4,7 @@ change to the model code. The plain factory builds ordinary single-device Paddle
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, Optional, Protocol, Tuple
 
 import paddle
 from paddle import nn
@@ -12,10 +12,40 @@ from paddle import nn
 from bmtrain_cli.ops import reference
 
 
+class LayerFactory(Protocol):
+    """What the model builder asks for its layers (PlainFactory here; parallel/layers.py's
+    TensorParallelFactory splits them over the model-parallel group)."""
+
+    tp_degree: int  # ranks a split layer is spread over (1: nothing is split)
+    tp_rank: int  # this rank's shard
+    mp_group: Any  # fleet's model-parallel group (None: single device)
+
+    def linear(self, in_f: int, out_f: int, bias: bool, tp: Optional[str] = None) -> nn.Layer: ...
+
+    def embedding(self, vocab: int, hidden: int) -> nn.Layer: ...
+
+    def lm_head(self, hidden: int, vocab: int) -> nn.Layer: ...
+
+    def head_matmul(
+        self, hidden: paddle.Tensor, weight: paddle.Tensor, transposed: bool
+    ) -> paddle.Tensor: ...
+
+    def vocab_cross_entropy_sum(
+        self, logits: paddle.Tensor, labels: paddle.Tensor
+    ) -> Tuple[paddle.Tensor, paddle.Tensor]: ...
+
+    @property
+    def sum_grad_over_group(self) -> Optional[Callable[[paddle.Tensor], paddle.Tensor]]:
+        """A hook that sums a replicated weight's gradient over the group (None: one device)."""
+
+
 class PlainFactory:
     """Single-device layers. ``tp`` ("column" / "row") is accepted and ignored."""
 
     tp_degree: int = 1
+    tp_rank: int = 0
+    mp_group: Any = None
+    sum_grad_over_group: Optional[Callable[[paddle.Tensor], paddle.Tensor]] = None
 
     def linear(self, in_f: int, out_f: int, bias: bool, tp: Optional[str] = None) -> nn.Layer:
         """A Linear with weight [in_f, out_f] (Paddle layout) and an optional bias."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from bmtrain_cli.config.schema import Config
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.parallel.sharding import uses_group_sharded
 
 
@@ -63,7 +64,7 @@ class ParallelContext:
         return self.tp_degree > 1 or self.pp_degree > 1 or self.sharding_degree > 1
 
     @property
-    def factory(self) -> Any:
+    def factory(self) -> LayerFactory:
         """Layer factory for the model builder: plain layers, or fleet's mp layers when tp > 1."""
         if self._factory is None:
             if self.tp_degree > 1:

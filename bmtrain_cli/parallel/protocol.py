@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from bmtrain_cli.config.schema import Config
+from bmtrain_cli.models.layers import LayerFactory
 
 
 class ParallelCtx(Protocol):
@@ -45,7 +46,7 @@ class ParallelCtx(Protocol):
     def uses_fleet_model(self) -> bool: ...
 
     @property
-    def factory(self) -> Any: ...
+    def factory(self) -> LayerFactory: ...
 
     @property
     def optimizer_state_portable(self) -> bool: ...

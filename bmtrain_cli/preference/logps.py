@@ -7,12 +7,13 @@ parallelism the vocabulary-split cross entropy of fleet gives the per-token valu
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.scoring import right_padded
 
 
@@ -27,10 +28,12 @@ def model_inputs(batch: Dict[str, np.ndarray]) -> Dict[str, paddle.Tensor]:
     return out
 
 
-def token_logps(logits: paddle.Tensor, targets: paddle.Tensor, factory: Any) -> paddle.Tensor:
+def token_logps(
+    logits: paddle.Tensor, targets: paddle.Tensor, factory: Optional[LayerFactory]
+) -> paddle.Tensor:
     """log p(target) per row of ``logits`` [tokens, vocab] (a vocabulary shard under tensor parallel)."""
     logits = logits.astype("float32")
-    if factory is not None and getattr(factory, "tp_degree", 1) > 1:
+    if factory is not None and factory.tp_degree > 1:
         from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
 
         return -ParallelCrossEntropy(mp_group=factory.mp_group)(logits, targets.reshape([-1, 1])).reshape(

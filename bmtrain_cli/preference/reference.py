@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, Optional, Protocol
 import numpy as np
 import paddle
 
+from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.preference.logps import sequence_logps
 
 
@@ -83,7 +84,7 @@ class Precomputed:
         return paddle.to_tensor(batch["ref_logps"].reshape(-1).astype(np.float32))
 
 
-def load_reference_model(config: Any, factory: Any, dtype: Optional[str]) -> Any:
+def load_reference_model(config: Any, factory: LayerFactory, dtype: Optional[str]) -> Any:
     """The starting weights, loaded again (a frozen copy; tensor-parallel shards under tp)."""
     from bmtrain_cli.models import load_pretrained
 

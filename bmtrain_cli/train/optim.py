@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Set, Tuple, TypeVar
 
 import numpy as np
 import paddle
 
 from bmtrain_cli.errors import UserError
+
+LayerT = TypeVar("LayerT", bound=paddle.nn.Layer)  # what decorate() hands back: the model it was given
 
 AMP_DTYPES: Dict[str, Literal["bfloat16", "float16"]] = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -193,19 +195,21 @@ class Precision:
     def master_weights(self) -> bool:
         return self.enabled and self.amp_level == "O2"
 
-    def decorate(self, model: paddle.nn.Layer, optimizer: Any) -> Tuple[paddle.nn.Layer, Any]:
+    def decorate(self, model: LayerT, optimizer: Any) -> Tuple[LayerT, Any]:
         """Cast the model for O2 (fp32 master weights stay in the optimizer).
 
         The optimizer-offload wrapper (train/offload.py) is not a Paddle optimizer that paddle.amp.decorate
-        accepts, and it keeps fp32 master copies on the host itself: only the model is decorated then."""
+        accepts, and it keeps fp32 master copies on the host itself: only the model is decorated then.
+        Paddle casts the model's parameters in place and hands back the same object."""
         if not self.master_weights:
             return model, optimizer
         if is_offload_optimizer(optimizer):
-            model = paddle.amp.decorate(models=model, level="O2", dtype=self.dtype, master_weight=False)
+            paddle.amp.decorate(models=model, level="O2", dtype=self.dtype, master_weight=False)
             return model, optimizer
-        return paddle.amp.decorate(
+        _, optimizer = paddle.amp.decorate(
             models=model, optimizers=optimizer, level="O2", dtype=self.dtype, master_weight=True
         )
+        return model, optimizer
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

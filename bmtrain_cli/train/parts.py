@@ -11,7 +11,20 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, TextIO, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    TextIO,
+    Tuple,
+    Union,
+)
 
 import numpy as np
 
@@ -19,7 +32,49 @@ from bmtrain_cli.config.schema import Config
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.train.runtime import Runtime
 
+if TYPE_CHECKING:
+    import paddle
+
+    from bmtrain_cli.data.tokenizers import Tokenizer
+    from bmtrain_cli.lora.adapter_store import LoRARun
+    from bmtrain_cli.models.decoder import CausalLM
+    from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
+    from bmtrain_cli.train.optim import Precision
+    from bmtrain_cli.train.schedule import Schedule
+
 Batch = Dict[str, np.ndarray]
+Count = Union[float, "paddle.Tensor"]  # what a loss sum is divided by: tokens, pairs or sequences
+
+
+class BatchSource(Protocol):
+    """What the shared loop, checkpointing and report ask of a method's loader (SFT records, streamed
+    records, preference pairs, GRPO rollouts): batches in order, a resumable position, what it holds."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+    def stats(self) -> Dict[str, Any]: ...
+
+    def start_rejected_log(self, output_dir: Path, is_main: bool) -> None: ...
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest sample a batch can hold (the padding width of batching: longest)."""
+
+
+class Stepper(Protocol):
+    """What applies the update: the optimizer itself, or fleet's / our data-parallel wrapper of it."""
+
+    def set_lr(self, value: float) -> None: ...
+
+    def step(self) -> None: ...
+
+    def clear_grad(self, set_to_zero: bool = True) -> None: ...
 
 
 @dataclass
@@ -29,7 +84,7 @@ class Console:
 
     stream: TextIO = field(default_factory=lambda: sys.stdout)
     is_main: bool = True
-    metrics: Optional[Any] = None  # train.metrics.MetricsWriter, attached by setup() at its end
+    metrics: Optional[MetricsWriter] = None  # attached by setup() at its end
 
     def say(self, text: str) -> None:
         if not self.is_main:
@@ -43,28 +98,30 @@ class Console:
 @dataclass(frozen=True)
 class TrainData:
     paths: Dict[str, Any]  # train / eval / heldout (the demo task's answers) as used
-    loader: Any  # data.loader.DataLoader of this data rank
-    eval_loader: Optional[Any]
+    loader: BatchSource  # this data rank's training batches
+    eval_loader: Optional[BatchSource]
     report: Dict[str, Any]  # what the data came to (see report.data_report)
 
 
 @dataclass(frozen=True)
 class ModelParts:
-    raw: Any  # the decoder itself (after precision decoration): weights are read from here
-    wrapped: Any  # what forward runs on: raw, or fleet's data/tensor/pipeline wrapper of it
-    params: List[Any]  # the trainable parameters (LoRA: the adapters)
+    raw: CausalLM  # the decoder itself (after precision decoration): weights are read from here
+    wrapped: paddle.nn.Layer  # what forward runs on: raw, or fleet's data/tensor/pipeline wrapper of it
+    params: List[paddle.Tensor]  # the trainable parameters (LoRA: the adapters)
     n_params: int
-    lora: Optional[Any] = None  # lora.adapter_store.LoRARun when finetuning: lora
+    lora: Optional[LoRARun] = None  # when finetuning: lora
 
 
 @dataclass(frozen=True)
 class OptimParts:
-    base: Any  # the optimizer that holds the state (what a checkpoint saves)
-    stepper: Any  # what steps: base, or fleet's / our data-parallel wrapper of it
-    precision: Any  # train.optim.Precision: autocast, loss scaling, master weights
+    base: paddle.optimizer.Optimizer  # the optimizer that holds the state (what a checkpoint saves)
+    stepper: Stepper  # what steps: base, or fleet's / our data-parallel wrapper of it
+    precision: Precision  # autocast, loss scaling, master weights
     own_clip: bool  # False when fleet's hybrid clip measures and clips inside step()
-    loss_fn: Optional[Callable[..., Any]]  # loss_sum of the training model (None under pipeline parallel)
-    sharded: Optional[Any] = None  # sharding stage 2/3: the wrapper that also computes the loss
+    loss_fn: Optional[
+        Callable[..., Tuple[paddle.Tensor, paddle.Tensor]]
+    ]  # loss_sum of the training model (None under pipeline parallel)
+    sharded: Optional[paddle.nn.Layer] = None  # sharding stage 2/3: the wrapper that also computes the loss
     backward_factor: float = 1.0  # loss multiplier before backward (parallel/sharding.backward_factor)
 
 
@@ -74,7 +131,7 @@ class PipelineLoss(Protocol):
 
     def pipeline_data(self, micro_batches: Sequence[Batch], length: int) -> Tuple[Any, Any, float]: ...
 
-    def loss_sum(self, logits: Any, labels: Any) -> Any: ...
+    def loss_sum(self, logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor: ...
 
     def step_metrics(self) -> Dict[str, float]: ...
 
@@ -92,7 +149,7 @@ class Objective(Protocol):
 
     def begin_step(self, micro: List[Batch]) -> Tuple[float, float]: ...
 
-    def loss_sum(self, model: Any, batch: Batch) -> Tuple[Any, Any]: ...
+    def loss_sum(self, model: paddle.nn.Layer, batch: Batch) -> Tuple[paddle.Tensor, Count]: ...
 
     def step_metrics(self) -> Dict[str, float]: ...
 
@@ -107,13 +164,13 @@ class Parts:
     runtime: Runtime
     ctx: ParallelCtx
     console: Console
-    tokenizer: Any
+    tokenizer: Tokenizer
     data: TrainData
     model: ModelParts
     optim: OptimParts
-    schedule: Any  # train.schedule: lr(step), warmup_steps, state_dict()
-    memory: Any  # train.metrics.MemoryMeter
-    metrics: Any  # train.metrics.MetricsWriter (disabled on other ranks)
+    schedule: Schedule  # lr(step), warmup_steps, state_dict()
+    memory: MemoryMeter
+    metrics: MetricsWriter  # disabled on other ranks
     started: float  # time.time() when setup began
     objective: Objective  # the method's loss (built by the recipe: train/setup.py build_objective)
 

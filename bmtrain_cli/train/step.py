@@ -143,7 +143,11 @@ def fleet_grad_norm(parts: Parts, step: int, overflow: bool = False) -> float:
     itself was skipped through found_inf, so the run goes on with a lower loss scale). Any other
     non-finite measured norm means the update already ran with it, inside fleet: stop rather than train
     on from non-finite weights."""
-    norm = parts.optim.stepper.grad_norm()  # read (and forgotten) in every case
+    from bmtrain_cli.parallel.sharding import GradSumOptimizer
+
+    stepper = parts.optim.stepper
+    assert isinstance(stepper, GradSumOptimizer)  # own_clip is False only under fleet's wrapper
+    norm = stepper.grad_norm()  # read (and forgotten) in every case
     if norm is None or overflow:
         return math.nan
     if not math.isfinite(norm):

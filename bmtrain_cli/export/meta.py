@@ -40,6 +40,8 @@ class ExportResult:
     eval_records: int = 0
     eval_loss_fp32: Optional[float] = None
     eval_loss_quantized: Optional[float] = None
+    # a QLoRA checkpoint merged onto its dequantised base: lora/quantized_merge.MergeError.to_dict()
+    quantized_base: Optional[Dict[str, Any]] = None
 
     @property
     def size_ratio(self) -> float:
@@ -67,6 +69,7 @@ class ExportResult:
             "eval_loss_fp32": self.eval_loss_fp32,
             "eval_loss_quantized": self.eval_loss_quantized,
             "eval_loss_change": self.eval_loss_change,
+            "quantized_base": self.quantized_base,
         }
 
 

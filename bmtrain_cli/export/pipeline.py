@@ -141,6 +141,17 @@ def _write_format(
         export_hf(model, str(tmp), tokenizer=tokenizer, report=report, source_config=source_config)
 
 
+def _load_merged(ckpt: Path) -> Tuple[Any, Any]:
+    """(the model to export, for a QLoRA checkpoint the quantisation error of its merged weights)."""
+    from bmtrain_cli.export.loading import LORA_ADAPTER_CONFIG, load_checkpoint_model
+
+    if (ckpt / LORA_ADAPTER_CONFIG).is_file():
+        from bmtrain_cli.lora.adapter_store import merge_checkpoint_measured
+
+        return merge_checkpoint_measured(str(ckpt), kernels="reference")
+    return load_checkpoint_model(ckpt, kernels="reference"), None
+
+
 def export_checkpoint(
     checkpoint: str,
     output: str,
@@ -158,7 +169,7 @@ def export_checkpoint(
     fix: missing/partial checkpoint, unknown format or quantisation, existing output, bad eval data.
     ``fmt`` None means paddle-inference (with ``merge``) or the PEFT adapter layout (without)."""
     fmt, quantize = _format_and_quantize(fmt, quantize, merge)
-    from bmtrain_cli.export.loading import check_checkpoint, load_checkpoint_model, resolve_checkpoint
+    from bmtrain_cli.export.loading import check_checkpoint, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     refuse_training_output(Path(output), ckpt)
@@ -180,12 +191,14 @@ def export_checkpoint(
 
     tokenizer = load_tokenizer(str(ckpt))
     log(f"loading {ckpt}")
-    model = load_checkpoint_model(ckpt, kernels="reference")
+    model, merge_error = _load_merged(ckpt)
     model.eval()
     if any(p.dtype != paddle.float32 for p in model.parameters()):
         model.to(dtype="float32")
     fp32_bytes = sum(int(p.numel()) * 4 for p in model.parameters())
     result = ExportResult(ckpt, out, fmt, quantize, fp32_bytes, 0, eval_data=eval_data)
+    if merge_error is not None:
+        result.quantized_base = merge_error.to_dict()
 
     def logits_fn(ids: Any) -> Any:
         with paddle.no_grad():
@@ -206,6 +219,10 @@ def export_checkpoint(
         if samples is not None:
             result.eval_loss_quantized = logits_loss(logits_fn, samples)[0]
 
+    if merge_error is not None and merge_error.dtype != "float32":
+        model.to(dtype=merge_error.dtype)  # the base's dtype: the merged weights as measured
+        if fmt != "hf" or report is not None:
+            model.to(dtype="float32")  # those formats are written in fp32 (of the same values)
     source_config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     with writes_to(out), atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
         _write_format(tmp, fmt, model, tokenizer, report, source_config, ckpt, quantize, template)
@@ -225,6 +242,10 @@ def describe(result: ExportResult) -> List[str]:
         f"weights: {result.export_weight_bytes / 2**20:.2f} MiB on disk vs {result.fp32_bytes / 2**20:.2f} MiB "
         f"in fp32: size ratio {result.size_ratio:.3f}x",
     ]
+    if result.quantized_base:
+        from bmtrain_cli.lora.quantized_merge import MergeError
+
+        lines.append(MergeError(**result.quantized_base).describe())
     if result.format == "gguf":
         from bmtrain_cli.export.gguf_export import describe_gguf
 

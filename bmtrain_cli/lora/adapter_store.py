@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from paddle import nn
@@ -31,6 +31,13 @@ from bmtrain_cli.lora.merge import (
     save_adapters,
     settings_from_adapter_config,
     strip_lora,
+)
+from bmtrain_cli.lora.quantized_merge import (
+    MergeError,
+    base_dtype,
+    dequantize_base,
+    quantisation_record,
+    quantised_names,
 )
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.parallel.protocol import ParallelCtx
@@ -68,8 +75,14 @@ def hash_base(path: Any) -> str:
     return h.hexdigest()
 
 
-def write_base_record(out_dir: Any, base_path: str, sha256: str) -> None:
-    record = {"base_model_name_or_path": base_path, "base_model_sha256": sha256}
+def write_base_record(
+    out_dir: Any, base_path: str, sha256: str, quantization: Optional[Dict[str, Any]] = None
+) -> None:
+    """lora_base.json: the base's path and hash and, for a quantised base (QLoRA), how it was quantised
+    (lora/quantized_merge.py reads it back to merge the adapters onto the same dequantised base)."""
+    record: Dict[str, Any] = {"base_model_name_or_path": base_path, "base_model_sha256": sha256}
+    if quantization is not None:
+        record["quantization"] = quantization
     (Path(out_dir) / BASE_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
@@ -140,7 +153,20 @@ def load_lora_checkpoint(
     alternatives: Optional[List[str]] = None,
 ) -> nn.Layer:
     """Base model (found and verified) + the checkpoint's adapters. ``merge``: fold them in and return a
-    plain model (Hugging Face names only)."""
+    plain model (Hugging Face names only), onto the original base weights (a QLoRA run's adapters too:
+    :func:`merge_checkpoint` merges those onto the dequantised base they were trained on)."""
+    return _load_lora(path, merge, kernels, factory, dtype, alternatives)[0]
+
+
+def _load_lora(
+    path: Any,
+    merge: bool,
+    kernels: str = "auto",
+    factory: Any = None,
+    dtype: Optional[str] = None,
+    alternatives: Optional[List[str]] = None,
+    dequantize: bool = False,
+) -> Tuple[nn.Layer, Optional[MergeError]]:
     from bmtrain_cli.models import load_pretrained
 
     ckpt = Path(path)
@@ -148,15 +174,27 @@ def load_lora_checkpoint(
     arrays = load_adapter_arrays(ckpt)
     base = find_base(ckpt, alternatives)
     model = load_pretrained(str(base), dtype=dtype, kernels=kernels, factory=factory)
+    quantization = read_base_record(ckpt).get("quantization") if dequantize else None
+    quantised = quantised_names(model, quantization) if quantization else []
     apply_lora(model, _settings_namespace(settings))
     load_adapter_weights(model, arrays, str(ckpt))
     model.eval()
-    return strip_lora(model, merge=True) if merge else model
+    error = None
+    if quantization:
+        error = dequantize_base(model, quantised, quantization, base_dtype(base))
+    return (strip_lora(model, merge=True) if merge else model), error
 
 
 def merge_checkpoint(path: str, kernels: str = "auto") -> nn.Layer:
     """The export hook: a LoRA checkpoint's base with the adapters merged in (a plain CausalLM)."""
-    return load_lora_checkpoint(path, merge=True, kernels=kernels)
+    return merge_checkpoint_measured(path, kernels)[0]
+
+
+def merge_checkpoint_measured(path: str, kernels: str = "auto") -> Tuple[nn.Layer, Optional[MergeError]]:
+    """:func:`merge_checkpoint` and, for a QLoRA run, the quantisation error measured on the merged
+    weights: its adapters merge onto the base it trained on, each quantised layer quantised with the run's
+    settings and dequantised (lora/quantized_merge.py)."""
+    return _load_lora(path, merge=True, kernels=kernels, dequantize=True)
 
 
 # ----------------------------------------------------------------------------- gathering under TP / PP
@@ -199,6 +237,7 @@ class LoRARun:
         self.wrapped = wrapped
         self.base_path: Optional[str] = None
         self.base_sha256: Optional[str] = None
+        self.quantization: Optional[Dict[str, Any]] = None  # a quantised base's settings (QLoRA)
 
     @classmethod
     def start(cls, model: nn.Layer, train_config: Any, resume_from: Optional[Path] = None) -> LoRARun:
@@ -215,6 +254,7 @@ class LoRARun:
             load_adapter_weights(model, load_adapter_arrays(ckpt), str(ckpt))
             record = read_base_record(ckpt)
             run.base_path, run.base_sha256 = record["base_model_name_or_path"], record["base_model_sha256"]
+            run.quantization = record.get("quantization")
         return run
 
     def record_base(
@@ -224,6 +264,8 @@ class LoRARun:
         output_dir/base_model first. Collective under tensor/pipeline parallel (call on every rank)."""
         if self.base_path is not None:
             return
+        q = getattr(config.model, "quantization", None)
+        self.quantization = quantisation_record(q) if q is not None else None
         is_main = ctx.is_main if ctx is not None else True
         source = getattr(config.model, "model_name_or_path", None)
         if source:
@@ -253,7 +295,7 @@ class LoRARun:
             if self.base_path is None or self.base_sha256 is None:
                 raise UserError("LoRA: the base model was not recorded before saving")
             save_adapters(out_dir, self.settings, arrays, self.base_path)
-            write_base_record(out_dir, self.base_path, self.base_sha256)
+            write_base_record(out_dir, self.base_path, self.base_sha256, self.quantization)
             cfg = arch_to_hf_dict(arch, "float32")
             (Path(out_dir) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
 

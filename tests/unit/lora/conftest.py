@@ -38,6 +38,23 @@ def tiny_model(arch=ARCH, seed=0, kernels="reference"):
     return m
 
 
+def write_lora_ckpt(model, cfg, tmp_path):
+    """LoRA on ``model`` (random adapters), its base recorded from ``cfg`` and the checkpoint the trainer's
+    writer makes of it in tmp_path/step-3, with a demo tokenizer; returns (run, checkpoint directory)."""
+    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+    from bmtrain_cli.lora import LoRARun
+
+    run = LoRARun.start(model, cfg.train)
+    randomize_adapters(model)
+    run.record_base(cfg, tmp_path / "out", model)
+    ckpt = tmp_path / "step-3"
+    ckpt.mkdir()
+    run.weights_writer(model)(model, str(ckpt))
+    train, held = write_demo_data(str(tmp_path / "data"))
+    train_demo_tokenizer(str(ckpt), [train, held])
+    return run, ckpt
+
+
 def randomize_adapters(model, seed=1, scale=0.2):
     """Non-zero B (and A) so that the adapters change the output."""
     import paddle

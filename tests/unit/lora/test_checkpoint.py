@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora import LoRARun, load_lora_checkpoint
-from tests.unit.lora.conftest import lora_cfg, randomize_adapters, tiny_model
+from tests.unit.lora.conftest import lora_cfg, tiny_model, write_lora_ckpt
 
 
 def _logits(model, ids):
@@ -31,7 +31,6 @@ def ids():
 def lora_ckpt(tmp_path):
     """A base model on disk and a LoRA checkpoint written by the trainer's writer (+ a tokenizer)."""
     from bmtrain_cli.config.schema import Config
-    from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
     from bmtrain_cli.models import save_pretrained
 
     base_dir = tmp_path / "base"
@@ -43,14 +42,7 @@ def lora_ckpt(tmp_path):
             "train_config": lora_cfg(["q_proj", "v_proj", "down_proj"]).model_dump(),
         }
     )
-    run = LoRARun.start(model, cfg.train)
-    randomize_adapters(model)
-    run.record_base(cfg, tmp_path / "out", model)
-    ckpt = tmp_path / "step-3"
-    ckpt.mkdir()
-    run.weights_writer(model)(model, str(ckpt))
-    train, held = write_demo_data(str(tmp_path / "data"))
-    train_demo_tokenizer(str(ckpt), [train, held])
+    run, ckpt = write_lora_ckpt(model, cfg, tmp_path)
     return {"base": base_dir, "ckpt": ckpt, "model": model, "run": run}
 
 

@@ -19,11 +19,14 @@ per-query log-sum-exp from the forward (the FlashAttention recurrences), so noth
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
+
+from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.models.scoring import right_padded
 
 # a masked score: finite, so that a query that sees no key of a chunk pair gets a finite log-sum-exp whose
 # weight in the merge (and whose probabilities in the backward) underflow to exactly zero
@@ -67,6 +70,25 @@ class Ring:
                 dist.recv(r, src=prev, group=self.group)
                 dist.send(t, dst=nxt, group=self.group)
         return received
+
+
+def context_ring(hcg: Any, degree: int) -> Ring:
+    """This rank's :class:`Ring`: fleet's data-parallel groups cut into consecutive groups of ``degree``
+    (every rank creates every group, in the same order, with a barrier after each: several gloo groups
+    created back to back hang without one)."""
+    import paddle.distributed as dist
+
+    mine = None
+    me = dist.get_rank()
+    for data_ranks in hcg.topology().get_comm_list("data"):
+        for i in range(0, len(data_ranks), degree):
+            ranks = list(data_ranks[i : i + degree])
+            group = dist.new_group(ranks)
+            dist.barrier()
+            if me in ranks:
+                mine = Ring(group, ranks, ranks.index(me))
+    assert mine is not None  # every rank lies in one data-parallel group
+    return mine
 
 
 def _pairs(q_chunks: Tuple[int, int], k_chunks: Tuple[int, int]) -> List[Tuple[int, int, bool]]:
@@ -229,3 +251,36 @@ class RingCore:
     ) -> paddle.Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
         return RingAttention.apply(q, k, v, seg, self.ring)
+
+
+def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, np.ndarray]:
+    """This rank's share of a collated batch (every rank of the context group holds the whole batch):
+    ``input_ids``, ``targets`` (the next-token targets, shifted over the whole row before the split, -100
+    across a segment boundary and at the row's end), ``position_ids`` (the tokens' positions in their
+    row, for the rotary tables) and ``attention_mask`` (this share's segment ids, for counting), plus the
+    whole rows' ``segment_ids`` for the ring when the rows are packed (right-padded rows attend causally,
+    as in one process). Rows are padded to a multiple of 2 x ``degree`` first."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    b, s = ids.shape
+    mask = batch.get("attention_mask")
+    mask = np.ones_like(ids) if mask is None else mask
+    targets = np.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = np.where(mask[:, 1:] == mask[:, :-1], labels[:, 1:], IGNORE_INDEX)
+    pos = batch.get("position_ids")
+    pos = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)) if pos is None else pos
+    width = -(-s // (2 * degree)) * 2 * degree
+
+    def pad(x: np.ndarray, value: int) -> np.ndarray:
+        return np.pad(x, ((0, 0), (0, width - s)), constant_values=value)
+
+    ids, targets, mask, pos = pad(ids, 0), pad(targets, IGNORE_INDEX), pad(mask, 0), pad(pos, 0)
+    idx = local_indices(width, degree, rank)
+    out = {
+        "input_ids": ids[:, idx],
+        "targets": targets[:, idx],
+        "position_ids": np.ascontiguousarray(pos[:, idx]),
+        "attention_mask": mask[:, idx],
+    }
+    if not right_padded(mask):
+        out["segment_ids"] = mask.astype(np.int64)
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from bmtrain_cli.config.context_checks import check_context
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.grpo_checks import check_grpo
 from bmtrain_cli.config.moe_checks import check_moe
@@ -42,11 +43,12 @@ def cpu_gloo_subgroups(p: ParallelConfig) -> List[str]:
     for dp2 x pp3 and dp2 x tp2 x pp2)."""
     world = p.world_size
     sizes = {
-        "data": p.data_parallel,
+        "data": p.data_parallel * p.context_parallel,  # the context groups lie inside fleet's data axis
         "tensor": p.tensor_parallel,
         "pipeline": p.pipeline_parallel,
         "sharding": p.sharding_parallel,
-        "clip-check": world // p.data_parallel,
+        "clip-check": world // (p.data_parallel * p.context_parallel),
+        "context": p.context_parallel,
     }
     if p.sharding_parallel > 1:
         sizes["sharding-check"] = world // p.sharding_parallel
@@ -251,7 +253,8 @@ def check_config(  # noqa: C901
         err(
             "parallel_config",
             f"the product of the degrees (data {p.data_parallel} x tensor {p.tensor_parallel} x pipeline "
-            f"{p.pipeline_parallel} x sharding {p.sharding_parallel} = {p.world_size}) does not match the "
+            f"{p.pipeline_parallel} x sharding {p.sharding_parallel} x context {p.context_parallel} = "
+            f"{p.world_size}) does not match the "
             f"{world_size} launched processes",
             f"launch {p.world_size} processes (bmtrain run does) or change the degrees",
         )
@@ -426,6 +429,7 @@ def check_config(  # noqa: C901
     check_preference(config, err, warn)
     check_grpo(config, err)
     check_recipe(config, err)
+    check_context(config, arch, err, paddle_has_gpu() if has_gpu is None else has_gpu)
 
     # --- data
     if "shuffle_buffer" in t.model_fields_set and t.streaming is False:

@@ -417,7 +417,7 @@ class PipelineRebalanceConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding."""
+    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding x context."""
 
     data_parallel: int = Field(1, gt=0)
     tensor_parallel: int = Field(1, gt=0)
@@ -439,10 +439,12 @@ class ParallelConfig(_Section):
         description="threshold compression: gradient entries below this magnitude wait in the residual",
     )
     fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
+    context_parallel: int = Field(1, gt=0, description="Ranks that split every sequence (ring attention).")
+    context_parallel_mode: Literal["ring", "ulysses"] = "ring"
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel * self.sharding_parallel
+        return self.data_ranks * self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
     @property
     def data_ranks(self) -> int:

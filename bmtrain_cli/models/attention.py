@@ -43,6 +43,7 @@ from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, IMPLEMENTATIONS
 __all__ = [
     "IMPLEMENTATIONS",
     "AttentionCore",
+    "ContextShard",
     "SegmentIds",
     "attend",
     "batch_segments",
@@ -64,6 +65,16 @@ class AttentionCore(Protocol):
         v: paddle.Tensor,
         segment_ids: Optional[paddle.Tensor] = None,
     ) -> paddle.Tensor: ...
+
+
+class ContextShard:
+    """The mask of a rank's share of each sequence under context parallel: attention runs ``core`` (the
+    context group's ring attention, parallel/ring_attention.py RingCore) with the whole rows' segment ids
+    [b, S] (None: plain causal rows)."""
+
+    def __init__(self, core: Any, segment_ids: Optional[paddle.Tensor]) -> None:
+        self.core = core
+        self.segment_ids = segment_ids
 
 
 def build_bias(
@@ -370,6 +381,8 @@ def attend(
     not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
     [b, s] (or a :class:`SegmentIds` holding them with their offsets), or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
     the model's op set (``OpSet.attention``; None where our kernels are not in use)."""
+    if isinstance(mask, ContextShard):
+        return mask.core(q, k, v, mask.segment_ids)
     held = mask if isinstance(mask, SegmentIds) else None
     if held is not None:
         mask = held.ids

@@ -40,7 +40,7 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch, arch_problems
-from bmtrain_cli.models.attention import IMPLEMENTATIONS, batch_segments, build_bias
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, ContextShard, batch_segments, build_bias
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import LayerFactory, PlainFactory
 from bmtrain_cli.models.moe import load_balancing_loss
@@ -148,7 +148,10 @@ class LayerInputs:
         window: Optional[int] = None,
     ) -> Optional[paddle.Tensor]:
         """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
-        the segment ids [b, s] for padded or packed rows without a cache, else an additive bias."""
+        the segment ids [b, s] for padded or packed rows without a cache, a ContextShard as it is, else an
+        additive bias."""
+        if isinstance(attention_mask, ContextShard):
+            return attention_mask
         if window is not None and isinstance(s, int) and past + s <= window:
             # the window cannot bite: keep the plain causal fast path (a static graph's length is unknown)
             window = None
@@ -209,6 +212,7 @@ class CausalLM(nn.Layer):
         self.layer_inputs = LayerInputs(arch, rotary, alibi)
         self._recompute_layers: Set[int] = set()
         self.last_aux_loss: Optional[paddle.Tensor] = None  # the load-balancing loss of the last loss_sum
+        self.context_attention: Optional[Any] = None  # the ring attention core under context parallel
 
     # Hugging Face-style accessors used by the trainer, LoRA and pipeline code.
     @property
@@ -325,20 +329,33 @@ class CausalLM(nn.Layer):
     def loss_sum(
         self,
         input_ids: paddle.Tensor,
-        labels: paddle.Tensor,
+        labels: Optional[paddle.Tensor] = None,
         attention_mask: Optional[paddle.Tensor] = None,
         position_ids: Optional[paddle.Tensor] = None,
+        targets: Optional[paddle.Tensor] = None,
+        segment_ids: Optional[paddle.Tensor] = None,
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
         """(sum of next-token losses fp32, number of predicted tokens fp32).
 
         ``labels`` are unshifted (same positions as input_ids, -100 = ignore): position t predicts
         labels[t + 1]. Across a segment boundary of a packed row nothing is predicted.
 
+        Context parallel (parallel/ring_attention.py) passes this rank's share of each row instead:
+        ``targets`` (already shifted over the whole row), the tokens' ``position_ids`` in the row, and the
+        whole rows' ``segment_ids`` (None for plain causal rows); attention then runs the ring.
+
         With ``output_router_logits`` (MoE), ``router_aux_loss_coef * aux * count`` is added to the sum,
         where aux is transformers' load-balancing loss over the unpadded tokens: the per-token mean
         sum / count is then transformers' loss (mean cross-entropy + coef * aux). Over several
         micro-batches the aux term is weighted by each one's token count. ``last_aux_loss`` keeps aux.
         """
+        if targets is not None:
+            if self.context_attention is None:
+                raise UserError("loss_sum got context-parallel targets but the model has no context group")
+            shard = ContextShard(self.context_attention, segment_ids)
+            hidden = self.hidden_states(input_ids, shard, position_ids)  # type: ignore[arg-type]
+            return self._token_loss(hidden, targets)
+        assert labels is not None  # one of labels and targets
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         aux = self._aux_loss(attention_mask)
         hidden = hidden[:, :-1]
@@ -346,18 +363,23 @@ class CausalLM(nn.Layer):
         if attention_mask is not None:
             same = attention_mask[:, 1:] == attention_mask[:, :-1]
             target = paddle.where(same, target, paddle.full_like(target, IGNORE_INDEX))
-        hidden = hidden.reshape([-1, hidden.shape[-1]])
-        target = target.reshape([-1])
-        if self.factory.tp_degree > 1:
-            total, count = self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
-        else:
-            weight, transposed = self._head()
-            total, count = self.ops.linear_cross_entropy(
-                hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
-            )
+        total, count = self._token_loss(hidden, target)
         if aux is not None:
             total = total + self.arch.router_aux_loss_coef * aux * count
         return total, count
+
+    def _token_loss(
+        self, hidden: paddle.Tensor, target: paddle.Tensor
+    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """(summed cross entropy, counted targets) of hidden states [b, s, hidden] against targets [b, s]."""
+        hidden = hidden.reshape([-1, hidden.shape[-1]])
+        target = target.reshape([-1])
+        if self.factory.tp_degree > 1:
+            return self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
+        weight, transposed = self._head()
+        return self.ops.linear_cross_entropy(
+            hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
+        )
 
     def _aux_loss(self, attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
         """The load-balancing loss of the forward just run, when the architecture adds it to the loss."""

@@ -27,7 +27,10 @@ Sample = Tuple[np.ndarray, np.ndarray]  # (input_ids [s], labels [s]), unshifted
 
 
 def count_targets(batch: Dict[str, np.ndarray]) -> int:
-    """Tokens the model predicts in a batch, exactly as CausalLM.loss_sum counts them."""
+    """Tokens the model predicts in a batch, exactly as CausalLM.loss_sum counts them (a context-parallel
+    share, parallel/ring_attention.split_batch, carries its shifted targets)."""
+    if "targets" in batch:
+        return int((batch["targets"] != IGNORE_INDEX).sum())
     labels = batch["labels"]
     valid = labels[:, 1:] != IGNORE_INDEX
     mask = batch.get("attention_mask")
@@ -47,6 +50,9 @@ def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
     same result and the loss the same targets; such batches go without one (the mask-free kernels)."""
     import paddle
 
+    if "targets" in batch:  # a context-parallel share: CausalLM.loss_sum's context path
+        keys = ["input_ids", "targets", "position_ids", "segment_ids"]
+        return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
     keys = ["input_ids", "labels", "attention_mask", "position_ids"]
     if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):
         keys.remove("attention_mask")

@@ -31,6 +31,9 @@ class ParallelContext:
     tp_degree: int = 1
     pp_rank: int = 0
     pp_degree: int = 1
+    context_ring: Any = (
+        None  # parallel.ring_attention.Ring of this rank's context group (context_parallel > 1)
+    )
     hcg: Any = None  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config] = None
     strategy: Optional[Any] = None
@@ -59,6 +62,20 @@ class ParallelContext:
         return self.config.parallel.sharding_parallel if self.config is not None else 1
 
     @property
+    def context_degree(self) -> int:
+        """Ranks that split each sequence between them (1 without context parallel)."""
+        return 1 if self.context_ring is None else int(self.context_ring.degree)
+
+    @property
+    def loader_rank(self) -> int:
+        """The data shard this rank reads: the ranks of one context group read the same batches."""
+        return self.data_rank // self.context_degree
+
+    @property
+    def loader_world(self) -> int:
+        return self.data_world // self.context_degree
+
+    @property
     def uses_fleet_model(self) -> bool:
         """True when the model is wrapped by fleet (tensor/pipeline parallel or sharding)."""
         return self.tp_degree > 1 or self.pp_degree > 1 or self.sharding_degree > 1
@@ -77,6 +94,15 @@ class ParallelContext:
 
                 self._factory = PlainFactory()
         return self._factory
+
+    def context_share(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's share of a batch its context group holds whole (the batch itself without context
+        parallel): parallel/ring_attention.split_batch."""
+        if self.context_ring is None:
+            return batch
+        from bmtrain_cli.parallel.ring_attention import split_batch
+
+        return split_batch(batch, self.context_ring.degree, self.context_ring.rank)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce_sum(self, value: Any) -> Any:
@@ -144,6 +170,11 @@ class ParallelContext:
             return model
         import paddle.distributed as dist
         from paddle.distributed import fleet
+
+        if self.context_ring is not None:
+            from bmtrain_cli.parallel.ring_attention import RingCore
+
+            model.context_attention = RingCore(self.context_ring)
 
         if self.pp_degree > 1:
             from bmtrain_cli.parallel.pipeline import to_pipeline_layer

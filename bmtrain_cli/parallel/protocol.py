@@ -25,6 +25,7 @@ class ParallelCtx(Protocol):
     tp_degree: int
     pp_rank: int
     pp_degree: int
+    context_ring: Any  # parallel.ring_attention.Ring when context_parallel > 1, else None
     hcg: Any  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config]
     on_cpu: bool
@@ -43,6 +44,15 @@ class ParallelCtx(Protocol):
     def sharding_degree(self) -> int: ...
 
     @property
+    def context_degree(self) -> int: ...
+
+    @property
+    def loader_rank(self) -> int: ...
+
+    @property
+    def loader_world(self) -> int: ...
+
+    @property
     def uses_fleet_model(self) -> bool: ...
 
     @property
@@ -53,6 +63,8 @@ class ParallelCtx(Protocol):
 
     @property
     def compression_stats(self) -> Dict[str, Any]: ...
+
+    def context_share(self, batch: Dict[str, Any]) -> Dict[str, Any]: ...
 
     def all_reduce_sum(self, value: Any) -> Any: ...
 

@@ -22,7 +22,9 @@ def hybrid_configs(config: Config) -> Dict[str, Any]:
     par = config.parallel
     derived = derive(config)
     out: Dict[str, Any] = {
-        "dp_degree": par.data_parallel,
+        # context parallel lives inside fleet's data axis (context innermost): the gradient and loss
+        # reductions over data x context then equal one process, each rank holding its share of the tokens
+        "dp_degree": par.data_parallel * par.context_parallel,
         "mp_degree": par.tensor_parallel,
         "pp_degree": par.pipeline_parallel,
         "sharding_degree": par.sharding_parallel,
@@ -92,7 +94,8 @@ def init_distributed(config: Config) -> ParallelContext:
         raise UserError(
             f"{launched} processes were launched but parallel_config asks for {par.world_size} (data "
             f"{par.data_parallel} x tensor {par.tensor_parallel} x pipeline {par.pipeline_parallel} x "
-            f"sharding {par.sharding_parallel}); launch with `bmtrain run`, which starts the right number"
+            f"sharding {par.sharding_parallel} x context {par.context_parallel}); launch with `bmtrain run`, "
+            "which starts the right number"
         )
     ctx = start_fleet(config, faults.start_watchdog)
     faults.check_agreement(ctx, config)
@@ -139,6 +142,10 @@ def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]
         on_cpu=on_cpu,
         watchdog=watchdog,
     )
+    if config.parallel.context_parallel > 1:
+        from bmtrain_cli.parallel.ring_attention import context_ring
+
+        ctx.context_ring = context_ring(hcg, config.parallel.context_parallel)
     if watchdog is not None:
         watchdog.set_rank(ctx.rank, ctx.world_size)
     return ctx

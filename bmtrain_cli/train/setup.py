@@ -182,8 +182,8 @@ def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Parallel
             config,
             tokenizer,
             split=split,
-            data_rank=ctx.data_rank,
-            data_world=ctx.data_world,
+            data_rank=ctx.loader_rank,
+            data_world=ctx.loader_world,
             seed=config.train.seed,
             write_rejected=write_rejected,
         )

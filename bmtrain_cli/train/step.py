@@ -48,6 +48,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     ctx, optim = parts.ctx, parts.optim
     if ctx.pp_degree > 1:
         return pipeline_step(parts, step, micro)
+    micro = [ctx.context_share(b) for b in micro]  # context parallel: this rank's share of each row
     precision = optim.precision
     distributed = ctx.data_world > 1
     objective = parts.objective

@@ -1,0 +1,79 @@
+"""validate-config checks of context parallel (parallel_config.context_parallel > 1): what the ring
+attention of parallel/ring_attention.py runs today. Each refusal says why."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from bmtrain_cli.config.refusals import refuse_model_parallel
+from bmtrain_cli.methods import method_of
+from bmtrain_cli.models.rope import rope_type
+
+
+def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: bool) -> None:
+    p, m, t = config.parallel, config.model, config.train
+    n = p.context_parallel
+    if n == 1:
+        return
+    key = "parallel_config.context_parallel"
+    if p.context_parallel_mode == "ulysses":
+        why = (
+            "it needs an all-to-all of heads and sequence, which gloo (Paddle's CPU backend) does not have"
+            if not has_gpu
+            else "only the ring mode is implemented"
+        )
+        err("parallel_config.context_parallel_mode", f"context_parallel_mode ulysses: {why}", "use mode ring")
+    if m.max_seq_len % (2 * n):
+        err(
+            "model_config.max_seq_len",
+            f"max_seq_len ({m.max_seq_len}) is not divisible by 2 x context_parallel ({2 * n}): each rank "
+            "holds two equal chunks of every sequence (a front and a back one, so the causal work is even)",
+            f"use max_seq_len {m.max_seq_len - m.max_seq_len % (2 * n) or 2 * n} or another degree",
+        )
+    refuse_model_parallel(
+        p,
+        "context parallel",
+        "the context group is laid inside the data-parallel axis",
+        "use data_parallel",
+        err,
+    )
+    if p.sharding_parallel > 1:
+        err(key, "context parallel does not support sharding_parallel > 1 yet", "use data_parallel")
+    if t.to_static:
+        err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
+    if method_of(t).sample != "sequence":
+        err(
+            key,
+            f"context parallel splits single token sequences; train_config.stage {t.stage!r} trains on "
+            f"{method_of(t).sample}s, which it does not split yet",
+            "set context_parallel: 1 for this method",
+        )
+    _check_arch(arch, m.max_seq_len, err)
+
+
+def _check_arch(arch: Optional[Any], max_seq_len: int, err: Callable[..., None]) -> None:
+    if arch is None:
+        return
+    key = "parallel_config.context_parallel"
+    if arch.position_embedding == "alibi":
+        err(key, "context parallel does not support ALiBi attention biases", "use context_parallel: 1")
+    if arch.sliding_window is not None and arch.sliding_window < max_seq_len:
+        err(
+            key,
+            f"context parallel does not support a sliding window ({arch.sliding_window}) shorter than "
+            f"max_seq_len ({max_seq_len}): the ring attends every earlier key",
+            "use context_parallel: 1",
+        )
+    if rope_type(arch.rope_scaling) in ("dynamic", "longrope"):
+        err(
+            key,
+            f"context parallel does not support {rope_type(arch.rope_scaling)} rope scaling: it reads the "
+            "longest position of the whole sequence, which no rank holds",
+            "use context_parallel: 1",
+        )
+    if arch.num_experts and arch.output_router_logits:
+        err(
+            key,
+            "context parallel does not support the MoE load-balancing loss (output_router_logits) yet",
+            "set output_router_logits: false or context_parallel: 1",
+        )

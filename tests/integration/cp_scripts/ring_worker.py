@@ -1,0 +1,71 @@
+"""Worker for test_ring_attention.py: ring attention of this rank's chunks of one random batch (the same
+on every rank), forward and backward, written as npz (local output and gradients with the indices held).
+
+Run under `python -m paddle.distributed.launch --nproc_per_node N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import paddle
+import paddle.distributed as dist
+
+from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices
+
+
+def problem(seq: int, packed: bool):
+    """q [2, seq, 4, 8], k/v [2, seq, 2, 8] (grouped-query), a weight for the loss, segment ids."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, seq, 4, 8)).astype("float32")
+    k = rng.standard_normal((2, seq, 2, 8)).astype("float32")
+    v = rng.standard_normal((2, seq, 2, 8)).astype("float32")
+    w = rng.standard_normal((2, seq, 4, 8)).astype("float32")
+    seg = None
+    if packed:  # row 0: three samples, row 1: two samples then padding; boundaries inside chunks
+        seg = np.ones((2, seq), dtype="int64")
+        seg[0, seq // 5 :] = 2
+        seg[0, seq // 2 + 3 :] = 3
+        seg[1, seq // 3 :] = 2
+        seg[1, seq - seq // 7 :] = 0
+    return q, k, v, w, seg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--packed", action="store_true")
+    args = ap.parse_args()
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = list(range(world))
+    group = dist.new_group(ranks)
+    dist.barrier()
+    idx = local_indices(args.seq, world, rank)
+    q, k, v, w, seg = problem(args.seq, args.packed)
+    tensors = [paddle.to_tensor(x[:, idx]) for x in (q, k, v)]
+    for t in tensors:
+        t.stop_gradient = False
+    core = RingCore(Ring(group, ranks, rank))
+    out = core(*tensors, None if seg is None else paddle.to_tensor(seg))
+    (out * paddle.to_tensor(w[:, idx])).sum().backward()
+    np.savez(
+        f"{args.out}.{rank}.npz",
+        idx=idx,
+        out=out.numpy(),
+        dq=tensors[0].grad.numpy(),
+        dk=tensors[1].grad.numpy(),
+        dv=tensors[2].grad.numpy(),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""validate-config for parallel_config.context_parallel: the world size counts the context degree, and
+what the ring attention cannot run yet is refused at the key's file:line with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmtrain_cli.config import load_config
+from bmtrain_cli.errors import ConfigError
+
+MODEL = "model_config:\n  hidden_size: 64\n  num_attention_heads: 4\n  max_seq_len: {seq}\n{model}"
+TRAIN = "train_config:\n  demo_data: arithmetic\n{train}"
+PARALLEL = "parallel_config:\n  context_parallel: {cp}\n{parallel}"
+
+
+def _text(seq=256, model="", train="", cp=2, parallel="") -> str:
+    return (
+        MODEL.format(seq=seq, model=model)
+        + TRAIN.format(train=train)
+        + PARALLEL.format(cp=cp, parallel=parallel)
+    )
+
+
+def test_context_parallel_counts_in_the_world_size(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  data_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(_text(cp=4)), world_size=2)
+    assert "context 4 = 4) does not match the 2 launched processes" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, line, message",
+    [
+        ({"seq": 250}, 4, "not divisible by 2 x context_parallel (4)"),
+        ({"cp": 3, "seq": 256}, 4, "not divisible by 2 x context_parallel (6)"),
+        ({"parallel": "  context_parallel_mode: ulysses\n"}, 9, "gloo (Paddle's CPU backend) does not have"),
+        ({"parallel": "  tensor_parallel: 2\n"}, 9, "tensor_parallel > 1 yet"),
+        ({"parallel": "  pipeline_parallel: 2\n"}, 9, "pipeline_parallel > 1 yet"),
+        ({"parallel": "  sharding_parallel: 2\n"}, 8, "sharding_parallel > 1 yet"),
+        ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
+        ({"train": "  stage: dpo\n"}, 9, "trains on pairs"),
+        ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
+        ({"model": "  family: mistral\n  sliding_window: 64\n"}, 10, "sliding window (64)"),
+        ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
+    ],
+)
+def test_refused_at_file_line(write_yaml, kwargs, line, message):
+    path = write_yaml(_text(**kwargs))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, has_gpu=False)
+    text = str(info.value)
+    assert message in text, text
+    assert any(f"{path}:{line}:" in row and message in row for row in text.splitlines()), text
+
+
+def test_ulysses_on_a_gpu_names_the_missing_mode(write_yaml):
+    path = write_yaml(_text(parallel="  context_parallel_mode: ulysses\n"))
+    with pytest.raises(ConfigError, match="only the ring mode is implemented"):
+        load_config(path, has_gpu=True)
+
+
+def test_a_window_longer_than_the_sequence_passes(write_yaml):
+    load_config(write_yaml(_text(model="  family: mistral\n  sliding_window: 4096\n")), has_gpu=False)

@@ -1,0 +1,99 @@
+"""Context parallel in one process: the balanced layout, the split of a batch (targets shifted over the
+whole row before the split, positions and segment ids kept) and the model's context path. A ring of one
+rank runs every chunk pair the ring runs on several (front/back, causal/full, skipped); the multi-process
+equivalence is tests/integration/test_ring_attention.py and test_context_parallel.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.models.attention import blocked_attention
+from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.scoring import count_targets, to_tensors
+from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
+from tests.tiny import ARCH
+
+
+def _batch(packed: bool, s: int = 22):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, ARCH.vocab_size, (2, s))
+    labels = ids.copy()
+    labels[:, :3] = IGNORE_INDEX
+    mask = np.ones_like(ids)
+    mask[1, s - 5 :] = 0
+    pos = np.tile(np.arange(s), (2, 1))
+    if packed:
+        mask[0, 9:] = 2
+        pos[0, 9:] = np.arange(s - 9)
+    labels[mask == 0] = IGNORE_INDEX
+    pos[mask == 0] = 0
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_the_balanced_layout_holds_every_token_once(degree):
+    held = np.concatenate([local_indices(32, degree, r) for r in range(degree)])
+    assert sorted(held.tolist()) == list(range(32))
+    c = 32 // (2 * degree)
+    assert local_indices(32, degree, 0).tolist() == list(range(c)) + list(range(32 - c, 32))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_shares_put_back_give_the_shifted_rows(packed):
+    batch = _batch(packed)
+    shares = [split_batch(batch, 2, r) for r in range(2)]
+    width = 24  # 22 padded to a multiple of 2 x 2
+    targets = np.full((2, width), -1)
+    for r, share in enumerate(shares):
+        idx = local_indices(width, 2, r)
+        targets[:, idx] = share["targets"]
+        assert (share["position_ids"] == np.pad(batch["position_ids"], ((0, 0), (0, 2)))[:, idx]).all()
+        assert ("segment_ids" in share) == packed  # right-padded rows attend causally
+    want = np.full((2, width), IGNORE_INDEX)
+    want[:, :21] = batch["labels"][:, 1:]
+    if packed:
+        want[0, 8] = IGNORE_INDEX  # the last token of the first sample predicts nothing
+    assert (targets == want).all()
+    assert sum(count_targets(s) for s in shares) == count_targets(batch)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_ring_of_one_equals_blocked_attention(packed):
+    paddle.seed(0)
+    q = paddle.randn([2, 24, 4, 8])
+    k, v = paddle.randn([2, 24, 2, 8]), paddle.randn([2, 24, 2, 8])
+    seg = paddle.to_tensor(split_batch(_batch(True, s=24), 1, 0)["segment_ids"]) if packed else None
+    grads = []
+    for fn in (lambda *a: RingCore(Ring(None, [0], 0))(*a), lambda *a: blocked_attention(*a, block=8)):
+        ts = [paddle.to_tensor(t.numpy(), stop_gradient=False) for t in (q, k, v)]
+        out = fn(*ts, seg)
+        (out * out.sin()).sum().backward()
+        grads.append([out.numpy()] + [t.grad.numpy() for t in ts])
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_model_context_path_equals_its_loss(packed):
+    """CausalLM.loss_sum on a share (targets, positions, the rows' segment ids) with a ring of one: the
+    same loss and gradients as on the unsplit batch."""
+    paddle.seed(3)
+    model = CausalLM(ARCH, kernels="reference")
+    model.init_weights()
+    batch = _batch(packed)
+    results = []
+    for share in (False, True):
+        if share:
+            model.context_attention = RingCore(Ring(None, [0], 0))
+        total, count = model.loss_sum(**to_tensors(split_batch(batch, 1, 0) if share else batch))
+        total.backward()
+        results.append((float(total), float(count), [p.grad.numpy().copy() for p in model.parameters()]))
+        model.clear_gradients()
+    (t0, c0, g0), (t1, c1, g1) = results
+    assert c0 == c1 == count_targets(batch)
+    np.testing.assert_allclose(t1, t0, rtol=1e-6)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -50,6 +50,9 @@ class ModelArch:
     # sliding_window is set, as Mistral)
     layer_types: Optional[Tuple[str, ...]] = None
     rope_local_theta: Optional[float] = None  # rope base of the sliding layers, without scaling (Gemma 3)
+    # scores / logits become cap * tanh(x / cap): the attention's before the mask, the LM head's (Gemma 2)
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
     # mixture of experts (Qwen3-MoE, Mixtral): num_experts 0 = dense. A layer is sparse unless it is in
     # mlp_only_layers, every decoder_sparse_step-th layer (1: all); its experts are moe_intermediate_size wide
     num_experts: int = 0

@@ -115,10 +115,12 @@ def _allowed(
     k_len: int,
     q_offset: int,
     sliding_window: Optional[int] = None,
+    k_offset: int = 0,
 ) -> paddle.Tensor:
-    """Boolean [b or 1, q_len, k_len]: which keys each query may see (causal, same segment, window)."""
+    """Boolean [b or 1, q_len, k_len]: which keys each query may see (causal, same segment, window).
+    Query i sits at index ``q_offset + i``, key j at ``k_offset + j``."""
     q_idx = paddle.arange(q_len, dtype="int64").unsqueeze(-1) + q_offset
-    k_idx = paddle.arange(k_len, dtype="int64").unsqueeze(0)
+    k_idx = paddle.arange(k_len, dtype="int64").unsqueeze(0) + k_offset
     allowed = (k_idx <= q_idx).unsqueeze(0)  # [1, q, k]
     if sliding_window is not None:
         allowed = paddle.logical_and(allowed, (q_idx - k_idx < sliding_window).unsqueeze(0))
@@ -142,12 +144,23 @@ def repeat_kv(x: paddle.Tensor, n_rep: int) -> paddle.Tensor:
     return x.unsqueeze(3).expand([b, s, h, n_rep, d]).reshape([b, s, h * n_rep, d])
 
 
+def soft_cap(x: paddle.Tensor, cap: Optional[float]) -> paddle.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits); x unchanged for None."""
+    return x if cap is None else paddle.tanh(x / cap) * cap
+
+
 def eager_attention(
-    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor], scale: float
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    bias: Optional[paddle.Tensor],
+    scale: float,
+    softcap: Optional[float] = None,
 ) -> paddle.Tensor:
-    """Exact reference: q [b, sq, h, d], k/v [b, sk, h, d] -> [b, sq, h, d]; softmax in fp32."""
+    """Exact reference: q [b, sq, h, d], k/v [b, sk, h, d] -> [b, sq, h, d]; softmax in fp32, the scores
+    soft-capped before the mask where ``softcap`` is set."""
     qt, kt, vt = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
-    scores = paddle.matmul(qt, kt, transpose_y=True).astype("float32") * scale
+    scores = soft_cap(paddle.matmul(qt, kt, transpose_y=True).astype("float32") * scale, softcap)
     if bias is None:
         sq, sk = scores.shape[-2], scores.shape[-1]
         bias = build_bias(None, None, sq, sk, sk - sq, "float32")
@@ -161,21 +174,27 @@ def eager_attention(
 
 
 def _block_scores(
-    qg: paddle.Tensor, kt: paddle.Tensor, seg: Optional[paddle.Tensor], i0: int, i1: int, scale: float
-) -> paddle.Tensor:
-    """Masked fp32 scores of queries i0..i1 against keys 0..i1: [b, kv_heads, rep * (i1 - i0), i1]
-    (the rep query heads of a KV head stacked on the query axis; -inf where a key is not visible)."""
+    qg: paddle.Tensor, kt: paddle.Tensor, seg: Optional[paddle.Tensor], span: Tuple[int, int, int], opts: Any
+) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+    """Masked fp32 scores of queries i0..i1 against keys j0..i1 (``span`` = (i0, i1, j0)):
+    [b, kv_heads, rep * (i1 - i0), i1 - j0] (the rep query heads of a KV head stacked on the query axis;
+    -inf where a key is not visible), and with soft-capping the derivative of the cap, 1 - tanh^2."""
     b, hk, rep, _, d = qg.shape
+    i0, i1, j0 = span
     n = i1 - i0
     qb = qg[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
-    scores = paddle.matmul(qb, kt[:, :, :i1], transpose_y=True).astype("float32") * scale
+    scores = paddle.matmul(qb, kt[:, :, j0:i1], transpose_y=True).astype("float32") * opts.scale
+    slope = None
+    if opts.softcap is not None:
+        t = paddle.tanh(scores / opts.softcap)
+        scores, slope = t * opts.softcap, 1.0 - t * t
     seg_q = None if seg is None else seg[:, i0:i1]
-    seg_k = None if seg is None else seg[:, :i1]
-    allowed = _allowed(seg_q, seg_k, n, i1, i0)  # [b or 1, n, i1]
+    seg_k = None if seg is None else seg[:, j0:i1]
+    allowed = _allowed(seg_q, seg_k, n, i1 - j0, i0, opts.window, j0)  # [b or 1, n, i1 - j0]
     if rep > 1:
         allowed = paddle.tile(allowed, [1, rep, 1])
     neg = paddle.full([1], float("-inf"), dtype="float32")
-    return paddle.where(allowed.unsqueeze(1), scores, neg)
+    return paddle.where(allowed.unsqueeze(1), scores, neg), slope
 
 
 def _grouped(x: paddle.Tensor, kv_heads: int) -> paddle.Tensor:
@@ -190,8 +209,19 @@ def _ungrouped(x: paddle.Tensor) -> paddle.Tensor:
     return x.transpose([0, 3, 1, 2, 4]).reshape([b, s, hk * rep, d])
 
 
-def _blocks(s: int, block: int) -> List[Tuple[int, int]]:
-    return [(i, min(i + block, s)) for i in range(0, s, block)]
+class _BlockOptions:
+    """The blocked kernel's settings: queries per block, the score scale, the sliding window (keys more
+    than ``window - 1`` positions back are neither visible nor computed) and the soft-cap of the scores."""
+
+    def __init__(self, block: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
+        self.block, self.scale, self.window, self.softcap = block, scale, window, softcap
+
+    def spans(self, s: int) -> List[Tuple[int, int, int]]:
+        """(i0, i1, j0): each block of queries i0..i1 with the first key any of them may see, j0."""
+        return [
+            (i, min(i + self.block, s), 0 if self.window is None else max(0, i - self.window + 1))
+            for i in range(0, s, self.block)
+        ]
 
 
 class BlockedAttention(PyLayer):
@@ -199,8 +229,10 @@ class BlockedAttention(PyLayer):
 
     Forward keeps q, k, v, the output and the per-query log-sum-exp; backward recomputes each block's
     probabilities from them (the FlashAttention recurrences). Nothing of size s x s outlives a block, so
-    the kept memory is linear in s and the transient is [b, heads, block, s]. K/V carry their own (fewer)
-    heads: the query heads of one KV head are stacked on the query axis, so K/V are never repeated.
+    the kept memory is linear in s and the transient is [b, heads, block, s] (block x window with a
+    sliding window). K/V carry their own (fewer) heads: the query heads of one KV head are stacked on the
+    query axis, so K/V are never repeated. Soft-capped scores (Gemma 2) multiply the score gradient by
+    the cap's derivative, recomputed with the scores.
     """
 
     @staticmethod
@@ -210,20 +242,19 @@ class BlockedAttention(PyLayer):
         k: paddle.Tensor,
         v: paddle.Tensor,
         seg: Optional[paddle.Tensor],
-        block: int,
+        opts: _BlockOptions,
     ) -> paddle.Tensor:
         b, s, h, d = q.shape
         hk = k.shape[2]
-        scale = float(d) ** -0.5
         qg = _grouped(q, hk)
         kt, vt = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [b, hk, s, d]
         outs, lses = [], []
-        for i0, i1 in _blocks(s, block):
+        for i0, i1, j0 in opts.spans(s):
             n = i1 - i0
-            scores = _block_scores(qg, kt, seg, i0, i1, scale)
+            scores, _ = _block_scores(qg, kt, seg, (i0, i1, j0), opts)
             lse = paddle.logsumexp(scores, axis=-1)  # [b, hk, rep * n]
             probs = paddle.exp(scores - lse.unsqueeze(-1)).astype(v.dtype)
-            out = paddle.matmul(probs, vt[:, :, :i1])
+            out = paddle.matmul(probs, vt[:, :, j0:i1])
             outs.append(out.reshape([b, hk, h // hk, n, d]))
             lses.append(lse.reshape([b, hk, h // hk, n]))
         out = _ungrouped(paddle.concat(outs, axis=3))
@@ -231,7 +262,7 @@ class BlockedAttention(PyLayer):
         # pipeline frees the tensors a stage has sent on, and the ids travel with the activations)
         kept_seg = None if seg is None else seg.clone()
         ctx.save_for_backward(q, k, v, out, paddle.concat(lses, axis=3), kept_seg)
-        ctx.block = block
+        ctx.opts = opts
         return out
 
     @staticmethod
@@ -239,10 +270,10 @@ class BlockedAttention(PyLayer):
         ctx: Any, dout: paddle.Tensor
     ) -> Tuple[Optional[paddle.Tensor], ...]:
         q, k, v, out, lse, seg = ctx.saved_tensor()
+        opts = ctx.opts
         b, s, h, d = q.shape
         hk = k.shape[2]
         rep = h // hk
-        scale = float(d) ** -0.5
         qg = _grouped(q, hk)
         dog = _grouped(dout, hk)
         kt, vt = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
@@ -251,18 +282,21 @@ class BlockedAttention(PyLayer):
         dk = paddle.zeros([b, hk, s, d], dtype="float32")
         dv = paddle.zeros([b, hk, s, d], dtype="float32")
         dqs = []
-        for i0, i1 in _blocks(s, ctx.block):
+        for i0, i1, j0 in opts.spans(s):
             n = i1 - i0
             lse_b = lse[:, :, :, i0:i1].reshape([b, hk, rep * n, 1])
-            probs = paddle.exp(_block_scores(qg, kt, seg, i0, i1, scale) - lse_b)
+            scores, slope = _block_scores(qg, kt, seg, (i0, i1, j0), opts)
+            probs = paddle.exp(scores - lse_b)
             dob = dog[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
             qb = qg[:, :, :, i0:i1].reshape([b, hk, rep * n, d])
-            dv[:, :, :i1] += paddle.matmul(probs.astype(v.dtype), dob, transpose_x=True).astype("float32")
-            dp = paddle.matmul(dob, vt[:, :, :i1], transpose_y=True).astype("float32")
-            ds = probs * (dp - delta[:, :, :, i0:i1].reshape([b, hk, rep * n, 1])) * scale
+            dv[:, :, j0:i1] += paddle.matmul(probs.astype(v.dtype), dob, transpose_x=True).astype("float32")
+            dp = paddle.matmul(dob, vt[:, :, j0:i1], transpose_y=True).astype("float32")
+            ds = probs * (dp - delta[:, :, :, i0:i1].reshape([b, hk, rep * n, 1])) * opts.scale
+            if slope is not None:
+                ds = ds * slope
             ds = ds.astype(q.dtype)
-            dqs.append(paddle.matmul(ds, kt[:, :, :i1]).reshape([b, hk, rep, n, d]))
-            dk[:, :, :i1] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
+            dqs.append(paddle.matmul(ds, kt[:, :, j0:i1]).reshape([b, hk, rep, n, d]))
+            dk[:, :, j0:i1] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
         dq = _ungrouped(paddle.concat(dqs, axis=3))
         dk = dk.astype(k.dtype).transpose([0, 2, 1, 3])
         dv = dv.astype(v.dtype).transpose([0, 2, 1, 3])
@@ -275,10 +309,14 @@ def blocked_attention(
     v: paddle.Tensor,
     segment_ids: Optional[paddle.Tensor] = None,
     block: int = ATTENTION_BLOCK,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> paddle.Tensor:
     """Exact causal attention q [b, s, h, d], k/v [b, s, kv_heads, d] -> [b, s, h, d] without an s x s
-    tensor: see :class:`BlockedAttention`. ``segment_ids`` [b, s] restrict each query to its segment."""
-    return BlockedAttention.apply(q, k, v, segment_ids, block)
+    tensor: see :class:`BlockedAttention`. ``segment_ids`` [b, s] restrict each query to its segment,
+    ``window`` to the keys less than ``window`` positions back; ``softcap`` caps the scaled scores."""
+    opts = _BlockOptions(block, float(q.shape[-1]) ** -0.5, window, softcap)
+    return BlockedAttention.apply(q, k, v, segment_ids, opts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,11 +414,16 @@ def attend(
     implementation: str = "auto",
     training: bool = False,
     cpu_kernel: Optional[AttentionCore] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> paddle.Tensor:
     """Attention of q [b, sq, heads, d] over k/v [b, sk, kv_heads, d] (kv_heads divides heads; K/V are
     not repeated). ``mask``: None (causal, the query block at the end of the keys), int segment ids
     [b, s] (or a :class:`SegmentIds` holding them with their offsets), or an additive float bias; see the module docstring. ``cpu_kernel``: the fused CPU core of
-    the model's op set (``OpSet.attention``; None where our kernels are not in use)."""
+    the model's op set (``OpSet.attention``; None where our kernels are not in use). ``window``: a
+    sliding window the mask does not hold (a bias holds its own); ``softcap``: the scores become
+    softcap * tanh(scores / softcap) before the mask (Gemma 2), which only the blocked and the eager
+    kernels compute."""
     if isinstance(mask, ContextShard):
         return mask.core(q, k, v, mask.segment_ids)
     held = mask if isinstance(mask, SegmentIds) else None
@@ -404,6 +447,7 @@ def attend(
         head_dim=q.shape[-1],
         fa_version=_gpu_flash_version() if on_gpu and half else 2,
         training=training,
+        softcap=softcap is not None,
     )
     n_rep = q.shape[2] // k.shape[2]
     if kernel == "cpu_fused":
@@ -432,11 +476,14 @@ def attend(
         )
         return out.reshape([b, s, h, d])
     if kernel == "blocked":
-        return blocked_attention(q, k, v, None if kind == "causal" else mask.astype("int64"))
-    if kind == "segments":
-        mask = build_bias(mask, mask, q.shape[1], k.shape[1], 0, q.dtype)
+        seg = None if kind == "causal" else mask.astype("int64")
+        return blocked_attention(q, k, v, seg, window=window, softcap=softcap)
+    if kind == "segments" or (kind == "causal" and window is not None):
+        seg = None if kind == "causal" else mask
+        mask = build_bias(seg, seg, q.shape[1], k.shape[1], 0, q.dtype, window)
     if kernel == "sdpa_causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, training=training)
     if kernel == "sdpa_mask":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.astype(q.dtype), training=training)
-    return eager_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, float(q.shape[-1]) ** -0.5)
+    scale = float(q.shape[-1]) ** -0.5
+    return eager_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, scale, softcap)

@@ -64,6 +64,7 @@ def choose_kernel(
     head_dim: Optional[int] = None,
     fa_version: int = 2,
     training: bool = True,
+    softcap: bool = False,
 ) -> Tuple[str, str]:
     """(kernel, why) for a mask kind, the configured ``attention_implementation``, the compute dtype
     (half: fp16/bf16), the device, whether a static graph with unknown sizes is being built, the
@@ -72,13 +73,17 @@ def choose_kernel(
     ``capability``, the ``head_dim``, FLAGS_flash_attn_version and whether the call trains decide whether
     a flash kernel may run (:func:`flash_refusal`); where none may, and in fp32, Paddle's sdpa runs (one
     kernel on a GPU: its own flash / memory-efficient / math choice). The model passes the length of the
-    batch it attends over and the memory planner the configured ``max_seq_len``, the longest a batch gets."""
+    batch it attends over and the memory planner the configured ``max_seq_len``, the longest a batch gets.
+    Soft-capped scores (``softcap``, Gemma 2) have no fused, flash or sdpa kernel: the blocked kernel (any
+    device, linear memory) takes them, or the eager reference where a bias or a static graph is given."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r} (choose from {IMPLEMENTATIONS})"
         )
     if implementation == "eager":
         return "eager", "attention_implementation: eager (matmul + softmax reference with an additive mask)"
+    if softcap:
+        return _softcapped(kind, static)
     if kind == "bias":
         return "sdpa_mask", "an additive mask is needed (KV cache, sliding window or ALiBi)"
     if implementation == "sdpa":
@@ -97,6 +102,14 @@ def choose_kernel(
             f"CPU, {seq_len} <= {DENSE_MAX_SEQ} tokens: matmul + softmax is faster than the blocked kernel",
         )
     return "blocked", f"CPU: exact blocked attention, memory linear in the sequence length; {rows}"
+
+
+def _softcapped(kind: str, static: bool) -> Tuple[str, str]:
+    none = "soft-capped scores: no fused CPU, flash or sdpa kernel caps them"
+    if kind == "bias" or static:
+        given = "an additive mask (KV cache)" if kind == "bias" else "a static graph of unknown length"
+        return "eager", f"{none}; with {given}: the matmul + softmax reference"
+    return "blocked", f"{none}; exact blocked attention in Paddle ops, memory linear in the sequence length"
 
 
 def _sdpa(kind: str, why: str) -> Tuple[str, str]:
@@ -130,9 +143,12 @@ def _gpu_kernel(
 
 def training_mask_kind(arch: Any, seq_len: int, packed: bool, pipeline: bool = False) -> str:
     """The mask kind training batches reach the attention with: ``bias`` for ALiBi or a sliding window
-    shorter than the sequence, ``segments`` for packed rows (and under pipeline parallelism, whose stages
-    always pass the segment ids on), else ``causal`` (right-padded rows go without a mask)."""
+    shorter than the sequence (unless the scores are soft-capped: the blocked kernel applies the window
+    itself), ``segments`` for packed rows (and under pipeline parallelism, whose stages always pass the
+    segment ids on), else ``causal`` (right-padded rows go without a mask)."""
     window = getattr(arch, "sliding_window", None)
+    if getattr(arch, "attn_logit_softcapping", None) is not None:
+        window = None
     if getattr(arch, "position_embedding", "rope") == "alibi" or (window is not None and seq_len > window):
         return "bias"
     return "segments" if (packed or pipeline) else "causal"

@@ -95,6 +95,10 @@ class Attention(nn.Layer):
         scalar = arch.query_pre_attn_scalar
         self.q_scale = 1.0 if scalar is None else math.sqrt(arch.head_dim / scalar)
         self.layer_type = arch.layer_type(layer_idx)
+        # soft-capped scores (Gemma 2): the core caps them and applies the sliding window itself (the
+        # layer inputs then hold no window in the mask: models/decoder.py LayerInputs)
+        self.softcap = arch.attn_logit_softcapping
+        self.window = arch.window_of(self.layer_type) if self.softcap is not None else None
         self.recompute_core = False
         h, hd = arch.hidden_size, arch.head_dim
         q_out, kv_out = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
@@ -166,7 +170,9 @@ class Attention(nn.Layer):
     def _core(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
     ) -> paddle.Tensor:
-        return attend(q, k, v, bias, self.implementation, self.training, self.ops.attention)
+        return attend(
+            q, k, v, bias, self.implementation, self.training, self.ops.attention, self.window, self.softcap
+        )
 
 
 class MLP(nn.Layer):

@@ -40,7 +40,7 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.arch import ModelArch, arch_problems
-from bmtrain_cli.models.attention import IMPLEMENTATIONS, ContextShard, batch_segments, build_bias
+from bmtrain_cli.models.attention import IMPLEMENTATIONS, ContextShard, batch_segments, build_bias, soft_cap
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import LayerFactory, PlainFactory
 from bmtrain_cli.models.moe import load_balancing_loss
@@ -87,11 +87,12 @@ def project_to_vocab(
     embed_weight: Any,
 ) -> paddle.Tensor:
     """Logits from the final (normed) hidden state; the local vocabulary shard under tensor parallel.
-    ``embed_weight`` is read only for tied embeddings (``lm_head`` None)."""
+    ``embed_weight`` is read only for tied embeddings (``lm_head`` None). Soft-capped where the family caps
+    its logits (Gemma 2's final_logit_softcapping)."""
     if lm_head is not None and not arch.norm_head:
-        return lm_head(hidden)
+        return soft_cap(lm_head(hidden), arch.final_logit_softcapping)
     weight, transposed = head_weight(arch, lm_head, embed_weight)
-    return factory.head_matmul(hidden, weight, transposed)
+    return soft_cap(factory.head_matmul(hidden, weight, transposed), arch.final_logit_softcapping)
 
 
 Inputs = Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor], Optional[paddle.Tensor]]  # cos, sin, bias
@@ -114,6 +115,8 @@ class LayerInputs:
         self.types = tuple(sorted({arch.layer_type(i) for i in range(arch.num_hidden_layers)}))
         # looked up here, not in forward: paddle.jit's SOT cannot call a dataclass's methods
         self.windows = {kind: arch.window_of(kind) for kind in self.types}
+        # soft-capped attention (Gemma 2) runs the blocked kernel, which applies the window itself
+        self.kernel_windows = arch.attn_logit_softcapping is not None
 
     def __call__(
         self,
@@ -155,6 +158,8 @@ class LayerInputs:
         if window is not None and isinstance(s, int) and past + s <= window:
             # the window cannot bite: keep the plain causal fast path (a static graph's length is unknown)
             window = None
+        if self.kernel_windows and past == 0 and paddle.in_dynamic_mode():
+            window = None  # the attention core applies it (models/blocks.py Attention.window)
         if past == 0 and window is None and self.alibi is None:
             # segment ids, with their cu_seqlens computed once per batch on a GPU (not in every layer)
             return None if attention_mask is None else batch_segments(attention_mask)
@@ -376,6 +381,8 @@ class CausalLM(nn.Layer):
         target = target.reshape([-1])
         if self.factory.tp_degree > 1:
             return self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
+        if self.arch.final_logit_softcapping is not None:  # the fused head + loss does not cap logits
+            return self.ops.cross_entropy_sum(self.logits_from_hidden(hidden), target, IGNORE_INDEX)
         weight, transposed = self._head()
         return self.ops.linear_cross_entropy(
             hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed

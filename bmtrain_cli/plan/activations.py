@@ -81,7 +81,8 @@ def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
     gpu = device.kind != "cpu"
     half = w.precision in ("bf16", "fp16")
     fused = fused_cpu_attention(w, device)
-    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len, fused_cpu=fused)[0]
+    softcap = getattr(w.arch, "attn_logit_softcapping", None) is not None
+    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len, fused_cpu=fused, softcap=softcap)[0]
 
 
 def _keeps_scores(kernel: str, device: Device) -> bool:

@@ -80,6 +80,7 @@ def opening_lines(parts: Parts, resumed_from: Optional[Path]) -> List[str]:
         fused_cpu=parts.model.raw.ops.attention is not None,
         capability=capability,
         head_dim=arch.head_dim,
+        softcap=arch.attn_logit_softcapping is not None,
     )
     return [first, parts.data.report["line"], f"attention: {kernel} ({why})"]
 

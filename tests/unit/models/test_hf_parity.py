@@ -37,6 +37,7 @@ def test_fixtures_present():
         "mixtral",
         "ernie4_5_moe",
         "glm4_moe",
+        "gemma2",
     } <= set(NAMES)
 
 
@@ -93,7 +94,8 @@ def test_greedy_generation_matches_transformers(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama_gqa_llama3", "qwen2", "qwen3", "ernie4_5", "gemma3_text", "glm4", "phi3_longrope"]
+    "name",
+    ["llama_gqa_llama3", "qwen2", "qwen3", "ernie4_5", "gemma3_text", "glm4", "phi3_longrope", "gemma2"],
 )
 def test_save_pretrained_round_trip(name, tmp_path):
     ref = _ref(name)

@@ -37,6 +37,7 @@ def test_fixtures_present():
         "mixtral",
         "ernie4_5_moe",
         "glm4_moe",
+        "qwen3_5_text",
     } <= set(NAMES)
 
 

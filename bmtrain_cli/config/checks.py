@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 from bmtrain_cli.config.context_checks import check_context
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.grpo_checks import check_grpo
+from bmtrain_cli.config.linear_checks import check_linear_attention
 from bmtrain_cli.config.moe_checks import check_moe
 from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.quant_checks import check_quantization
@@ -425,6 +426,7 @@ def check_config(  # noqa: C901
                     )
 
     check_moe(config, arch, err)
+    check_linear_attention(config, arch, err)
     check_quantization(config, arch, err)
     check_preference(config, err, warn)
     check_grpo(config, err)

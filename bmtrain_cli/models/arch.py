@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.families import FAMILIES, MODEL_TYPES, family
+from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.models.known import KNOWN_MODELS
 
 
@@ -53,6 +54,8 @@ class ModelArch:
     # scores / logits become cap * tanh(x / cap): the attention's before the mask, the LM head's (Gemma 2)
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid output gate (Qwen3.5)
+    linear_attention: Optional[LinearAttention] = None  # Gated DeltaNet on "linear_attention" layers
     # mixture of experts (Qwen3-MoE, Mixtral): num_experts 0 = dense. A layer is sparse unless it is in
     # mlp_only_layers, every decoder_sparse_step-th layer (1: all); its experts are moe_intermediate_size wide
     num_experts: int = 0
@@ -101,6 +104,8 @@ class ModelArch:
         """``full_attention`` or ``sliding_attention``: which mask and rotary table the layer takes."""
         if self.layer_types is not None:
             return self.layer_types[layer]
+        if self.linear_attention is not None:
+            return LinearAttention.layer_type(layer)
         if self.sliding_window is None:
             return "full_attention"
         pattern = family(self.family).sliding_pattern
@@ -406,8 +411,8 @@ LORA_PROJECTIONS = (
     "W_pack",
     "qkv_proj",
     "gate_up_proj",
-)
-ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
+) + LinearAttention.PROJECTIONS
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 
 
 def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
@@ -421,7 +426,8 @@ def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
     qkv_proj; Phi-3 and GLM-4 fuse gate/up into gate_up_proj)."""
     qkv = (arch.qkv_name,) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
     mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
-    return tuple(n for n in LORA_PROJECTIONS if n in (*qkv, "o_proj", *mlp, "down_proj"))
+    mixer = (*qkv, "o_proj", *(LinearAttention.PROJECTIONS if arch.linear_attention else ()))
+    return tuple(n for n in LORA_PROJECTIONS if n in (*mixer, *mlp, "down_proj"))
 
 
 def lora_expert_targets(targets: Any) -> Tuple[str, ...]:
@@ -436,7 +442,8 @@ def projection_shapes(arch: ModelArch) -> Dict[str, Tuple[int, int]]:
     h, hd = arch.hidden_size, arch.head_dim
     q, kv, inter = arch.num_attention_heads * hd, arch.num_key_value_heads * hd, arch.intermediate_size
     return {
-        "q_proj": (h, q),
+        **(arch.linear_attention.projection_shapes(h) if arch.linear_attention else {}),
+        "q_proj": (h, q * 2 if arch.attn_output_gate else q),
         "k_proj": (h, kv),
         "v_proj": (h, kv),
         "o_proj": (q, h),
@@ -471,7 +478,7 @@ def count_parameters(arch: ModelArch, active: bool = False) -> int:
     h, hd = arch.hidden_size, arch.head_dim
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
-    attn = h * (q + 2 * kv) + q * h
+    attn = h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h
     if arch.attention_bias:
         attn += q + 2 * kv
     if arch.o_proj_bias:
@@ -488,7 +495,8 @@ def count_parameters(arch: ModelArch, active: bool = False) -> int:
     shared = arch.moe_shared_experts * arch.moe_intermediate_size
     moe += 3 * h * shared + (2 * shared + h if arch.mlp_bias and shared else 0)
     moe += arch.num_experts if arch.moe_score_bias else 0
-    total = arch.vocab_size * h + arch.num_hidden_layers * (attn + norms) + h
+    total = arch.vocab_size * h + arch.num_hidden_layers * norms + h
+    total += LinearAttention.mixer_parameters(arch, attn)
     total += (arch.num_hidden_layers - sparse) * mlp + sparse * moe
     if not arch.tie_word_embeddings:
         total += arch.vocab_size * h

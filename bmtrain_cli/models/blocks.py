@@ -17,6 +17,7 @@ from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.attention import attend
 from bmtrain_cli.models.families import family
 from bmtrain_cli.models.layers import LayerFactory
+from bmtrain_cli.models.linear_attention import GatedDeltaNet
 from bmtrain_cli.models.moe import SparseMoE
 from bmtrain_cli.ops import OpSet, reference
 
@@ -44,17 +45,26 @@ class RMSNorm(nn.Layer):
         return self.ops.rms_norm(x, weight, self.eps)
 
 
+def _rows(t: Optional[paddle.Tensor], index: paddle.Tensor) -> Optional[paddle.Tensor]:
+    return None if t is None else paddle.gather(t, index)
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, per layer ([b, s, kv_heads, d], before head
-    repetition). Decoding appends one step at a time."""
+    repetition). Decoding appends one step at a time. A linear-attention layer (models/linear_attention.py)
+    keeps (its convolution's last inputs, its recurrent state) in ``linear`` instead."""
 
     def __init__(self, num_layers: int):
         self.keys: List[Optional[paddle.Tensor]] = [None] * num_layers
         self.values: List[Optional[paddle.Tensor]] = [None] * num_layers
+        self.linear: List[Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor]]] = [
+            (None, None)
+        ] * num_layers
+        self.linear_tokens = [0] * num_layers
 
     def __len__(self) -> int:
-        k = self.keys[0]
-        return 0 if k is None else int(k.shape[1])
+        k = next((k for k in self.keys if k is not None), None)
+        return max(self.linear_tokens) if k is None else int(k.shape[1])
 
     def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
         prev_k, prev_v = self.keys[layer], self.values[layer]
@@ -66,8 +76,9 @@ class KVCache:
 
     def select(self, index: paddle.Tensor) -> None:
         """Keep only the batch rows in ``index`` (e.g. after sequences finish)."""
-        self.keys = [None if k is None else paddle.gather(k, index) for k in self.keys]
-        self.values = [None if v is None else paddle.gather(v, index) for v in self.values]
+        self.keys = [_rows(k, index) for k in self.keys]
+        self.values = [_rows(v, index) for v in self.values]
+        self.linear = [(_rows(c, index), _rows(r, index)) for c, r in self.linear]
 
 
 def _local_heads(total: int, tp: int, what: str) -> int:
@@ -102,13 +113,18 @@ class Attention(nn.Layer):
         self.recompute_core = False
         h, hd = arch.hidden_size, arch.head_dim
         q_out, kv_out = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+        self.gated = (
+            arch.attn_output_gate
+        )  # q_proj yields [q; gate] per head, sigmoid(gate) scales the output
         self.fused = arch.fused_qkv and tp == 1  # under TP the fused matrix is split into q/k/v on load
         self.qkv_name = arch.qkv_name
         if self.fused:
             fused = factory.linear(h, q_out + 2 * kv_out, arch.attention_bias, tp="column")
             setattr(self, self.qkv_name, fused)  # named as the family's checkpoints name it
         else:
-            self.q_proj = factory.linear(h, q_out, arch.attention_bias, tp="column")
+            self.q_proj = factory.linear(
+                h, q_out * (2 if self.gated else 1), arch.attention_bias, tp="column"
+            )
             self.k_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
             self.v_proj = factory.linear(h, kv_out, arch.attention_bias, tp="column")
         self.o_proj = factory.linear(q_out, h, arch.o_proj_bias, tp="row")
@@ -135,7 +151,10 @@ class Attention(nn.Layer):
             q, k, v = paddle.split(qkv, [nq, nkv, nkv], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape([b, s, self.num_heads, hd])
+        q = q.reshape([b, s, self.num_heads, -1])
+        gate = None
+        if self.gated:
+            q, gate = paddle.split(q, 2, axis=-1)
         k = k.reshape([b, s, self.num_kv_heads, hd])
         v = v.reshape([b, s, self.num_kv_heads, hd])
         if self.qk_norm:
@@ -153,7 +172,10 @@ class Attention(nn.Layer):
             out = recompute(self._core, q, k, v, bias)
         else:
             out = self._core(q, k, v, bias)
-        return self.o_proj(out.reshape([b, s, self.num_heads * hd]))
+        out = out.reshape([b, s, self.num_heads * hd])
+        if gate is not None:
+            out = out * F.sigmoid(gate.reshape([b, s, self.num_heads * hd]))
+        return self.o_proj(out)
 
     def _rotary(
         self, q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
@@ -213,7 +235,10 @@ class DecoderLayer(nn.Layer):
         self.layer_type = arch.layer_type(layer_idx)
         for name in self.norm_names.values():
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, offset=arch.norm_offset))
-        self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(arch, factory, ops, layer_idx)
+        else:
+            self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
         # the mixture of experts on the layers the family makes sparse (single device only: arch rules)
         self.sparse = arch.is_sparse(layer_idx)
         if self.sparse and factory.tp_degree > 1:
@@ -232,5 +257,9 @@ class DecoderLayer(nn.Layer):
         bias: Optional[paddle.Tensor] = None,
         cache: Optional[KVCache] = None,
     ) -> paddle.Tensor:
-        x = x + self._norm("post_attn", self.self_attn(self._norm("pre_attn", x), cos, sin, bias, cache))
+        if self.layer_type == "linear_attention":  # ``bias``: the padding mask (decoder.LayerInputs)
+            mixed = self.linear_attn(self._norm("pre_attn", x), bias, cache)
+        else:
+            mixed = self.self_attn(self._norm("pre_attn", x), cos, sin, bias, cache)
+        x = x + self._norm("post_attn", mixed)
         return x + self._norm("post_mlp", self.mlp(self._norm("pre_mlp", x)))

@@ -17,6 +17,8 @@ Family differences are flags on :class:`~bmtrain_cli.models.arch.ModelArch`:
   interleaved pairs (GLM-4, ERNIE 4.5, Phi-4-mini)
 - ``norm_offset`` ((1 + w) RMSNorm), ``scale_embeddings`` (times sqrt(hidden)), ``query_pre_attn_scalar``
   (Gemma); the family's ``norm_names`` add norms on the attention and MLP outputs (Gemma 3, GLM-4)
+- ``linear_attention`` with ``layer_types``: Gated DeltaNet on the ``linear_attention`` layers
+  (models/linear_attention.py) and ``attn_output_gate``: a sigmoid gate on the attention output (Qwen3.5)
 - ``num_experts`` > 0: the sparse layers' MLP is a mixture of experts (models/moe.py; Qwen3-MoE, Mixtral),
   with transformers' load-balancing loss added in ``loss_sum`` when ``output_router_logits`` is set
 
@@ -131,6 +133,9 @@ class LayerInputs:
         (default: every type the model's layers have)."""
         out: Dict[str, Inputs] = {}
         for kind in self.types if types is None else types:
+            if kind == "linear_attention":  # its padding mask over the new positions (no rope, no bias)
+                out[kind] = (None, None, None if attention_mask is None else attention_mask[:, past:])
+                continue
             cos = sin = None
             rotary = self.rotary.get(kind)
             if rotary is not None:
@@ -260,6 +265,9 @@ class CausalLM(nn.Layer):
                 (zeros if self.arch.norm_offset else ones)(p)  # the scale starts at 1 either way
             else:
                 zeros(p)
+        for layer in self.layers:
+            if layer.layer_type == "linear_attention":
+                layer.linear_attn.init_weights()
 
     def enable_recompute(self, granularity: str = "full", num_layers: Optional[int] = None) -> None:
         """Recompute activations in the backward pass for the first ``num_layers`` decoder layers
@@ -278,7 +286,8 @@ class CausalLM(nn.Layer):
         chosen = set(range(n)) if granularity != "none" else set()
         self._recompute_layers = chosen if granularity == "full" else set()
         for i, layer in enumerate(self.layers):
-            layer.self_attn.recompute_core = granularity == "attention" and i in chosen
+            if layer.layer_type != "linear_attention":
+                layer.self_attn.recompute_core = granularity == "attention" and i in chosen
 
     # ---- forward paths ----
     def _position_ids(self, input_ids: paddle.Tensor, past: int) -> paddle.Tensor:

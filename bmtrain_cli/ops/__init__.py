@@ -60,6 +60,9 @@ class OpSet:
     # the fused CPU attention core (ops/fused_attention.py) where our kernels run on a CPU, else None:
     # models/attention.py's attend() then runs it as the ``cpu_fused`` kernel
     attention: Optional[Callable] = field(default=None, compare=False)
+    # the chunked gated delta rule (Gated DeltaNet) where our kernels run on a CPU, else None: the
+    # linear-attention layers then run ops/reference.gated_delta_rule
+    delta_rule: Optional[Callable] = field(default=None, compare=False)
 
 
 REFERENCE = OpSet(

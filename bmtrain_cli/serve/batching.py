@@ -9,8 +9,8 @@ leaves on EOS, a stop string, max_tokens or cancellation, and the columns every 
 are cut off. Sampling is per row with the row's own seeded generator (``models.generate.sample_next``):
 a request's tokens do not depend on who shares its batch.
 
-Models whose rotary tables depend on the whole batch's longest position (dynamic NTK, LongRoPE) and
-paddle-inference exports (no cache input) are not batched: their requests run one at a time through
+Models whose rotary tables depend on the whole batch's longest position (dynamic NTK, LongRoPE), models
+with linear-attention layers (their cache is a recurrent state) and paddle-inference exports (no cache input) are not batched: their requests run one at a time through
 ``models.generate`` / ``export.loading.generate_static`` on the same thread."""
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class Job:
 
 def batchable(model: Any) -> bool:
     """Whether ``model``'s requests can share decode steps (see the module docstring)."""
-    if getattr(model, "predictor", None) is not None:
-        return False
+    if getattr(model, "predictor", None) is not None or model.arch.linear_attention is not None:
+        return False  # a linear-attention layer's cache is a recurrent state, not rows of keys to pad
     scaling = model.arch.rope_scaling or {}
     return scaling.get("rope_type", scaling.get("type")) not in UNBATCHED_ROPE
 

@@ -38,6 +38,7 @@ def test_fixtures_present():
         "ernie4_5_moe",
         "glm4_moe",
         "gemma2",
+        "qwen3_5_text",
     } <= set(NAMES)
 
 

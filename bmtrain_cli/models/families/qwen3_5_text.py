@@ -1,0 +1,87 @@
+"""Qwen3.5 dense (``model_type: qwen3_5_text``, the language model of Qwen3.5): hybrid layers, three
+Gated DeltaNet linear-attention layers (models/linear_attention.py: a causal depthwise convolution over
+[q; k; v], l2-normed q/k, the gated delta rule, a gated RMSNorm on the output) to one full-attention layer
+whose q_proj also yields a sigmoid gate of its output, with q/k norms and rope on a quarter of each head;
+(1 + w) RMSNorms."""
+
+from typing import Any, Dict, Mapping
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.models.families._base import Family, rope_parameter
+from bmtrain_cli.models.families._linear import LinearAttention
+
+_KINDS = {"linear_attention", "full_attention"}
+
+
+def _read(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    n = int(cfg["num_hidden_layers"])
+    interval = int(cfg.get("full_attention_interval", 4))
+    types = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
+    ]
+    if len(types) != n or set(types) - _KINDS:
+        raise UserError(f"config.json: layer_types {types} are not {n} of linear_attention/full_attention")
+    shape = LinearAttention(
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+    if shape.num_value_heads % shape.num_key_heads:
+        raise UserError(
+            f"config.json: linear_num_value_heads ({shape.num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({shape.num_key_heads})"
+        )
+    return {
+        "layer_types": tuple(types),
+        "linear_attention": shape,
+        "attn_output_gate": True,
+        "partial_rotary_factor": rope_parameter(cfg, "partial_rotary_factor", 0.25),
+    }
+
+
+def _write(arch: Any) -> Dict[str, Any]:
+    shape = arch.linear_attention
+    return {
+        "layer_types": [arch.layer_type(i) for i in range(arch.num_hidden_layers)],
+        "linear_num_key_heads": shape.num_key_heads,
+        "linear_num_value_heads": shape.num_value_heads,
+        "linear_key_head_dim": shape.key_head_dim,
+        "linear_value_head_dim": shape.value_head_dim,
+        "linear_conv_kernel_dim": shape.conv_kernel,
+        "partial_rotary_factor": arch.partial_rotary_factor,
+        "attention_bias": arch.attention_bias,
+    }
+
+
+FAMILY = Family(
+    name="qwen3_5_text",
+    model_types=("qwen3_5_text",),
+    hf_architecture="Qwen3_5ForCausalLM",
+    description="Qwen3.5 (dense): Gated DeltaNet linear attention + gated full attention, partial rope",
+    defaults={
+        "norm_offset": True,
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000.0,
+        "head_dim": 256,
+        # a fresh model: transformers' defaults
+        "linear_attention": LinearAttention(16, 32, 128, 128, 4),
+    },
+    known_keys=(
+        "layer_types",
+        "full_attention_interval",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "partial_rotary_factor",
+        "attn_output_gate",
+    ),
+    read_hf=_read,
+    write_hf=_write,
+    free_head_dim=True,
+)

@@ -37,6 +37,8 @@ def test_fixtures_present():
         "mixtral",
         "ernie4_5_moe",
         "glm4_moe",
+        "deepseek_v3",
+        "deepseek_v3_yarn",
     } <= set(NAMES)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.families import FAMILIES, MODEL_TYPES, family
+from bmtrain_cli.models.families import deepseek_v3 as mla
 from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.models.known import KNOWN_MODELS
 
@@ -76,6 +77,11 @@ class ModelArch:
     routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by this (GLM-4.5)
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
     router_aux_loss_coef: float = 0.001
+    # multi-head latent attention (DeepSeek-V3) where kv_lora_rank > 0; head_dim is then the rope part of q/k
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
@@ -251,8 +257,7 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
 
 
 def _rope(cfg: Dict[str, Any], default_theta: float = 10000.0) -> tuple:
-    """(rope_theta, rope_scaling) from transformers 4.x (rope_theta, rope_scaling) or 5.x
-    (rope_parameters) keys."""
+    """(rope_theta, rope_scaling) from transformers 4.x (rope_theta, rope_scaling) or 5.x keys."""
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", default_theta))
     scaling = cfg.get("rope_scaling")
@@ -411,7 +416,9 @@ LORA_PROJECTIONS = (
     "W_pack",
     "qkv_proj",
     "gate_up_proj",
-) + LinearAttention.PROJECTIONS
+    *mla.MLA_PROJECTIONS,
+    *LinearAttention.PROJECTIONS,
+)
 ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 
 
@@ -424,7 +431,8 @@ def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
 def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
     """The LoRA-targetable projections this architecture has (Baichuan fuses q/k/v into W_pack, Phi-3 into
     qkv_proj; Phi-3 and GLM-4 fuse gate/up into gate_up_proj)."""
-    qkv = (arch.qkv_name,) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    qkv: Tuple[str, ...] = (arch.qkv_name,) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    qkv = mla.mla_projections(arch) if arch.kv_lora_rank else qkv
     mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
     mixer = (*qkv, "o_proj", *(LinearAttention.PROJECTIONS if arch.linear_attention else ()))
     return tuple(n for n in LORA_PROJECTIONS if n in (*mixer, *mlp, "down_proj"))
@@ -453,6 +461,7 @@ def projection_shapes(arch: ModelArch) -> Dict[str, Tuple[int, int]]:
         "W_pack": (h, q + 2 * kv),
         "qkv_proj": (h, q + 2 * kv),
         "gate_up_proj": (h, 2 * inter),
+        **(mla.mla_shapes(arch) if arch.kv_lora_rank else {}),
     }
 
 
@@ -468,8 +477,7 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
 
 
 def count_active_parameters(arch: ModelArch) -> int:
-    """Parameters one token passes through: a sparse layer counts its router and top-k experts only."""
-    return count_parameters(arch, active=True)
+    return count_parameters(arch, active=True)  # a sparse layer counts its router and top-k experts only
 
 
 def count_parameters(arch: ModelArch, active: bool = False) -> int:
@@ -485,6 +493,7 @@ def count_parameters(arch: ModelArch, active: bool = False) -> int:
         attn += h
     if arch.qk_norm:
         attn += 2 * hd
+    attn = mla.mla_parameters(arch) if arch.kv_lora_rank else attn
     mlp = 3 * h * arch.intermediate_size
     if arch.mlp_bias:
         mlp += 2 * arch.intermediate_size + h

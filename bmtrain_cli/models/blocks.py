@@ -19,6 +19,7 @@ from bmtrain_cli.models.families import family
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.linear_attention import GatedDeltaNet
 from bmtrain_cli.models.moe import SparseMoE
+from bmtrain_cli.models.rope import latent_attention_mscale
 from bmtrain_cli.ops import OpSet, reference
 
 
@@ -164,18 +165,28 @@ class Attention(nn.Layer):
             q, k = self._rotary(q, k, cos.astype(q.dtype), sin.astype(q.dtype))
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        out = self._cached_core(q, k, v, bias, cache).reshape([b, s, self.num_heads * hd])
+        if gate is not None:
+            out = out * F.sigmoid(gate.reshape([b, s, self.num_heads * hd]))
+        return self.o_proj(out)
+
+    def _cached_core(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        bias: Optional[paddle.Tensor],
+        cache: Optional[KVCache],
+    ) -> paddle.Tensor:
+        """The attention core over the cached keys/values and these (recomputed in the backward when
+        ``recompute_core`` is set)."""
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         if self.recompute_core and self.training:
             from paddle.distributed.fleet.utils import recompute
 
-            out = recompute(self._core, q, k, v, bias)
-        else:
-            out = self._core(q, k, v, bias)
-        out = out.reshape([b, s, self.num_heads * hd])
-        if gate is not None:
-            out = out * F.sigmoid(gate.reshape([b, s, self.num_heads * hd]))
-        return self.o_proj(out)
+            return recompute(self._core, q, k, v, bias)
+        return self._core(q, k, v, bias)
 
     def _rotary(
         self, q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
@@ -195,6 +206,77 @@ class Attention(nn.Layer):
         return attend(
             q, k, v, bias, self.implementation, self.training, self.ops.attention, self.window, self.softcap
         )
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V3; see models/families/deepseek_v3.py), named as transformers
+    names its parts. The per-head keys [nope | rope] and values are expanded from the latent before the
+    core, which then runs as any attention's (the KV cache holds them): where the value head is narrower
+    than the query/key head (or wider) the narrower side is padded with zeros to the same width, which
+    leaves the scores and the outputs exact, and the output is cut back to ``v_head_dim``."""
+
+    def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
+        nn.Layer.__init__(self)
+        if factory.tp_degree > 1:
+            raise UserError("multi-head latent attention (deepseek_v3) does not support tensor_parallel > 1")
+        self.layer_idx, self.implementation, self.ops = layer_idx, implementation, ops
+        self.recompute_core = False
+        self.layer_type = arch.layer_type(layer_idx)
+        self.window, self.softcap = None, None  # DeepSeek-V3 attends globally, its scores uncapped
+        h, n = arch.hidden_size, arch.num_attention_heads
+        self.num_heads, self.rank = n, arch.kv_lora_rank
+        self.nope, self.rope, self.v_dim = arch.qk_nope_head_dim, arch.head_dim, arch.v_head_dim
+        qk = self.nope + self.rope
+        self.width = max(qk, self.v_dim)
+        self.q_lora = arch.q_lora_rank > 0
+        bias = arch.attention_bias
+        if self.q_lora:
+            self.q_a_proj = factory.linear(h, arch.q_lora_rank, bias)
+            # transformers gives the latent norms their default eps (1e-6), not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(arch.q_lora_rank, 1e-6, ops)
+            self.q_b_proj = factory.linear(arch.q_lora_rank, n * qk, False)
+        else:
+            self.q_proj = factory.linear(h, n * qk, False)
+        self.kv_a_proj_with_mqa = factory.linear(h, self.rank + self.rope, bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, ops)
+        self.kv_b_proj = factory.linear(self.rank, n * (self.nope + self.v_dim), False)
+        self.o_proj = factory.linear(n * self.v_dim, h, bias)
+        self.rotate = reference.rotary_interleaved if arch.rope_interleaved else ops.rotary
+        # scores scale by qk^-1/2 (times YaRN's mscale squared); the core divides by sqrt(width)
+        self.q_scale = latent_attention_mscale(arch.rope_scaling) * math.sqrt(self.width / qk)
+
+    def forward(
+        self,
+        x: paddle.Tensor,
+        cos: Optional[paddle.Tensor],
+        sin: Optional[paddle.Tensor],
+        bias: Optional[paddle.Tensor],
+        cache: Optional[KVCache] = None,
+    ) -> paddle.Tensor:
+        assert cos is not None and sin is not None  # the model passes its rotary tables
+        b, s, n = x.shape[0], x.shape[1], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_pass, q_rot = paddle.split(q.reshape([b, s, n, self.nope + self.rope]), [self.nope, self.rope], -1)
+        latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope], axis=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape([b, s, n, self.nope + self.v_dim])
+        k_pass, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
+        q_rot, k_rot = self.rotate(
+            q_rot, k_rot.reshape([b, s, 1, self.rope]), cos.astype(x.dtype), sin.astype(x.dtype)
+        )
+        q = paddle.concat([q_pass, q_rot], axis=-1)
+        k = paddle.concat([k_pass, k_rot.expand([b, s, n, self.rope])], axis=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        q, k, v = (self._widen(t) for t in (q, k, v))
+        out = self._cached_core(q, k, v, bias, cache)[..., : self.v_dim]
+        return self.o_proj(out.reshape([b, s, n * self.v_dim]))
+
+    def _widen(self, t: paddle.Tensor) -> paddle.Tensor:
+        """[b, s, n, d] padded with zeros to [b, s, n, width]."""
+        extra = self.width - t.shape[-1]
+        if not extra:
+            return t
+        return paddle.concat([t, paddle.zeros([*t.shape[:-1], extra], dtype=t.dtype)], axis=-1)
 
 
 class MLP(nn.Layer):
@@ -238,7 +320,8 @@ class DecoderLayer(nn.Layer):
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(arch, factory, ops, layer_idx)
         else:
-            self.self_attn = Attention(arch, factory, ops, layer_idx, implementation)
+            attention = LatentAttention if arch.kv_lora_rank else Attention
+            self.self_attn = attention(arch, factory, ops, layer_idx, implementation)
         # the mixture of experts on the layers the family makes sparse (single device only: arch rules)
         self.sparse = arch.is_sparse(layer_idx)
         if self.sparse and factory.tp_degree > 1:

@@ -179,3 +179,12 @@ def alibi_slopes(num_heads: int) -> List[float]:
         return power_of_2(num_heads)
     closest = 2 ** math.floor(math.log2(num_heads))
     return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def latent_attention_mscale(scaling: Optional[Dict[str, Any]]) -> float:
+    """What multi-head latent attention (DeepSeek-V3) multiplies its softmax scale by: YaRN's mscale at
+    ``mscale_all_dim``, squared, as transformers folds it in (1 without scaling or mscale_all_dim)."""
+    params = scaling or {}
+    if rope_type(scaling) == "default" or not params.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"])) ** 2

@@ -39,6 +39,8 @@ def test_fixtures_present():
         "glm4_moe",
         "gemma2",
         "qwen3_5_text",
+        "deepseek_v3",
+        "deepseek_v3_yarn",
     } <= set(NAMES)
 
 

@@ -30,8 +30,13 @@ from bmtrain_cli.models.safetensors_io import checkpoint_files
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 MOE = ("qwen3_moe", "mixtral", "ernie4_5_moe")  # the families transformers gives an auxiliary loss
-ALL_MOE = (*MOE, "glm4_moe")
-EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}
+ALL_MOE = (*MOE, "glm4_moe", "deepseek_v3")
+EXPERTS_KEY = {
+    "qwen3_moe": "num_experts",
+    "mixtral": "num_local_experts",
+    "glm4_moe": "n_routed_experts",
+    "deepseek_v3": "n_routed_experts",
+}
 
 
 def _ref(name: str) -> dict:
@@ -101,7 +106,7 @@ def test_save_pretrained_round_trip_keeps_the_hub_names(name, tmp_path):
     assert set(_tensors(tmp_path)) == set(_tensors(FIXTURES / name))
     theirs = json.loads((FIXTURES / name / "config.json").read_text())
     ours = json.loads((tmp_path / "config.json").read_text())
-    experts = 8 if name == "glm4_moe" else 4
+    experts = 8 if name in ("glm4_moe", "deepseek_v3") else 4
     assert ours[EXPERTS_KEY.get(name, "moe_num_experts")] == experts
     assert ours["moe_k" if name == "ernie4_5_moe" else "num_experts_per_tok"] == 2
     assert arch_from_hf_dict(ours) == replace(arch_from_hf_dict(theirs), extra=arch_from_hf_dict(ours).extra)

@@ -32,6 +32,7 @@ from bmtrain_cli.grpo.objective import GrpoObjective, no_grad_logps
 from bmtrain_cli.grpo.prompts import PromptSet, read_prompts
 from bmtrain_cli.grpo.rewards import build_rewards
 from bmtrain_cli.grpo.rollout import RolloutSource, Sampling
+from bmtrain_cli.grpo.shard import DataShard
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.preference.reference import FrozenCopy, load_reference_model
 from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
@@ -86,6 +87,7 @@ def prompt_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Paralle
         num_iterations=g.num_iterations,
         seed=t.seed,
         shuffle=t.shuffle,
+        shard=DataShard(ctx.data_rank, ctx.data_world, ctx.all_reduce_sum),
     )
     evaluation = read(paths["eval"]) if paths["eval"] is not None else None
     return train_data(rt, paths, source, evaluation)
@@ -115,9 +117,7 @@ def grpo_objective(
     rollouts, prompts = data.loader, data.eval_loader  # as prompt_data built them
     assert isinstance(rollouts, RolloutSource) and (prompts is None or isinstance(prompts, PromptSet))
     rollouts.attach(model.raw, old, ref)
-    return GrpoObjective(
-        LossSettings.of(g), g.temperature, rollouts, prompts, g.eval_prompts, ctx.all_reduce_sum
-    )
+    return GrpoObjective(LossSettings.of(g), g.temperature, rollouts, prompts, g.eval_prompts)
 
 
 def setup(loaded: LoadedConfig, stream: Optional[TextIO] = None) -> Tuple[Parts, TrainState]:

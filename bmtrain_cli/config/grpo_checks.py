@@ -10,8 +10,6 @@ from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.methods import BUILTIN_REWARDS
 
-LATER = "this slice of stage grpo runs on one process (docs/grpo.md)"
-
 
 def user_reward_problem(name: str, base: Path) -> str:
     """Why a user's reward reference cannot be used, without running it ("" when it may be):
@@ -32,28 +30,23 @@ def _layout_refusals(config: Config) -> List[Tuple[bool, str, str, str]]:
     t, p = config.train, config.parallel
     return [
         (
-            p.data_parallel > 1,
-            "parallel_config.data_parallel",
-            f"data_parallel > 1: {LATER}",
-            "data_parallel: 1",
-        ),
-        (
             p.tensor_parallel > 1,
             "parallel_config.tensor_parallel",
-            f"tensor_parallel > 1: {LATER}",
+            "tensor_parallel > 1: the rollouts sample from the whole vocabulary's logits, which tensor "
+            "parallel splits over the ranks (data_parallel and sharding_parallel stage 1 shard the rollouts)",
             "tensor_parallel: 1",
         ),
         (
             p.pipeline_parallel > 1,
             "parallel_config.pipeline_parallel",
-            f"pipeline_parallel > 1: {LATER}",
+            "pipeline_parallel > 1: the rollouts run the whole model on each rank",
             "pipeline_parallel: 1",
         ),
         (
-            p.sharding_parallel > 1,
-            "parallel_config.sharding_parallel",
-            f"sharding_parallel > 1: {LATER}",
-            "sharding_parallel: 1",
+            p.sharding_parallel > 1 and p.sharding_stage in (2, 3),
+            "parallel_config.sharding_stage",
+            f"sharding_stage {p.sharding_stage}: the group-sharded wrapper runs only the SFT loss forward",
+            "sharding_stage: 1",
         ),
         (
             t.to_static,
@@ -78,7 +71,8 @@ def _layout_refusals(config: Config) -> List[Tuple[bool, str, str, str]]:
 
 def check_grpo(config: Config, err: Callable[..., None]) -> None:
     """stage: grpo: whole groups per step, one weight per reward function, rewards that exist, a
-    reference to compare with when beta > 0, and the layouts of this slice."""
+    reference to compare with when beta > 0, and the layouts it runs under (data parallel and sharding
+    stage 1; docs/grpo.md)."""
     m, t = config.model, config.train
     g = t.grpo
     if t.stage != "grpo":

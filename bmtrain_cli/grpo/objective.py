@@ -89,14 +89,13 @@ class GrpoObjective:
         source: RolloutSource,
         eval_prompts: Optional[PromptSet],
         eval_limit: int,
-        all_reduce_sum: Callable[[float], float],
     ) -> None:
         self.settings = settings
         self.temperature = temperature
         self.source = source
         self.eval_prompts = eval_prompts
         self.eval_limit = eval_limit
-        self.all_reduce_sum = all_reduce_sum
+        self.shard = source.shard  # the data ranks the step's counts and figures are summed over
         self._micro: List[Dict[str, float]] = []
         self._step_started = 0.0
 
@@ -110,7 +109,8 @@ class GrpoObjective:
             count = float(sum(int(b["completion_mask"].sum()) for b in micro))
         else:
             count = float(sum(len(b["advantages"]) for b in micro))
-        return self.all_reduce_sum(count), self.all_reduce_sum(tokens)
+        count, tokens = self.shard.sum(np.asarray([count, tokens]))
+        return float(count), float(tokens)
 
     def loss_sum(self, model: Any, batch: Batch) -> Tuple[Any, Any]:
         logps, entropy = completion_logps(model, batch, self.temperature, with_entropy=True)
@@ -127,12 +127,17 @@ class GrpoObjective:
         return loss, paddle.to_tensor(float(rows))
 
     def step_metrics(self) -> Dict[str, float]:
-        """TRL's names: the rollout batch's reward figures and completion lengths, the micro-batches' mean
-        of kl, entropy and clip_ratio/*, and the seconds spent on rollouts and on the update."""
+        """TRL's names: the rollout batch's reward figures and completion lengths, the mean of kl,
+        entropy and clip_ratio/* over the step's micro-batches on all data ranks (those that have a
+        value), and this rank's seconds spent on rollouts and on the update."""
         out: Dict[str, float] = dict(self.source.metrics)
-        for name in self._micro[0] if self._micro else {}:
-            values = np.asarray([m[name] for m in self._micro], dtype=np.float64)
-            out[name] = float(np.nanmean(values)) if not np.isnan(values).all() else float("nan")
+        names = list(self._micro[0]) if self._micro else []
+        values = np.asarray([[m[name] for name in names] for m in self._micro], dtype=np.float64)
+        kept = ~np.isnan(values)
+        sums = self.shard.sum(np.concatenate([np.where(kept, values, 0.0).sum(0), kept.sum(0)]))
+        for k, name in enumerate(names):
+            count = sums[len(names) + k]
+            out[name] = float(sums[k] / count) if count else float("nan")
         out["time/rollout"] = self.source.take_rollout_time()
         out["time/update"] = time.perf_counter() - self._step_started
         return out

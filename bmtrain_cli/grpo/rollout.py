@@ -23,6 +23,7 @@ import numpy as np
 from bmtrain_cli.grpo.loss import group_advantages
 from bmtrain_cli.grpo.prompts import Prompt, PromptSet
 from bmtrain_cli.grpo.rewards import Reward, score
+from bmtrain_cli.grpo.shard import DataShard
 
 Batch = Dict[str, np.ndarray]
 LogpsFn = Callable[[Batch], np.ndarray]  # per-token log-probs [rows, T] of a batch, without gradient
@@ -79,14 +80,20 @@ class Sampling:
 
 
 def sample_completions(
-    model: Any, prompt_ids: Sequence[Sequence[int]], s: Sampling, seed: int, rows_per_call: int
+    model: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    s: Sampling,
+    seed: int,
+    rows_per_call: int,
+    first_call: int = 0,
 ) -> List[List[int]]:
     """Completions of each prompt row (EOS included when sampled), ``rows_per_call`` rows per batched
-    generate() call, each call with its own seed drawn from ``seed``."""
+    generate() call, call k with its own seed drawn from (``seed``, ``first_call`` + k): a data rank's
+    block of a rollout batch samples what one process does with the same rows."""
     from bmtrain_cli.models.generate import generate
 
     out: List[List[int]] = []
-    for k, start in enumerate(range(0, len(prompt_ids), rows_per_call)):
+    for k, start in enumerate(range(0, len(prompt_ids), rows_per_call), start=first_call):
         chunk = prompt_ids[start : start + rows_per_call]
         out.extend(
             generate(
@@ -156,6 +163,7 @@ class RolloutSource:
         num_iterations: int,
         seed: int,
         shuffle: bool,
+        shard: DataShard = DataShard(),
     ) -> None:
         self.dataset = prompts
         self.sampling = sampling
@@ -164,7 +172,9 @@ class RolloutSource:
         self.num_iterations = num_iterations
         self.seed = seed
         self.shuffle = shuffle
-        self.prompts_per_step = micro_batch_size * micro_per_step // sampling.num_generations
+        self.shard = shard
+        # a step's prompts over all data ranks; each rank trains on its block of their completions
+        self.prompts_per_step = micro_batch_size * micro_per_step * shard.world // sampling.num_generations
         self.longest = max(len(p.ids) for p in prompts.prompts) + sampling.max_completion_length
         self.cursor = 0  # prompts drawn so far (epoch = cursor // len(prompts))
         self.rollouts = 0  # rollout batches sampled so far
@@ -204,7 +214,8 @@ class RolloutSource:
             self.served = 0
         i = self.served % self.micro_per_step
         self.served += 1
-        rows = slice(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
+        start = (self.shard.rank * self.micro_per_step + i) * self.micro_batch_size
+        rows = slice(start, start + self.micro_batch_size)
         return {k: v[rows] for k, v in self.buffer["arrays"].items()}
 
     def _next_prompts(self) -> List[Prompt]:
@@ -218,38 +229,50 @@ class RolloutSource:
         return out
 
     def _sample(self) -> Dict[str, Any]:
+        """The next rollout batch, whole on every rank: this rank samples and scores its block of rows,
+        the rest comes from the other data ranks (grpo/shard.py)."""
         assert self._policy is not None, "RolloutSource.attach() first"
         started = time.perf_counter()
-        s, g = self.sampling, self.sampling.num_generations
+        s, g, m = self.sampling, self.sampling.num_generations, self.micro_batch_size
         prompts = [p for p in self._next_prompts() for _ in range(g)]  # each prompt's group, consecutive
-        prompt_ids = [p.ids for p in prompts]
-        completions = sample_completions(
-            self._policy, prompt_ids, s, rollout_seed(self.seed, self.rollouts), self.micro_batch_size
+        mine = self.shard.block(len(prompts))
+        local = sample_completions(
+            self._policy,
+            [p.ids for p in prompts[mine]],
+            s,
+            rollout_seed(self.seed, self.rollouts),
+            m,
+            first_call=mine.start // m,
         )
         self.rollouts += 1
-        texts = [decode_completion(self.tokenizer, c, s.eos_id) for c in completions]
-        per_func, total, columns = score_completions(self.reward_functions, prompts, completions, texts, s)
+        texts = [decode_completion(self.tokenizer, c, s.eos_id) for c in local]
+        per_func, total, _ = score_completions(self.reward_functions, prompts[mine], local, texts, s)
+        scores = self.shard.gather(np.vstack([per_func, total[None]]).T).T
+        per_func, total = scores[:-1], scores[-1]
+        completions = self.shard.gather_lists(local)
         adv = group_advantages(total, g, s.scale_rewards)
-        arrays = pack(prompt_ids, completions)
+        arrays = pack([p.ids for p in prompts], completions)
+        truncated = np.asarray([is_truncated(c, s) for c in completions], dtype=bool)
         if s.mask_truncated_completions:
-            arrays["completion_mask"] *= ~np.asarray(columns["truncated"], dtype=bool)[:, None]
+            arrays["completion_mask"] *= ~truncated[:, None]
         arrays["advantages"] = adv["advantages"].astype(np.float32)
         for key, fn in (("old_logps", self._old), ("ref_logps", self._ref)):
             if fn is not None:
-                arrays[key] = np.concatenate(
-                    [
-                        fn({k: v[i : i + self.micro_batch_size] for k, v in arrays.items()})
-                        for i in range(0, len(prompts), self.micro_batch_size)
-                    ]
+                arrays[key] = self.shard.gather(
+                    np.concatenate(
+                        [
+                            fn({k: v[i : i + m] for k, v in arrays.items()})
+                            for i in range(mine.start, mine.stop, m)
+                        ]
+                    )
                 )
-        lengths = np.asarray(columns["completion_lengths"], dtype=np.float64)
-        truncated = np.asarray(columns["truncated"], dtype=np.float64)
+        lengths = np.asarray([len(c) for c in completions], dtype=np.float64)
         self.metrics = {
             **reward_metrics(self.reward_functions, per_func, total, adv["std"]),
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(truncated.mean()),
+            "completions/clipped_ratio": float(truncated.astype(np.float64).mean()),
         }
         self.rollout_time += time.perf_counter() - started
         return {"arrays": arrays, "metrics": self.metrics}

@@ -226,13 +226,18 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
     e = act_bytes(w)
     head_elems = h * vocab
     final = h * seqs * w.seq_len * e  # final norm input
-    if w.method.sample == "pair":
-        # the pair loss (preference/logps.py) takes the response positions' hidden states (gathered), their
-        # logits, an fp32 copy and the cross-entropy's fp32 softmax; counted as if every position were a
-        # response token (an upper bound). Transient: the logits and the fp32 copy before the softmax
-        # replaces them, then the logits' gradient in both dtypes.
+    if w.method.sample in ("pair", "completion"):
+        # the pair loss (preference/logps.py) and GRPO's (grpo/objective.py) take the response or
+        # completion positions' hidden states (gathered), their logits, an fp32 copy and the
+        # cross-entropy's fp32 softmax; pairs counted as if every position were a response token, GRPO's
+        # rows as max_completion_length completion tokens (upper bounds). Transient: the logits and the
+        # fp32 copy before the softmax replaces them, then the logits' gradient in both dtypes; GRPO's
+        # entropy (no gradient) holds three fp32 [tokens, vocab] tensors at once.
+        if w.method.sample == "completion":
+            n = seqs * w.completion_len
         logits = n * vocab
-        return int(final + n * h * e + logits * 4), int(logits * (e + 4))
+        entropy = 3 * logits * 4 if w.method.sample == "completion" else 0
+        return int(final + n * h * e + logits * 4), int(max(logits * (e + 4), entropy))
     if layout.tp == 1 and w.kernels != "reference":
         # fused linear + cross-entropy in chunks (ops/custom.py, ops/loss_chunks.chunk_tokens): keeps
         # d(hidden) and d(weight) (the weight's accumulator is fp32 for fp32 weights, the compute dtype for

@@ -21,6 +21,16 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+GRPO_CASE = {
+    "stage": "grpo",
+    "grpo": {
+        "num_generations": 8,
+        "max_completion_length": 240,
+        "num_iterations": 2,
+        "reward_funcs": ["accuracy"],
+    },
+}
+
 # name: (hidden, intermediate, layers, heads, kv_heads, max_seq_len, micro_batch, recompute granularity)
 # and overrides of model_config / train_config / parallel_config. The "varied" cases train on records of
 # 3-120 words (batching longest: the batch width follows the data, not max_seq_len).
@@ -61,6 +71,9 @@ CASES: Dict[str, tuple] = {
     "h192-l3-s256-b4-reference": (192, 512, 3, 6, 2, 256, 4, "none", {"model": {"kernels": "reference"}}),
     "h128-l6-s512-b4-partial": (128, 344, 6, 4, 4, 512, 4, "full", {"train": {"recompute_num_layers": 3}}),
     "h128-l2-s1024-b2-attn-mqa": (128, 352, 2, 4, 1, 1024, 2, "attention", {}),
+    # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
+    # (num_iterations 2): the rollout phase beside the step
+    "h256-l2-s256-b8-grpo": (256, 688, 2, 4, 2, 256, 8, "none", {"train": GRPO_CASE}),
 }
 
 
@@ -96,6 +109,8 @@ def case_config(
     }
     if extra.get("train", {}).get("batching", "max_length") != "max_length":
         config["train_config"]["data_path"] = data["varied"]
+    if extra.get("train", {}).get("stage") == "grpo":
+        config["train_config"]["data_path"] = data["prompts"]
     for section in ("model", "train", "parallel"):
         if extra.get(section):
             config.setdefault(f"{section}_config", {}).update(extra[section])
@@ -120,7 +135,10 @@ def prepare(work: Path) -> tuple:
     from bmtrain_cli.data.tokenizers import train_sentencepiece
 
     work.mkdir(parents=True, exist_ok=True)
+    from bmtrain_cli.grpo.demo import write_demo_prompts
+
     train, _ = write_demo_data(str(work / "data"))
+    prompts = write_demo_prompts(str(work / "data"))["prompts_train"]
     varied = work / "data" / "varied.jsonl"
     records = _varied_records()
     varied.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
@@ -134,7 +152,7 @@ def prepare(work: Path) -> tuple:
                 if i > 3000:
                     break
         train_sentencepiece(texts, str(tok_dir), vocab_size=256)
-    return {"demo": train, "varied": str(varied)}, str(tok_dir)
+    return {"demo": train, "varied": str(varied), "prompts": prompts}, str(tok_dir)
 
 
 def run_case(

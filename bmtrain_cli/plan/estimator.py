@@ -43,6 +43,7 @@ from bmtrain_cli.plan.activations import (
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
+from bmtrain_cli.plan.rollout import rollout_memory
 from bmtrain_cli.plan.workload import (
     CPU_RUNTIME_BYTES,
     DP_BUCKET_BYTES,
@@ -159,6 +160,9 @@ def _stage_estimate(  # noqa: C901
     reference, ref_forward = _reference_bytes(
         w, stage_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
     )
+    rollout = rollout_memory(w, device, layout, layers) if w.completion_len else None
+    if rollout is not None:
+        ref_forward = 0  # stage grpo: the reference's log-probs come with the rollouts, not in the step
 
     # --- communication buffers
     comm = 0
@@ -197,6 +201,12 @@ def _stage_estimate(  # noqa: C901
         step += largest * 4  # a gradient copy on its way to the host
     transient = max(loss_transient, work, 2 * largest * 4)
     alloc_peak = static + max(loss_phase, early_bwd, late_bwd, step)
+    rollout_peak = 0
+    if rollout is not None:  # sampling between two steps: the gradients are freed by then
+        rollout_peak = params + reference + opt + master + comm + rollout.peak
+        if rollout_peak > alloc_peak:
+            notes.append("the peak is the rollout phase (sampling the completions)")
+        alloc_peak = max(alloc_peak, rollout_peak)
     if w.reference == PRECOMPUTED and w.finetuning != "lora":
         # the pass before training holds the policy's weights, the copy and a no-gradient forward: less
         # than a training step, whose gradients are as large as the copy (sharding stage 1 at most for dpo)
@@ -244,6 +254,8 @@ def _stage_estimate(  # noqa: C901
             a.num_hidden_layers * lora_layer_params(w, 1) if w.finetuning == "lora" else count_parameters(a)
         ),
         notes=notes,
+        rollout_cache=rollout.kv_cache if rollout is not None else 0,
+        rollout_peak=int(rollout_peak),
     )
 
 

@@ -105,6 +105,10 @@ class Workload:
     quant_block: int = 0
     quant_double: bool = False
     quant_skip: Tuple[str, ...] = ()
+    # stage grpo (plan/rollout.py): completion tokens per row at most, and whether the rollouts also run a
+    # log-probs pass (the old policy's, num_iterations > 1; the reference's, beta > 0)
+    completion_len: int = 0
+    rollout_logps: bool = False
 
     @property
     def method(self) -> Method:
@@ -136,7 +140,9 @@ class Workload:
 
         m, t = config.model, config.train
         facts = DataFacts()
-        wants_longest = seq_len is None and t.batching == "longest" and read_data
+        grpo = METHODS[t.stage].sample == "completion"
+        # a GRPO row is a prompt and its sampled completion: assumed to reach max_seq_len
+        wants_longest = seq_len is None and t.batching == "longest" and read_data and not grpo
         if arch is None or wants_longest:
             facts = data_facts(config, need_vocab=arch is None, need_longest=wants_longest)
         if arch is None:
@@ -167,9 +173,24 @@ class Workload:
             packed=t.batching == "packed",
             stage=t.stage,
             reference=reference_kind(t),
-            note=facts.note,
+            note="; ".join(n for n in (facts.note, _grpo_note(t) if grpo else "") if n),
             **_quant_fields(m.quantization),
+            **_grpo_fields(t),
         )
+
+
+def _grpo_fields(t: Any) -> Dict[str, Any]:
+    if METHODS[t.stage].sample != "completion":
+        return {}
+    g = t.grpo
+    return {"completion_len": g.max_completion_length, "rollout_logps": g.num_iterations > 1 or g.beta > 0}
+
+
+def _grpo_note(t: Any) -> str:
+    return (
+        f"stage grpo: rows of prompt + completion (max_completion_length {t.grpo.max_completion_length}) "
+        "assumed to reach max_seq_len; the rollout phase holds the KV cache of micro_batch_size rows"
+    )
 
 
 def _quant_fields(q: Any) -> Dict[str, Any]:
@@ -207,6 +228,8 @@ class MemoryEstimate:
     total_parameters: int
     trainable_parameters: int
     notes: List[str] = field(default_factory=list)
+    rollout_cache: int = 0  # stage grpo: the KV cache of one generate() call of the rollouts
+    rollout_peak: int = 0  # stage grpo: the rollout phase's peak (weights, optimizer states, sampling)
 
     @property
     def fits(self) -> bool:
@@ -231,7 +254,9 @@ class MemoryEstimate:
             f"  parameters       {f(self.parameters):>12}   "
             f"({self.trainable_parameters:,} trainable of {self.total_parameters:,})",
             *(
-                [f"  reference copy   {f(self.reference_weights):>12}   (frozen starting weights, stage dpo)"]
+                [
+                    f"  reference copy   {f(self.reference_weights):>12}   (frozen starting weights: the reference)"
+                ]
                 if self.reference_weights
                 else []
             ),
@@ -243,6 +268,14 @@ class MemoryEstimate:
             f"  logits and loss  {f(self.logits):>12}",
             f"  comm buffers     {f(self.comm_buffers):>12}",
             f"  transient        {f(self.transient):>12}",
+            *(
+                [
+                    f"  rollout KV cache {f(self.rollout_cache):>12}   (micro_batch_size rows of prompt + "
+                    f"completion, stage grpo; the rollout phase peaks at {f(self.rollout_peak)})"
+                ]
+                if self.rollout_cache
+                else []
+            ),
         ]
         out.append(f"  peak             {f(self.peak):>12}   (live tensors; summary.json peak_memory_bytes)")
         if self.host_bytes:

@@ -1,0 +1,56 @@
+"""The rollout phase of a stage grpo run for the memory estimator (plan/estimator.py): what sampling the
+completions (grpo/rollout.py, the KV-cache generator of models/generate.py) and the old policy's and
+reference's log-probs hold on top of the weights and optimizer states, between two optimizer steps (the
+gradients are freed by then).
+
+One generate() call samples ``micro_batch_size`` rows (grpo/rollout.py sample_completions): its prefill
+runs the prompts (up to seq_len - max_completion_length tokens) through the model without gradients and
+returns the logits of every prompt position; each decoding step then appends one token's keys and values
+per layer to the cache (a concatenation: the layer's old and new tensors exist at once), which ends at
+rows x (prompt + completion) tokens. The log-probs pass (num_iterations > 1 or beta > 0) runs a
+no-gradient forward of ``micro_batch_size`` whole rows and the completion positions' fp32 logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from bmtrain_cli.plan.activations import act_bytes, no_grad_forward_bytes
+from bmtrain_cli.plan.devices import Device
+from bmtrain_cli.plan.workload import Layout, Workload
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    kv_cache: int  # the KV cache of one generate() call at its longest
+    peak: int  # the most the rollout phase holds at once beyond the weights and optimizer states
+
+
+def kv_bytes_per_token(w: Workload, layout: Layout, layers: int) -> int:
+    """Keys and values of one token in ``layers`` decoder layers (kv heads split by tensor parallel)."""
+    a = w.arch
+    return layers * 2 * (a.num_key_value_heads // layout.tp) * a.head_dim * act_bytes(w)
+
+
+def rollout_memory(w: Workload, device: Device, layout: Layout, layers: int) -> RolloutMemory:
+    """The rollout phase of ``w`` (a stage grpo workload: ``completion_len`` > 0) on one device."""
+    a = w.arch
+    rows = layout.micro_batch
+    e = act_bytes(w)
+    per_token = kv_bytes_per_token(w, layout, layers)
+    prompt = max(1, w.seq_len - w.completion_len)
+    cache = rows * w.seq_len * per_token
+    layer_copy = rows * w.seq_len * per_token // max(1, layers)  # one layer's keys and values, concatenated
+    vocab = a.vocab_size // layout.tp
+    prefill = (
+        no_grad_forward_bytes(replace(w, seq_len=prompt), device, layout)
+        + rows * prompt * per_token
+        + rows * prompt * vocab * e  # the prefill's logits of every prompt position
+    )
+    generation = max(prefill, cache + layer_copy + rows * vocab * 4)
+    logps = 0
+    if w.rollout_logps:
+        n = rows * w.completion_len
+        hidden = rows * w.seq_len * a.hidden_size * e
+        logps = no_grad_forward_bytes(w, device, layout) + hidden + n * a.hidden_size * e + 2 * n * vocab * 4
+    return RolloutMemory(kv_cache=int(cache), peak=int(max(generation, logps)))

@@ -87,6 +87,23 @@ def test_layer_equals_dequantise_then_matmul(ext, impl: str, method: str, dq: bo
     np.testing.assert_allclose(dx, want_dx, rtol=0, atol=tol_dx)
 
 
+@pytest.mark.parametrize("tile", [1, 100, 257])
+@pytest.mark.parametrize("method,dq", METHODS)
+def test_custom_in_small_tiles_equals_dequantise_then_matmul(ext, monkeypatch, tile, method, dq) -> None:
+    """Tiles of a row, of a few rows and of rows starting on an odd element (an odd input count: the first
+    nibble of a tile is a low one) and inside a block: the tiled product and gradient are unchanged."""
+    from bmtrain_cli.ops import quant_linear as qops
+
+    monkeypatch.setattr(qops, "TILE_ELEMENTS", tile)
+    q, x, dy = _case((2, 3, 33), 21, 32, method, dq, seed=11)
+    w = numpy_dequant(q)
+    layer = QuantLinear(q, None, "float32", "custom")
+    assert len(qops.row_tiles(layer.quant_weight())) == (21 if tile < 66 else -(-21 // (tile // 33)))
+    y, dx = _run(layer, x, dy)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(dx, dy.astype(np.float64) @ w, rtol=0, atol=1e-5)
+
+
 def test_custom_equals_reference_with_bias_and_no_grad_for_the_weight(ext) -> None:
     q, x, dy = _case((6, 96), 24, 32, "nf4", True, seed=7)
     bias = paddle.nn.Linear(96, 24).bias  # a Parameter, as quantize_linear hands over

@@ -85,10 +85,10 @@ def _tiled_backward(dy: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
     tiles = row_tiles(w)
     if len(tiles) == 1:
         return paddle.matmul(dy, _tile(w, 0, w.out_features))
-    dx = None
-    for r0, r1 in tiles:
-        part = paddle.matmul(dy[..., r0:r1], _tile(w, r0, r1))
-        dx = part if dx is None else dx.add_(part)
+    (r0, r1), rest = tiles[0], tiles[1:]
+    dx = paddle.matmul(dy[..., r0:r1], _tile(w, r0, r1))
+    for r0, r1 in rest:
+        dx.add_(paddle.matmul(dy[..., r0:r1], _tile(w, r0, r1)))
     return dx
 
 

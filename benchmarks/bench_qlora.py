@@ -12,6 +12,8 @@ every linear projection with AdamW on the same random batches. Modes: ``lora`` (
   and norms stay fp32), whole and for the quantised layers alone;
 * peak RSS: the process's peak resident set over the timed steps (VmHWM, reset before them), so it holds
   the loaded base, the adapters, the optimizer state and a step's activations;
+* loading's peak: how far the process's peak resident set grew while the checkpoint was loaded (from
+  the resident set just before, VmHWM reset then);
 * step time: the mean of the timed steps (forward, backward, AdamW), wall clock and the process's CPU
   time (all threads; less sensitive to other work on a shared machine).
 
@@ -72,7 +74,12 @@ def _child(mode: str, base: str) -> dict:
     host_memory.apply("release")
     quant = QuantizationConfig(method="nf4") if mode.startswith("qlora") else None
     kernels = "reference" if mode == "qlora-reference" else "auto"
+    paddle.zeros([8, 8]).numpy()  # the allocator's first arena, before the baseline
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _status("VmRSS")
     model = load_pretrained(base, kernels=kernels, quantization=quant)
+    load_peak = _status("VmHWM") - before
     fp32_params = sum(int(p.numel()) * 4 for p in model.parameters())
     quantised = [m for _, m in quantized_layers(model)]
     cfg = TrainConfig(finetuning="lora", lora_rank=8, lora_alpha=16, lora_target_modules="all-linear")
@@ -105,6 +112,7 @@ def _child(mode: str, base: str) -> dict:
         "base_bytes": fp32_params + quant_bytes,
         "quantised_layer_bytes": quant_bytes,
         "peak_rss_bytes": _status("VmHWM"),
+        "load_peak_growth_bytes": load_peak,
         "step_seconds": sum(times) / len(times),
         "step_cpu_seconds": sum(cpu) / len(cpu),
         "losses": losses,
@@ -156,7 +164,7 @@ def main() -> dict:
         print(
             f"  {r['mode']:15s} base {r['base_bytes'] / mib:7.1f} MiB (quantised layers "
             f"{r['quantised_layer_bytes'] / mib:6.1f} MiB)  peak RSS {r['peak_rss_bytes'] / mib:7.1f} MiB  "
-            f"step {r['step_seconds']:6.2f} s (CPU {r['step_cpu_seconds']:6.2f} s)  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+            f"load peak +{r['load_peak_growth_bytes'] / mib:6.1f} MiB  step {r['step_seconds']:6.2f} s (CPU {r['step_cpu_seconds']:6.2f} s)  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         )
     lora = runs["lora"]
     ratios = {}
@@ -166,13 +174,15 @@ def main() -> dict:
             "base_memory": r["base_bytes"] / lora["base_bytes"],
             "quantised_layer_memory": r["quantised_layer_bytes"] / projection_bytes,
             "peak_rss": r["peak_rss_bytes"] / lora["peak_rss_bytes"],
+            "load_peak": r["load_peak_growth_bytes"] / lora["load_peak_growth_bytes"],
             "speed": lora["step_seconds"] / r["step_seconds"],
             "cpu_speed": lora["step_cpu_seconds"] / r["step_cpu_seconds"],
         }
         q = ratios[mode]
         print(
             f"  {mode} / lora: base weights {q['base_memory']:.3f}x (quantised layers "
-            f"{q['quantised_layer_memory']:.3f}x), peak RSS {q['peak_rss']:.3f}x, speed "
+            f"{q['quantised_layer_memory']:.3f}x), peak RSS {q['peak_rss']:.3f}x, loading's peak "
+            f"{q['load_peak']:.3f}x, speed "
             f"{q['speed']:.3f}x (step time {1 / q['speed']:.3f}x), by CPU time {q['cpu_speed']:.3f}x"
         )
     return {"shape": SHAPE, "runs": runs, "ratios": ratios}

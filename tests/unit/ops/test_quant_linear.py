@@ -133,3 +133,19 @@ def test_custom_refuses_wrong_inputs(ext) -> None:
         layer(paddle.zeros([2, 63]))
     with pytest.raises(ValueError, match="float32"):
         layer(paddle.zeros([2, 64], dtype="float64"))
+
+
+def test_auto_takes_the_tiles_on_a_cpu(ext, monkeypatch) -> None:
+    from bmtrain_cli.ops import quant_linear as qops
+    from bmtrain_cli.ops.build import KernelBuildError
+
+    assert qops.choose_impl("auto", "cpu", 4, False, 64, 576) == "custom"
+    assert qops.choose_impl("reference", "cpu", 4, False, 64, 576) == "reference"
+
+    def no_compiler():
+        raise KernelBuildError("no compiler")
+
+    monkeypatch.setattr(qops, "load_extension", no_compiler)
+    assert qops.choose_impl("auto", "cpu", 4, False, 64, 576) == "reference"
+    with pytest.raises(KernelBuildError):
+        qops.choose_impl("custom", "cpu", 4, False, 64, 576)

@@ -1,9 +1,11 @@
 """The quantised linear layer's product, y = x @ dequant(w)^T, and its gradient with respect to x (the
 weight is frozen: no gradient), in three implementations chosen by ``model_config.kernels``:
 
-* ``custom``: the C++/OpenMP kernels (kernels/cpu/quant_cpu.cc through the Paddle operators of
-  kernels/paddle/quant_op.cc), fp32 on a CPU. They dequantise the weight tile by tile into per-thread
-  buffers, so the per-step path never holds the layer's whole dequantised weight.
+* ``custom``: tiles of rows of the weight, each dequantised by our C++/OpenMP launcher
+  (kernels/cpu/quant_cpu.cc through the Paddle operator of kernels/paddle/quant_op.cc) and multiplied at
+  once with Paddle's matmul (MKL on a CPU): y[..., r0:r1] = x @ tile^T forward, dx += dy[..., r0:r1] @ tile
+  backward. A tile holds at most :data:`TILE_ELEMENTS` weights, so the per-step path never holds a layer's
+  whole dequantised weight, however large the layer. fp32 on a CPU.
 * ``reference``: :func:`dequantize` then a matmul, in Paddle ops (any device; it materialises the
   dequantised weight of one layer for the matmul and again in the backward, one layer at a time).
 * ``weight_only``: on a GPU, Paddle's ``paddle.nn.quant.weight_only_linear`` for int8 and int4 (int4 with
@@ -18,15 +20,15 @@ bmtrain_cli/quant/formats.py): element e = r * k + c of w [n, k] is ``levels[cod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.ops.build import KernelBuildError, load_extension
-from bmtrain_cli.ops.custom import contiguous
 
 IMPLS = ("custom", "reference", "weight_only")
+TILE_ELEMENTS = 1 << 18  # dequantised weights alive at once on the custom path (1 MiB in fp32)
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,6 @@ class QuantWeight:
     row_groups: bool
     out_features: int
     in_features: int
-
-    def attrs(self, features: int) -> Tuple[int, int, int, int]:
-        return self.bits, self.block, int(self.row_groups), features
 
 
 def dequantize(w: QuantWeight) -> paddle.Tensor:
@@ -64,18 +63,44 @@ def dequantize(w: QuantWeight) -> paddle.Tensor:
     return (vals * paddle.gather(w.scales.reshape([-1]), block_of)).reshape([n, k])
 
 
+def row_tiles(w: QuantWeight) -> List[Tuple[int, int]]:
+    """(r0, r1) of the tiles of the custom path: whole rows, at most TILE_ELEMENTS weights (one row at least)."""
+    rows = max(1, min(w.out_features, TILE_ELEMENTS // max(1, w.in_features)))
+    return [(r, min(w.out_features, r + rows)) for r in range(0, w.out_features, rows)]
+
+
+def _tile(w: QuantWeight, r0: int, r1: int) -> paddle.Tensor:
+    """Rows r0..r1 of the weight in fp32, dequantised by the C++ launcher."""
+    return load_extension().bmt_quant_dequant_rows(
+        w.codes, w.levels, w.scales, w.bits, w.block, int(w.row_groups), w.out_features, w.in_features, r0, r1
+    )
+
+
+def _tiled_forward(x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
+    parts = [paddle.matmul(x, _tile(w, r0, r1), transpose_y=True) for r0, r1 in row_tiles(w)]
+    return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=-1)
+
+
+def _tiled_backward(dy: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
+    tiles = row_tiles(w)
+    if len(tiles) == 1:
+        return paddle.matmul(dy, _tile(w, 0, w.out_features))
+    (r0, r1), rest = tiles[0], tiles[1:]
+    dx = paddle.matmul(dy[..., r0:r1], _tile(w, r0, r1))
+    for r0, r1 in rest:
+        dx.add_(paddle.matmul(dy[..., r0:r1], _tile(w, r0, r1)))
+    return dx
+
+
 class _CustomQuantLinear(PyLayer):
     @staticmethod
     def forward(ctx: Any, x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
         ctx.w = w
-        return load_extension().bmt_quant_linear_fwd(x, w.codes, w.levels, w.scales, *w.attrs(w.out_features))
+        return _tiled_forward(x, w)
 
     @staticmethod
     def backward(ctx: Any, dy: paddle.Tensor) -> paddle.Tensor:
-        w = ctx.w
-        return load_extension().bmt_quant_linear_bwd(
-            contiguous(dy), w.codes, w.levels, w.scales, *w.attrs(w.in_features)
-        )
+        return _tiled_backward(dy, ctx.w)
 
 
 def _check(x: paddle.Tensor, w: QuantWeight) -> None:
@@ -86,14 +111,14 @@ def _check(x: paddle.Tensor, w: QuantWeight) -> None:
 
 
 def custom_linear(x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:
-    """Our CPU kernels (fp32); the gradient flows to x only."""
+    """Tiles dequantised by our C++ launcher, each multiplied by Paddle's matmul (fp32 on a CPU); the
+    gradient flows to x only."""
     _check(x, w)
     if x.dtype != paddle.float32 or not x.place.is_cpu_place():
         raise ValueError(f"quant_linear: the CPU kernels take float32 on a CPU, got {x.dtype} on {x.place}")
-    x = contiguous(x)
     if paddle.is_grad_enabled() and not x.stop_gradient:
         return _CustomQuantLinear.apply(x, w)
-    return load_extension().bmt_quant_linear_fwd(x, w.codes, w.levels, w.scales, *w.attrs(w.out_features))
+    return _tiled_forward(x, w)
 
 
 class _ReferenceQuantLinear(PyLayer):
@@ -145,10 +170,9 @@ def weight_only_linear(
 
 def choose_impl(mode: str, device: str, bits: int, row_groups: bool, block: int, in_features: int) -> str:
     """The implementation for ``model_config.kernels`` (auto, custom, paddle, reference) on ``device``.
-    ``custom``: our CPU kernels (KernelBuildError where they cannot run). ``auto``: on a CPU the reference,
-    which multiplies with Paddle's (MKL) matmul and was measured faster per training step than our
-    kernels (benchmarks/bench_qlora.py) while holding one layer's dequantised weight at a time; on a GPU Paddle's
-    weight-only kernels where they cover the format, else the reference."""
+    ``custom``: the tiles of our CPU launcher (KernelBuildError where they cannot run). ``auto``: on a CPU
+    the same where the kernels build (else the reference); on a GPU Paddle's weight-only kernels where they
+    cover the format, else the reference."""
     if mode == "reference":
         return "reference"
     on_cpu = device.startswith("cpu")
@@ -156,6 +180,12 @@ def choose_impl(mode: str, device: str, bits: int, row_groups: bool, block: int,
         if not on_cpu:
             raise KernelBuildError(f"the quantised linear kernels run on a CPU; the device is {device}")
         load_extension()
+        return "custom"
+    if on_cpu and mode == "auto":
+        try:
+            load_extension()
+        except KernelBuildError:
+            return "reference"
         return "custom"
     if not on_cpu and weight_only_supported(bits, row_groups, block, in_features):
         return "weight_only"

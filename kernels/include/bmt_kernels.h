@@ -95,13 +95,11 @@ int bmt_cuda_swiglu_bwd(int dtype, const void* gate, const void* up, const void*
 int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
                           int64_t rows, int64_t vocab, int64_t ignore_index, int* bad_label, void* stream);
 
-/* ---- CPU (kernels/cpu/quant_cpu.cc): fp32, parallel over tiles of the weight with OpenMP ---- */
-int bmt_cpu_quant_linear_fwd(const uint8_t* codes, int bits, const float* levels, const float* scales,
-                             int64_t block, int row_groups, const float* x, float* y, int64_t m, int64_t n,
-                             int64_t k);
-int bmt_cpu_quant_linear_bwd(const uint8_t* codes, int bits, const float* levels, const float* scales,
-                             int64_t block, int row_groups, const float* dy, float* dx, int64_t m, int64_t n,
-                             int64_t k);
+/* ---- CPU (kernels/cpu/quant_cpu.cc): rows r0..r1 of a 4- or 8-bit quantised weight [n, k] into fp32
+   out [r1 - r0, k], the rows split over OpenMP threads ---- */
+int bmt_cpu_quant_dequant_rows(const uint8_t* codes, int bits, const float* levels, const float* scales,
+                               int64_t block, int row_groups, float* out, int64_t n, int64_t k, int64_t r0,
+                               int64_t r1);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,8 @@
-// Paddle custom operators over bmt_cpu_quant_linear_fwd / _bwd (kernels/cpu/quant_cpu.cc): the quantised
-// linear layer on a CPU. x [..., k] fp32; codes uint8 (the packed nibbles or the bytes of the weight
-// w [n, k]); levels fp32 [2^bits]; scales fp32 (see bmt_kernels.h for their layout).
-//
-// bmt_quant_linear_fwd returns y [..., n] = x @ w^T; bmt_quant_linear_bwd takes dy [..., n] and returns
-// dx [..., k] = dy @ w. The weight is frozen (no gradient). Autograd is the PyLayer of
-// bmtrain_cli/ops/quant_linear.py, which checks first with a clearer message.
+// Paddle custom operator over bmt_cpu_quant_dequant_rows (kernels/cpu/quant_cpu.cc): rows r0..r1 of a
+// quantised weight w [n, k] as fp32 [r1 - r0, k]. codes uint8 (the packed nibbles or the bytes of w);
+// levels fp32 [2^bits]; scales fp32 (per block of the flattened weight, or per group of each row with
+// row_groups). The quantised linear layer of bmtrain_cli/ops/quant_linear.py multiplies each such tile with
+// Paddle's matmul and drops it; the weight is frozen (no gradient), so the op has none.
 #include <vector>
 
 #include "bmt_kernels.h"
@@ -17,8 +15,12 @@ void check_float(const paddle::Tensor& t, const char* op, const char* name) {
   PD_CHECK(t.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32");
 }
 
-void check_weight(const paddle::Tensor& codes, const paddle::Tensor& levels, const paddle::Tensor& scales,
-                  int bits, int64_t n, int64_t k, const char* op) {
+}  // namespace
+
+std::vector<paddle::Tensor> QuantDequantRows(const paddle::Tensor& codes, const paddle::Tensor& levels,
+                                             const paddle::Tensor& scales, int bits, int64_t block, int row_groups,
+                                             int64_t n, int64_t k, int64_t r0, int64_t r1) {
+  const char* op = "bmt_quant_dequant_rows";
   PD_CHECK(codes.is_cpu() && codes.is_contiguous(), op, ": codes must be contiguous on the CPU");
   PD_CHECK(codes.dtype() == paddle::DataType::UINT8, op, ": codes must be uint8");
   PD_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8");
@@ -27,74 +29,32 @@ void check_weight(const paddle::Tensor& codes, const paddle::Tensor& levels, con
   check_float(levels, op, "levels");
   PD_CHECK(levels.numel() == (int64_t(1) << bits), op, ": levels must hold 2^bits values");
   check_float(scales, op, "scales");
-}
-
-int64_t rows_of(const paddle::Tensor& x, int64_t width) {
-  return width == 0 ? 0 : x.numel() / width;
-}
-
-std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
-  shape.back() = last;
-  return shape;
-}
-
-}  // namespace
-
-std::vector<paddle::Tensor> QuantLinearForward(const paddle::Tensor& x, const paddle::Tensor& codes,
-                                               const paddle::Tensor& levels, const paddle::Tensor& scales,
-                                               int bits, int64_t block, int row_groups, int64_t out_features) {
-  const char* op = "bmt_quant_linear_fwd";
-  check_float(x, op, "x");
-  PD_CHECK(!x.shape().empty(), op, ": x must have a last (input) dimension");
-  const int64_t k = x.shape().back();
-  check_weight(codes, levels, scales, bits, out_features, k, op);
-  auto y = paddle::empty(with_last(x.shape(), out_features), x.dtype(), x.place());
-  const int st = bmt_cpu_quant_linear_fwd(codes.data<uint8_t>(), bits, levels.data<float>(), scales.data<float>(),
-                                          block, row_groups, x.data<float>(), y.data<float>(), rows_of(x, k),
-                                          out_features, k);
+  const int64_t groups = row_groups ? n * ((k + block - 1) / block) : (n * k + block - 1) / block;
+  PD_CHECK(scales.numel() == groups, op, ": scales hold ", scales.numel(), " values, the weight needs ", groups);
+  PD_CHECK(0 <= r0 && r0 <= r1 && r1 <= n, op, ": rows ", r0, "..", r1, " are not within the weight's ", n);
+  auto out = paddle::empty({r1 - r0, k}, paddle::DataType::FLOAT32, codes.place());
+  const int st = bmt_cpu_quant_dequant_rows(codes.data<uint8_t>(), bits, levels.data<float>(), scales.data<float>(),
+                                            block, row_groups, out.data<float>(), n, k, r0, r1);
   PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
-  return {y};
+  return {out};
 }
 
-std::vector<paddle::Tensor> QuantLinearBackward(const paddle::Tensor& dy, const paddle::Tensor& codes,
-                                                const paddle::Tensor& levels, const paddle::Tensor& scales,
-                                                int bits, int64_t block, int row_groups, int64_t in_features) {
-  const char* op = "bmt_quant_linear_bwd";
-  check_float(dy, op, "the output's gradient");
-  PD_CHECK(!dy.shape().empty(), op, ": dy must have a last (output) dimension");
-  const int64_t n = dy.shape().back();
-  check_weight(codes, levels, scales, bits, n, in_features, op);
-  auto dx = paddle::empty(with_last(dy.shape(), in_features), dy.dtype(), dy.place());
-  const int st = bmt_cpu_quant_linear_bwd(codes.data<uint8_t>(), bits, levels.data<float>(), scales.data<float>(),
-                                          block, row_groups, dy.data<float>(), dx.data<float>(), rows_of(dy, n), n,
-                                          in_features);
-  PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
-  return {dx};
+std::vector<std::vector<int64_t>> QuantDequantRowsInferShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                             const std::vector<int64_t>&, int, int64_t, int, int64_t,
+                                                             int64_t k, int64_t r0, int64_t r1) {
+  return {{r1 - r0, k}};
 }
 
-std::vector<std::vector<int64_t>> QuantLinearInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>&,
-                                                        const std::vector<int64_t>&, const std::vector<int64_t>&,
-                                                        int, int64_t, int, int64_t features) {
-  return {with_last(x, features)};
+std::vector<paddle::DataType> QuantDequantRowsInferDtype(const paddle::DataType&, const paddle::DataType&,
+                                                         const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
 }
 
-std::vector<paddle::DataType> QuantLinearInferDtype(const paddle::DataType& x, const paddle::DataType&,
-                                                    const paddle::DataType&, const paddle::DataType&) {
-  return {x};
-}
-
-PD_BUILD_OP(bmt_quant_linear_fwd)
-    .Inputs({"X", "Codes", "Levels", "Scales"})
-    .Outputs({"Y"})
-    .Attrs({"bits: int", "block: int64_t", "row_groups: int", "out_features: int64_t"})
-    .SetKernelFn(PD_KERNEL(QuantLinearForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(QuantLinearInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(QuantLinearInferDtype));
-
-PD_BUILD_OP(bmt_quant_linear_bwd)
-    .Inputs({"DY", "Codes", "Levels", "Scales"})
-    .Outputs({"DX"})
-    .Attrs({"bits: int", "block: int64_t", "row_groups: int", "in_features: int64_t"})
-    .SetKernelFn(PD_KERNEL(QuantLinearBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(QuantLinearInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(QuantLinearInferDtype));
+PD_BUILD_OP(bmt_quant_dequant_rows)
+    .Inputs({"Codes", "Levels", "Scales"})
+    .Outputs({"Out"})
+    .Attrs({"bits: int", "block: int64_t", "row_groups: int", "n: int64_t", "k: int64_t", "r0: int64_t",
+            "r1: int64_t"})
+    .SetKernelFn(PD_KERNEL(QuantDequantRows))
+    .SetInferShapeFn(PD_INFER_SHAPE(QuantDequantRowsInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QuantDequantRowsInferDtype));

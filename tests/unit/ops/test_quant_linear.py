@@ -87,6 +87,23 @@ def test_layer_equals_dequantise_then_matmul(ext, impl: str, method: str, dq: bo
     np.testing.assert_allclose(dx, want_dx, rtol=0, atol=tol_dx)
 
 
+@pytest.mark.parametrize("tile", [1, 100, 257])
+@pytest.mark.parametrize("method,dq", METHODS)
+def test_custom_in_small_tiles_equals_dequantise_then_matmul(ext, monkeypatch, tile, method, dq) -> None:
+    """Tiles of a row, of a few rows and of rows starting on an odd element (an odd input count: the first
+    nibble of a tile is a low one) and inside a block: the tiled product and gradient are unchanged."""
+    from bmtrain_cli.ops import quant_linear as qops
+
+    monkeypatch.setattr(qops, "TILE_ELEMENTS", tile)
+    q, x, dy = _case((2, 3, 33), 21, 32, method, dq, seed=11)
+    w = numpy_dequant(q)
+    layer = QuantLinear(q, None, "float32", "custom")
+    assert len(qops.row_tiles(layer.quant_weight())) == (21 if tile < 66 else -(-21 // (tile // 33)))
+    y, dx = _run(layer, x, dy)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(dx, dy.astype(np.float64) @ w, rtol=0, atol=1e-5)
+
+
 def test_custom_equals_reference_with_bias_and_no_grad_for_the_weight(ext) -> None:
     q, x, dy = _case((6, 96), 24, 32, "nf4", True, seed=7)
     bias = paddle.nn.Linear(96, 24).bias  # a Parameter, as quantize_linear hands over
@@ -116,3 +133,19 @@ def test_custom_refuses_wrong_inputs(ext) -> None:
         layer(paddle.zeros([2, 63]))
     with pytest.raises(ValueError, match="float32"):
         layer(paddle.zeros([2, 64], dtype="float64"))
+
+
+def test_auto_takes_the_tiles_on_a_cpu(ext, monkeypatch) -> None:
+    from bmtrain_cli.ops import quant_linear as qops
+    from bmtrain_cli.ops.build import KernelBuildError
+
+    assert qops.choose_impl("auto", "cpu", 4, False, 64, 576) == "custom"
+    assert qops.choose_impl("reference", "cpu", 4, False, 64, 576) == "reference"
+
+    def no_compiler():
+        raise KernelBuildError("no compiler")
+
+    monkeypatch.setattr(qops, "load_extension", no_compiler)
+    assert qops.choose_impl("auto", "cpu", 4, False, 64, 576) == "reference"
+    with pytest.raises(KernelBuildError):
+        qops.choose_impl("custom", "cpu", 4, False, 64, 576)

@@ -95,6 +95,7 @@ class SlotCache:
         new = np.pad(mask, ((0, 0), (self.end - self.start - p, 0)))
         self.mask = np.concatenate([old, new], axis=0)
         self.rows += m
+        self._trim()
 
     def drop(self, rows: Sequence[int]) -> List[int]:
         """Remove ``rows``: each is replaced by the last row. Returns the new order (old row indices),
@@ -115,10 +116,14 @@ class SlotCache:
             self.start = self.end = 0
             self.mask = np.zeros((0, 0), dtype=np.int64)
             return order
+        self._trim()
+        return order
+
+    def _trim(self) -> None:
+        """Drop the leading columns every row pads."""
         lead = int(np.argmax(self.mask.any(axis=0)))
         self.start += lead
         self.mask = self.mask[:, lead:]
-        return order
 
     def _move(self, src: int, dst: int) -> None:
         """Move the live columns to start at ``dst`` (dst + width within the capacity)."""

@@ -22,7 +22,9 @@ keeps only the per-query log-sum-exp and recomputes the probabilities in the bac
 linearly with the sequence; used on a CPU whenever the model's op set carries it, i.e. ``kernels``
 custom or auto with the extension built), ``blocked`` (exact attention one query block at a time in
 Paddle ops with a custom backward, also linear in memory: on a CPU without the fused kernel above
-``DENSE_MAX_SEQ`` tokens), ``sdpa_causal``, ``sdpa_mask`` (Paddle's scaled_dot_product_attention without
+``DENSE_MAX_SEQ`` tokens), ``grouped_mask`` (an additive mask on a CPU in dynamic mode: matmul + softmax with the query heads of
+each KV head stacked, K/V not repeated; Paddle's sdpa takes several times longer there for one decoding
+query), ``sdpa_causal``, ``sdpa_mask`` (Paddle's scaled_dot_product_attention without
 / with an additive mask; on a GPU in fp32, on GPUs older than compute capability 8.0, for head_dim > 256
 and for FA3 calls with training=False, Paddle's sdpa picks its own flash / memory-efficient / math kernel) and ``eager`` (matmul + softmax in fp32).
 K/V arrive with their own number of heads (grouped-query attention): flash, flash_varlen, cpu_fused, sdpa
@@ -51,6 +53,7 @@ __all__ = [
     "build_bias",
     "cu_seqlens",
     "eager_attention",
+    "grouped_attention",
 ]
 
 
@@ -167,6 +170,36 @@ def eager_attention(
     scores = scores + bias.astype("float32")
     probs = F.softmax(scores, axis=-1).astype(q.dtype)
     return paddle.matmul(probs, vt).transpose([0, 2, 1, 3])
+
+
+def grouped_attention(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor, scale: float
+) -> paddle.Tensor:
+    """q [b, sq, h, d] over k/v [b, sk, kv_heads, d] with an additive ``bias`` [b or 1, h or 1, sq, sk]:
+    the rep query heads of a KV head stacked on the query axis, so K/V are used as they are (never
+    repeated); softmax in fp32. The ``grouped_mask`` kernel (KV-cache decoding on a CPU)."""
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    rep = h // kvh
+    if sq == 1:  # one decoding query: [b, 1, h, d] is already [b, kv_heads, rep, d], no transpose needed
+        qg = q.reshape([b, kvh, rep, d])
+    else:
+        qg = q.reshape([b, sq, kvh, rep, d]).transpose([0, 2, 3, 1, 4]).reshape([b, kvh, rep * sq, d])
+    scores = paddle.matmul(qg, k.transpose([0, 2, 1, 3]), transpose_y=True)
+    scores = _fp32(scores).reshape([b, kvh, rep, sq, sk]) * scale
+    if bias.shape[1] == 1:
+        scores = scores + _fp32(bias).unsqueeze(1)
+    else:
+        scores = scores + _fp32(bias).reshape([bias.shape[0], kvh, rep, sq, sk])
+    probs = F.softmax(scores, axis=-1).astype(q.dtype).reshape([b, kvh, rep * sq, sk])
+    out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [b, kv_heads, rep * sq, d]
+    if sq == 1:
+        return out.reshape([b, 1, h, d])
+    return out.reshape([b, kvh, rep, sq, d]).transpose([0, 3, 1, 2, 4]).reshape([b, sq, h, d])
+
+
+def _fp32(t: paddle.Tensor) -> paddle.Tensor:
+    return t if t.dtype == paddle.float32 else t.astype("float32")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,6 +516,8 @@ def attend(
         mask = build_bias(seg, seg, q.shape[1], k.shape[1], 0, q.dtype, window)
     if kernel == "sdpa_causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, training=training)
+    if kernel == "grouped_mask":
+        return grouped_attention(q, k, v, mask, float(q.shape[-1]) ** -0.5)
     if kernel == "sdpa_mask":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.astype(q.dtype), training=training)
     scale = float(q.shape[-1]) ** -0.5

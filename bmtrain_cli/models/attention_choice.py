@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
-KERNELS = ("flash", "flash_varlen", "cpu_fused", "blocked", "sdpa_causal", "sdpa_mask", "eager")
+KERNELS = (
+    "flash",
+    "flash_varlen",
+    "cpu_fused",
+    "blocked",
+    "grouped_mask",
+    "sdpa_causal",
+    "sdpa_mask",
+    "eager",
+)
 # kernels whose memory is linear in the sequence length (no s x s tensor is kept or materialised)
 LINEAR_KERNELS = ("flash", "flash_varlen", "cpu_fused", "blocked")
 # Queries per block of the blocked kernel: its transient score blocks are [b, heads, BLOCK, s].
@@ -85,6 +94,9 @@ def choose_kernel(
     if softcap:
         return _softcapped(kind, static)
     if kind == "bias":
+        if not on_gpu and not static and implementation != "sdpa":
+            why = "an additive mask on a CPU (KV cache, sliding window or ALiBi): grouped matmul + softmax"
+            return "grouped_mask", why
         return "sdpa_mask", "an additive mask is needed (KV cache, sliding window or ALiBi)"
     if implementation == "sdpa":
         return _sdpa(kind, "attention_implementation: sdpa")

@@ -43,7 +43,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     return out
 
 
-def _left_pad(prompts: Sequence[Sequence[int]]) -> tuple:
+def left_pad(prompts: Sequence[Sequence[int]]) -> tuple:
+    """(ids, mask) int64 [n, longest]: each prompt right-aligned, 0 before it in both."""
     width = max(len(p) for p in prompts)
     ids = np.zeros((len(prompts), width), dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)
@@ -84,7 +85,7 @@ def generate(
     was_training = model.training
     model.eval()
     rng = np.random.default_rng(seed)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
     cache = KVCache(len(model.layers)) if use_cache else None
     out: List[List[int]] = [[] for _ in prompts]

@@ -152,7 +152,7 @@ def _stage_estimate(  # noqa: C901
     work = max((wk for _, wk in per_layer), default=0)  # the largest backward working set of a layer
     tokens = w.micro_sequences(layout) * w.seq_len
     e = act_bytes(w)
-    if attention_kernel(w, device, layout) in ("sdpa_mask", "eager"):
+    if attention_kernel(w, device, layout) in ("grouped_mask", "sdpa_mask", "eager"):
         acts += tokens * w.seq_len * e  # the additive mask [b, 1, s, s]
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)

@@ -1,13 +1,15 @@
 """Continuous batching: one scheduler thread owns the model and decodes every active request together.
 
-A request is prefilled alone (its prompt as one row with no padding, exactly as `bmtrain generate`
-runs it) into its own KV cache, then joins the batch between two decode steps. The batch keeps one
-cache of all its rows, left-padded to the longest: its attention mask marks each row's real tokens
-(1) and padding (0, which no query sees) and each row has its own positions, so a row computes what it
-would alone. Each decode step feeds every active row its last token as one batched forward; a row
-leaves on EOS, a stop string, max_tokens or cancellation, and the columns every remaining row pads
-are cut off. Sampling is per row with the row's own seeded generator (``models.generate.sample_next``):
-a request's tokens do not depend on who shares its batch.
+Requests waiting between two decode steps are prefilled together, as one left-padded batch (padding
+masked, positions counting each row's real tokens: what ``models.generate`` runs for several prompts), and
+join the batch. The batch keeps one preallocated KV cache of all its rows (serve/kv_slots.py), each row
+right-aligned and left-padded to the longest: its attention mask marks each row's real tokens (1) and
+padding (0, which no query sees) and each row has its own positions, so a row computes what it would
+alone. Each decode step feeds every active row its last token as one batched forward, writing the new
+keys and values in place; a row leaves on EOS, a stop string, max_tokens or cancellation (the last row
+takes its place), and the columns every remaining row pads are dropped. Sampling is per row with the
+row's own seeded generator (``models.generate.sample_next``): a request's tokens do not depend on who
+shares its batch. One host sync per step: the last position's logits, read once for all rows.
 
 Models whose rotary tables depend on the whole batch's longest position (dynamic NTK, LongRoPE), models
 with linear-attention layers (their cache is a recurrent state) and paddle-inference exports (no cache input) are not batched: their requests run one at a time through
@@ -25,7 +27,8 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.models.blocks import KVCache
-from bmtrain_cli.models.generate import TokenCallback, generate, sample_next
+from bmtrain_cli.models.generate import TokenCallback, generate, left_pad, sample_next
+from bmtrain_cli.serve.kv_slots import SlotCache, prefilled
 
 UNBATCHED_ROPE = ("dynamic", "longrope")  # rotary tables computed from the batch's largest position
 
@@ -57,75 +60,25 @@ def batchable(model: Any) -> bool:
 
 
 class Batch:
-    """The rows being decoded: their jobs, one KV cache left-padded to the longest row, the mask."""
+    """The rows being decoded: their jobs, in the order of their rows in the preallocated cache."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
+    def __init__(self, num_layers: int, max_rows: int) -> None:
         self.jobs: List[Job] = []
-        self.cache = KVCache(num_layers)
-        self.mask = np.zeros((0, 0), dtype=np.int64)
+        self.cache = SlotCache(num_layers, max_rows)
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def join(self, job: Job, cache: KVCache) -> None:
-        """Add a prefilled row (its own cache, batch 1, ``job.length`` tokens)."""
-        width, n = self.mask.shape[1], job.length
-        if not self.jobs:
-            self.cache, self.mask = cache, np.ones((1, n), dtype=np.int64)
-            self.jobs = [job]
-            return
-        grow = max(n - width, 0)
-        if grow:
-            self.cache = _left_padded(self.cache, grow)
-            self.mask = np.pad(self.mask, ((0, 0), (grow, 0)))
-        width += grow
-        new = _left_padded(cache, width - n) if width > n else cache
-        self.cache.keys = [
-            paddle.concat([a, b]) for a, b in zip(_tensors(self.cache.keys), _tensors(new.keys))
-        ]
-        self.cache.values = [
-            paddle.concat([a, b]) for a, b in zip(_tensors(self.cache.values), _tensors(new.values))
-        ]
-        row = np.zeros((1, width), dtype=np.int64)
-        row[0, width - n :] = 1
-        self.mask = np.concatenate([self.mask, row], axis=0)
-        self.jobs.append(job)
+    def join(
+        self, jobs: List[Job], keys: List[paddle.Tensor], values: List[paddle.Tensor], mask: np.ndarray
+    ) -> None:
+        self.cache.join(keys, values, mask)
+        self.jobs += jobs
 
-    def keep(self, rows: List[int]) -> None:
-        """Keep only ``rows`` (the others finished), then drop the columns that are padding in all."""
-        if len(rows) == len(self.jobs):
-            return
-        self.jobs = [self.jobs[i] for i in rows]
-        if not rows:
-            self.cache, self.mask = KVCache(self.num_layers), np.zeros((0, 0), dtype=np.int64)
-            return
-        self.cache.select(paddle.to_tensor(rows, dtype="int64"))
-        self.mask = self.mask[rows]
-        lead = self.mask.shape[1] - max(j.length for j in self.jobs)
-        if lead > 0:
-            self.mask = self.mask[:, lead:]
-            self.cache.keys = [k[:, lead:] for k in _tensors(self.cache.keys)]
-            self.cache.values = [v[:, lead:] for v in _tensors(self.cache.values)]
-
-
-def _tensors(per_layer: List[Optional[paddle.Tensor]]) -> List[paddle.Tensor]:
-    """A prefilled cache's keys (or values) of every layer (none is missing once a prompt ran)."""
-    out = [t for t in per_layer if t is not None]
-    assert len(out) == len(per_layer)
-    return out
-
-
-def _left_padded(cache: KVCache, n: int) -> KVCache:
-    """A copy of ``cache`` with ``n`` zero positions before every row's keys and values."""
-
-    def pad(t: paddle.Tensor) -> paddle.Tensor:
-        return paddle.concat([paddle.zeros([t.shape[0], n, *t.shape[2:]], dtype=t.dtype), t], axis=1)
-
-    out = KVCache(len(cache.keys))
-    out.keys = [pad(k) for k in _tensors(cache.keys)]
-    out.values = [pad(v) for v in _tensors(cache.values)]
-    return out
+    def drop(self, rows: List[int]) -> None:
+        if rows:
+            order = self.cache.drop(rows)
+            self.jobs = [self.jobs[i] for i in order]
 
 
 class Scheduler:
@@ -162,7 +115,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         self.model.eval()
-        batch = Batch(len(self.model.layers)) if self.batched else None
+        batch = Batch(len(self.model.layers), self.max_batch) if self.batched else None
         while True:
             if batch is None:
                 self._alone(self._incoming.get())
@@ -177,72 +130,84 @@ class Scheduler:
             except Exception as exc:  # fail the rows involved, keep serving the next ones
                 for job in batch.jobs:
                     _fail(job, exc)
-                batch.keep([])
+                batch.drop(list(range(len(batch))))
                 self.active = 0
 
     def _admit(self, batch: Batch, job: Optional[Job]) -> None:
-        """Prefill ``job`` and the jobs waiting (up to max_batch rows) and add them to the batch."""
-        while len(batch) < self.max_batch:
-            if job is None:
-                try:
-                    job = self._incoming.get_nowait()
-                except queue.Empty:
-                    return
+        """Prefill ``job`` and the jobs waiting (up to max_batch rows) together and add them to the batch."""
+        jobs = [] if job is None else [job]
+        while len(batch) + len(jobs) < self.max_batch:
             try:
-                cache = self._prefill(job)
-            except Exception as exc:
+                jobs.append(self._incoming.get_nowait())
+            except queue.Empty:
+                break
+        live = []
+        for job in jobs:
+            if job.cancelled():
+                self.cancelled += 1
+                job.done.set_result(None)
+            else:
+                live.append(job)
+        if not live:
+            return
+        try:
+            self._prefill(batch, live)
+        except Exception as exc:
+            for job in live:
                 _fail(job, exc)
-                cache = None
-            if cache is not None:
-                batch.join(job, cache)
-            job = None
 
     @paddle.no_grad()
-    def _prefill(self, job: Job) -> Optional[KVCache]:
-        """Run the prompt alone; None when the job is already over (cancelled, or its first token ends it)."""
-        if job.cancelled():
-            self.cancelled += 1
-            job.done.set_result(None)
-            return None
-        job.rng = np.random.default_rng(job.seed)
-        n = len(job.ids)
+    def _prefill(self, batch: Batch, jobs: List[Job]) -> None:
+        """Run the prompts as one left-padded batch (padding masked, positions counting real tokens, as
+        ``models.generate`` does), take each row's first token and add the rows that go on to the batch."""
+        ids, mask = left_pad([job.ids for job in jobs])
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         cache = KVCache(len(self.model.layers))
-        logits = self.model(
-            paddle.to_tensor([job.ids], dtype="int64"),
-            attention_mask=paddle.ones([1, n], dtype="int64"),
-            position_ids=paddle.arange(n, dtype="int64").unsqueeze(0),
-            cache=cache,
+        hidden = self.model.hidden_states(
+            paddle.to_tensor(ids), paddle.to_tensor(mask), paddle.to_tensor(pos), cache=cache
         )
-        job.length = n
-        return cache if self._take(job, logits[:, -1].astype("float32").numpy()) else None
+        logits = self.model.logits_from_hidden(hidden[:, -1:])[:, -1].astype("float32").numpy()
+        going = []
+        for i, job in enumerate(jobs):
+            job.rng = np.random.default_rng(job.seed)
+            job.length = len(job.ids)
+            if self._take(job, logits[i : i + 1]):
+                going.append(i)
+        if not going:
+            return
+        keys, values = prefilled(cache)
+        if len(going) < len(jobs):
+            index = paddle.to_tensor(going, dtype="int64")
+            keys = [paddle.gather(k, index) for k in keys]
+            values = [paddle.gather(v, index) for v in values]
+        batch.join([jobs[i] for i in going], keys, values, mask[going])
 
     @paddle.no_grad()
     def _step(self, batch: Batch) -> None:
         """One decode step: every active row's last token in one forward, then one token per row."""
-        live = [i for i, job in enumerate(batch.jobs) if not job.cancelled()]
-        for i, job in enumerate(batch.jobs):
-            if i not in live:
-                self.cancelled += 1
-                job.done.set_result(None)
-        batch.keep(live)
+        gone = [i for i, job in enumerate(batch.jobs) if job.cancelled()]
+        for i in gone:
+            self.cancelled += 1
+            batch.jobs[i].done.set_result(None)
+        batch.drop(gone)
         if not batch:
             return
-        batch.mask = np.concatenate([batch.mask, np.ones((len(batch), 1), dtype=np.int64)], axis=1)
+        batch.cache.reserve(1)
         logits = self.model(
             paddle.to_tensor([[job.last] for job in batch.jobs], dtype="int64"),
-            attention_mask=paddle.to_tensor(batch.mask),
+            attention_mask=paddle.to_tensor(batch.cache.step_mask()),
             position_ids=paddle.to_tensor([[job.length] for job in batch.jobs], dtype="int64"),
             cache=batch.cache,
         )
         self.steps += 1
         self.widest = max(self.widest, len(batch))
         rows = logits[:, -1].astype("float32").numpy()
-        keep = []
+        ended = []
         for i, job in enumerate(batch.jobs):
             job.length += 1
-            if self._take(job, rows[i : i + 1]):
-                keep.append(i)
-        batch.keep(keep)
+            if not self._take(job, rows[i : i + 1]):
+                ended.append(i)
+        batch.drop(ended)
 
     def _take(self, job: Job, logits: np.ndarray) -> bool:
         """Sample the row's next token and hand it over; False (and the job done) when the row ends."""

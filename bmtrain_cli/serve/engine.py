@@ -56,17 +56,24 @@ class Result:
 
 
 class TextStream:
-    """Token ids in, text deltas out: decodes the ids so far, holds back an unfinished UTF-8 sequence
-    and anything that could still become a stop string, and cuts the text at the first stop string."""
+    """Token ids in, text deltas out, decoding incrementally: each new token decodes a short window
+    (the ids since the last emitted piece, with the piece before them for context, so a tokenizer that
+    drops a leading space or merges bytes sees what it would in the whole text), never the whole reply.
+    Holds back an unfinished UTF-8 sequence and anything that could still become a stop string, and
+    cuts the text at the first stop string (searching only the new tail)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], on_text: Optional[Callable[[str], None]]) -> None:
         self.tok = tokenizer
         self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.on_text = on_text
         self.ids: List[int] = []
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self._prefix = 0  # ids[_prefix:_read] decode to the text's last piece
+        self._read = 0
+        self._searched = 0  # the text before this index holds no stop string
 
     def _emit(self, upto: int) -> None:
         if upto > self.sent:
@@ -77,18 +84,21 @@ class TextStream:
     def push(self, token: int) -> bool:
         """Add one new token (not EOS); True once a stop string has appeared."""
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return False  # a multi-byte character still being spelled out in byte tokens
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        before = self.tok.decode(self.ids[self._prefix : self._read])
+        after = self.tok.decode(self.ids[self._prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            return False  # a multi-byte character still being spelled out in byte tokens, or no text yet
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        lo = max(self._searched - self.hold, 0)
+        self._searched = len(self.text)
+        cuts = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
         if cuts:
-            self.text = text[: min(cuts)]
+            self.text = self.text[: min(cuts)]
             self.stopped = True
             self._emit(len(self.text))
             return True
-        self.text = text
-        hold = max((len(s) for s in self.stop), default=1) - 1
-        self._emit(len(text) - hold)
+        self._emit(len(self.text) - self.hold)
         return False
 
     def finish(self) -> str:

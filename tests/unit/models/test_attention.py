@@ -20,6 +20,7 @@ from bmtrain_cli.models.attention import (
     build_bias,
     cu_seqlens,
     eager_attention,
+    grouped_attention,
     repeat_kv,
 )
 from bmtrain_cli.models.attention_choice import (
@@ -62,6 +63,36 @@ def _value_and_grads(fn, q, k, v, upstream):
     for t in (q, k, v):
         t.clear_gradient()
     return out.numpy(), grads
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("queries", [1, 3, 37], ids=["decode1", "decode3", "full"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared_bias", "per_head_bias"])
+def test_grouped_attention_equals_eager_reference(kv_heads, queries, per_head):
+    """The grouped_mask kernel: the last ``queries`` queries of left-padded rows over all 37 keys (a
+    KV-cache step), with a bias shared by the heads or one per head (ALiBi's shape), values and grads."""
+    q, k, v = _qkv(2, 37, 4, kv_heads)
+    q = q[:, 37 - queries :].detach()
+    q.stop_gradient = False
+    seg = paddle.to_tensor(SEGMENTS["left_padded"], dtype="int64")
+    bias = build_bias(seg[:, 37 - queries :], seg, queries, 37, 37 - queries, "float32")
+    if per_head:
+        slopes = paddle.to_tensor([0.5, 0.25, 0.125, 0.0625]).reshape([1, 4, 1, 1])
+        bias = bias + slopes * paddle.arange(37, dtype="float32")
+    upstream = paddle.to_tensor(np.random.default_rng(9).standard_normal(q.shape).astype("float32"))
+    scale = float(q.shape[-1]) ** -0.5
+    rep = 4 // kv_heads
+    got, got_g = _value_and_grads(lambda a, b, c: grouped_attention(a, b, c, bias, scale), q, k, v, upstream)
+    want, want_g = _value_and_grads(
+        lambda a, b, c: eager_attention(a, repeat_kv(b, rep), repeat_kv(c, rep), bias, scale),
+        q,
+        k,
+        v,
+        upstream,
+    )
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for name, g, w in zip("qkv", got_g, want_g):
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -158,7 +189,9 @@ def test_fused_cpu_kernel_is_chosen_when_the_op_set_carries_it():
         assert choose_kernel(kind, "auto", True, False, fused_cpu=True)[0] == "blocked"
         assert choose_kernel(kind, "auto", False, True, fused_cpu=True)[0].startswith("sdpa")
         assert choose_kernel(kind, "auto", False, False, static=True, fused_cpu=True)[0].startswith("sdpa")
-    assert choose_kernel("bias", "auto", False, False, fused_cpu=True)[0] == "sdpa_mask"
+    assert choose_kernel("bias", "auto", False, False, fused_cpu=True)[0] == "grouped_mask"
+    assert choose_kernel("bias", "sdpa", False, False, fused_cpu=True)[0] == "sdpa_mask"
+    assert choose_kernel("bias", "auto", False, False, static=True)[0] == "sdpa_mask"
     assert "cpu_fused" in LINEAR_KERNELS
 
 

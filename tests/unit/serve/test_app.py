@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app as cli_app
+from tests.unit.serve.conftest import REPO
 
 PROMPT = "1 + 2 ="
 
@@ -96,6 +97,34 @@ def test_text_stream_holds_back_a_possible_stop_string():
     for c in "xEy":
         s.push(ord(c))
     assert s.finish() == "xEy"
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece"])
+def test_text_stream_decodes_incrementally_as_the_whole_text(kind, model_dir):
+    """Real tokenizers (SmolLM2's byte-level BPE test tokenizer, the sentencepiece one of conftest's model),
+    text with spaces, multi-byte characters spelled in byte tokens and a stop string across tokens: the
+    streamed deltas add up to the decode of all the ids, cut at the stop string."""
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.serve.engine import TextStream
+
+    path = REPO / "tests/fixtures/chat_parity/smollm2" if kind == "byte_level_bpe" else model_dir
+    tok = load_tokenizer(str(path))
+    text = "hello world 1 + 2 = 3 caf\u00e9 \u4e2d\u6587 the end. 12 + 13 = 25 hello"
+    ids = tok.encode(text)
+    full = tok.decode(ids)
+    for stop in ([], ["= 25"], ["\u6587 th", "nope"]):
+        seen: list = []
+        stream = TextStream(tok, stop, seen.append)
+        stopped = False
+        for t in ids:
+            if stream.push(t):
+                stopped = True
+                break
+        got = stream.finish()
+        cut = min([full.find(x) for x in stop if x in full], default=-1)
+        want = full if cut < 0 else full[:cut]
+        assert (got, "".join(seen), stopped) == (want, want, cut >= 0), stop
+        assert len(seen) > 3  # it streamed, not all at the end
 
 
 def test_serve_without_the_extra_names_it(monkeypatch, tmp_path):

@@ -31,6 +31,9 @@ from bmtrain_cli.models.scoring import right_padded
 # a masked score: finite, so that a query that sees no key of a chunk pair gets a finite log-sum-exp whose
 # weight in the merge (and whose probabilities in the backward) underflow to exactly zero
 _MASKED = -1e30
+# query tokens per block: a block's scores [b, kv_heads, rep * QUERY_BLOCK, chunk] are the attention's
+# transient memory, whatever the sequence length
+QUERY_BLOCK = 512
 
 
 def local_indices(seq_len: int, degree: int, rank: int) -> np.ndarray:
@@ -107,50 +110,74 @@ def _chunks(degree: int, rank: int) -> Tuple[int, int]:
 
 
 class _Layout:
-    """Shapes and per-pair masks of one call: q [b, 2c, h, d] and k/v [b, 2c, hk, d] on every rank."""
+    """Shapes and per-block masks of one call: q [b, 2c, h, d] and k/v [b, 2c, hk, d] on every rank. Queries
+    are grouped by KV head, token-major: row t * rep + j of [b, hk, c * rep, d] is token t, query head j of
+    the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range."""
 
-    def __init__(self, q: paddle.Tensor, k: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any) -> None:
+    def __init__(self, q: paddle.Tensor, k: paddle.Tensor, seg: Optional[paddle.Tensor], block: int) -> None:
         self.b, s2, self.h, self.d = q.shape
         self.hk = k.shape[2]
         self.rep = self.h // self.hk
         self.c = s2 // 2
         self.seg = seg
-        self.ring = ring
         self.scale = float(self.d) ** -0.5
+        self.blocks = [(t, min(t + block, self.c)) for t in range(0, self.c, block)]
 
     def q_slot(self, x: paddle.Tensor, i: int) -> paddle.Tensor:
-        """Slot i (0 front, 1 back) of a [b, 2c, heads, d] tensor in the grouped layout [b, hk, rep * c, d]."""
+        """Slot i (0 front, 1 back) of a [b, 2c, heads, d] tensor as [b, hk, c * rep, d]."""
         part = x[:, i * self.c : (i + 1) * self.c]
-        g = part.reshape([self.b, self.c, self.hk, self.rep, self.d]).transpose([0, 2, 3, 1, 4])
-        return g.reshape([self.b, self.hk, self.rep * self.c, self.d])
+        g = part.reshape([self.b, self.c, self.hk, self.rep, x.shape[-1]]).transpose([0, 2, 1, 3, 4])
+        return g.reshape([self.b, self.hk, self.c * self.rep, x.shape[-1]])
 
     def ungroup(self, x: paddle.Tensor) -> paddle.Tensor:
-        """[b, hk, rep * c, d] -> [b, c, h, d]."""
-        g = x.reshape([self.b, self.hk, self.rep, self.c, self.d]).transpose([0, 3, 1, 2, 4])
+        """[b, hk, c * rep, d] -> [b, c, h, d]."""
+        g = x.reshape([self.b, self.hk, self.c, self.rep, self.d]).transpose([0, 2, 1, 3, 4])
         return g.reshape([self.b, self.c, self.h, self.d])
 
-    def scores(self, qg: paddle.Tensor, kc: paddle.Tensor, q_chunk: int, k_chunk: int, causal: bool) -> Any:
-        """Masked fp32 scores [b, hk, rep * c, c] of a query chunk against a key chunk [b, hk, c, d]."""
-        s = paddle.matmul(qg, kc, transpose_y=True).astype("float32") * self.scale
+    def rows(self, t0: int, t1: int) -> slice:
+        return slice(t0 * self.rep, t1 * self.rep)
+
+    def keys(self, ki: int, t1: int, causal: bool) -> slice:
+        """The keys of key slot ``ki`` a query block ending at token t1 can see: all of a full pair, the
+        first t1 of a causal one."""
+        return slice(ki * self.c, ki * self.c + (t1 if causal else self.c))
+
+    def scores(
+        self, qb: paddle.Tensor, kc: paddle.Tensor, qc: int, kchunk: int, t0: int, causal: bool
+    ) -> Any:
+        """Masked fp32 scores [b, hk, n * rep, kl] of the query block starting at token t0 of chunk qc against
+        the first kl keys of chunk kchunk (kc [b, hk, kl, d])."""
+        s = paddle.matmul(qb, kc, transpose_y=True).astype("float32") * self.scale
+        n, kl = qb.shape[2] // self.rep, kc.shape[2]
         allowed = None
         if causal:
-            idx = paddle.arange(self.c, dtype="int64")
-            allowed = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0)  # [1, c, c]
+            q_tok = paddle.arange(n * self.rep, dtype="int64") // self.rep + t0
+            allowed = (paddle.arange(kl, dtype="int64").unsqueeze(0) <= q_tok.unsqueeze(1)).unsqueeze(0)
         if self.seg is not None:
-            sq = self.seg[:, q_chunk * self.c : (q_chunk + 1) * self.c]
-            sk = self.seg[:, k_chunk * self.c : (k_chunk + 1) * self.c]
-            same = sq.unsqueeze(-1) == sk.unsqueeze(1)  # [b, c, c]
+            sq = self.seg[:, qc * self.c + t0 : qc * self.c + t0 + n]
+            if self.rep > 1:
+                sq = paddle.repeat_interleave(sq, self.rep, axis=1)
+            sk = self.seg[:, kchunk * self.c : kchunk * self.c + kl]
+            same = sq.unsqueeze(-1) == sk.unsqueeze(1)  # [b, n * rep, kl]
             allowed = same if allowed is None else paddle.logical_and(allowed, same)
         if allowed is None:
             return s
-        if self.rep > 1:
-            allowed = paddle.tile(allowed, [1, self.rep, 1])
         return paddle.where(allowed.unsqueeze(1), s, paddle.full([1], _MASKED, dtype="float32"))
 
 
 def _kv_layout(k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
     """k, v [b, 2c, hk, d] -> [2, b, hk, 2c, d]: what travels round the ring."""
     return paddle.stack([k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])])
+
+
+def _merge(acc: Optional[Tuple[Any, Any]], o: paddle.Tensor, lse: paddle.Tensor) -> Tuple[Any, Any]:
+    """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exp."""
+    if acc is None:
+        return o, lse
+    prev_o, prev_lse = acc
+    new = paddle.logaddexp(prev_lse, lse)
+    merged = prev_o * paddle.exp(prev_lse - new).unsqueeze(-1) + o * paddle.exp(lse - new).unsqueeze(-1)
+    return merged, new
 
 
 class RingAttention(PyLayer):
@@ -162,38 +189,38 @@ class RingAttention(PyLayer):
         v: paddle.Tensor,
         seg: Optional[paddle.Tensor],
         ring: Any,
+        block: int,
     ) -> paddle.Tensor:
-        lay = _Layout(q, k, seg, ring)
+        lay = _Layout(q, k, seg, block)
         q_chunks = _chunks(ring.degree, ring.rank)
         qgs = [lay.q_slot(q, i) for i in range(2)]
-        outs: List[Optional[paddle.Tensor]] = [None, None]
-        lses: List[Optional[paddle.Tensor]] = [None, None]
+        acc: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
         kv = _kv_layout(k, v)
         for t in range(ring.degree):
-            src = (ring.rank - t) % ring.degree
+            k_chunks = _chunks(ring.degree, (ring.rank - t) % ring.degree)
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
-            for qi, ki, causal in _pairs(q_chunks, _chunks(ring.degree, src)):
-                kc = kv[0][:, :, ki * lay.c : (ki + 1) * lay.c]
-                vc = kv[1][:, :, ki * lay.c : (ki + 1) * lay.c]
-                s = lay.scores(qgs[qi], kc, q_chunks[qi], _chunks(ring.degree, src)[ki], causal)
-                lse = paddle.logsumexp(s, axis=-1)
-                o = paddle.matmul(paddle.exp(s - lse.unsqueeze(-1)).astype(vc.dtype), vc).astype("float32")
-                prev_o, prev_lse = outs[qi], lses[qi]
-                if prev_o is None or prev_lse is None:
-                    outs[qi], lses[qi] = o, lse
-                    continue
-                new = paddle.logaddexp(prev_lse, lse)
-                outs[qi] = prev_o * paddle.exp(prev_lse - new).unsqueeze(-1) + o * paddle.exp(
-                    lse - new
-                ).unsqueeze(-1)
-                lses[qi] = new
+            for qi, ki, causal in _pairs(q_chunks, k_chunks):
+                for bi, (t0, t1) in enumerate(lay.blocks):
+                    keys = lay.keys(ki, t1, causal)
+                    kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
+                    s = lay.scores(
+                        qgs[qi][:, :, lay.rows(t0, t1)], kc, q_chunks[qi], k_chunks[ki], t0, causal
+                    )
+                    lse = paddle.logsumexp(s, axis=-1)
+                    o = paddle.matmul(paddle.exp(s - lse.unsqueeze(-1)).astype(vc.dtype), vc).astype(
+                        "float32"
+                    )
+                    acc[(qi, bi)] = _merge(acc.get((qi, bi)), o, lse)
             if incoming is not None:
                 kv = incoming[0]
-        out = paddle.concat([lay.ungroup(o) for o in outs], axis=1).astype(q.dtype)  # type: ignore[arg-type]
+        nb = len(lay.blocks)
+        outs = [paddle.concat([acc[(qi, bi)][0] for bi in range(nb)], axis=2) for qi in range(2)]
+        lses = [paddle.concat([acc[(qi, bi)][1] for bi in range(nb)], axis=2) for qi in range(2)]
+        out = paddle.concat([lay.ungroup(o) for o in outs], axis=1).astype(q.dtype)
         # a copy of the segment ids: the caller's tensor may be released before the backward
         kept = None if seg is None else seg.clone()
-        ctx.save_for_backward(q, k, v, out, paddle.stack(lses), kept)  # type: ignore[arg-type]
-        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, paddle.stack(lses), kept)
+        ctx.ring, ctx.block = ring, block
         return out
 
     @staticmethod
@@ -202,7 +229,7 @@ class RingAttention(PyLayer):
     ) -> Tuple[Optional[paddle.Tensor], ...]:
         q, k, v, out, lse, seg = ctx.saved_tensor()
         ring = ctx.ring
-        lay = _Layout(q, k, seg, ring)
+        lay = _Layout(q, k, seg, ctx.block)
         q_chunks = _chunks(ring.degree, ring.rank)
         qgs = [lay.q_slot(q, i) for i in range(2)]
         dos = [lay.q_slot(dout, i) for i in range(2)]
@@ -216,20 +243,23 @@ class RingAttention(PyLayer):
         dk = paddle.zeros(kv.shape[1:], dtype="float32")
         dv = paddle.zeros(kv.shape[1:], dtype="float32")
         for t in range(ring.degree):
-            src = (ring.rank - t) % ring.degree
-            k_chunks = _chunks(ring.degree, src)
+            k_chunks = _chunks(ring.degree, (ring.rank - t) % ring.degree)
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
             for qi, ki, causal in _pairs(q_chunks, k_chunks):
-                sl = slice(ki * lay.c, (ki + 1) * lay.c)
-                kc, vc = kv[0][:, :, sl], kv[1][:, :, sl]
-                s = lay.scores(qgs[qi], kc, q_chunks[qi], k_chunks[ki], causal)
-                p = paddle.exp(s - lse[qi].unsqueeze(-1))
-                dv[:, :, sl] += paddle.matmul(p.astype(vc.dtype), dos[qi], transpose_x=True).astype("float32")
-                dp = paddle.matmul(dos[qi], vc, transpose_y=True).astype("float32")
-                ds = (p * (dp - deltas[qi]) * lay.scale).astype(q.dtype)
-                dqs[qi] += paddle.matmul(ds, kc).astype("float32")
-                dk[:, :, sl] += paddle.matmul(ds, qgs[qi], transpose_x=True).astype("float32")
-            # the accumulator goes on with the K/V it belongs to; after the last step, home to its owner
+                for t0, t1 in lay.blocks:
+                    keys, rows = lay.keys(ki, t1, causal), lay.rows(t0, t1)
+                    kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
+                    qb, dob = qgs[qi][:, :, rows], dos[qi][:, :, rows]
+                    s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, causal)
+                    p = paddle.exp(s - lse[qi][:, :, rows].unsqueeze(-1))
+                    dv[:, :, keys] += paddle.matmul(p.astype(vc.dtype), dob, transpose_x=True).astype(
+                        "float32"
+                    )
+                    dp = paddle.matmul(dob, vc, transpose_y=True).astype("float32")
+                    ds = (p * (dp - deltas[qi][:, :, rows]) * lay.scale).astype(q.dtype)
+                    dqs[qi][:, :, rows] += paddle.matmul(ds, kc).astype("float32")
+                    dk[:, :, keys] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
+            # the accumulators go on with the K/V they belong to; after the last step, home to their owner
             dk, dv = ring.exchange([dk, dv])
             if incoming is not None:
                 kv = incoming[0]
@@ -243,14 +273,15 @@ class RingCore:
     """The attention core of one context group (models/attention.py ``ContextShard.core``): q [b, 2c, h, d],
     k/v [b, 2c, hk, d] of this rank's chunks, optional int segment ids [b, S] of the whole rows."""
 
-    def __init__(self, ring: Any) -> None:
+    def __init__(self, ring: Any, block: int = QUERY_BLOCK) -> None:
         self.ring = ring
+        self.block = int(block)
 
     def __call__(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segment_ids: Optional[paddle.Tensor]
     ) -> paddle.Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
-        return RingAttention.apply(q, k, v, seg, self.ring)
+        return RingAttention.apply(q, k, v, seg, self.ring, self.block)
 
 
 def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, np.ndarray]:

@@ -85,6 +85,12 @@ def _stage_estimate(  # noqa: C901
         notes.append(f"precision {precision} does not run on CPU; estimated as fp32")
         precision = "fp32"
         w = replace(w, precision="fp32")
+    if layout.cp > 1:  # each rank holds 1/cp of every row (parallel/ring_attention.py)
+        w = replace(w, seq_len=-(-w.seq_len // (2 * layout.cp)) * 2)
+        notes.append(
+            f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
+            "(not calibrated against runs yet)"
+        )
 
     # --- parameters of this stage
     mats, vecs = layer_params(a, tp)

@@ -41,10 +41,11 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     pipeline_micro_batches: Optional[int] = None
+    cp: int = 1  # context parallel: ranks that split every row
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.sharding
+        return self.dp * self.tp * self.pp * self.sharding * self.cp
 
     @property
     def data_ranks(self) -> int:
@@ -66,12 +67,15 @@ class Layout:
             offload_optimizer=p.offload_optimizer,
             offload_params=p.offload_params,
             pipeline_micro_batches=p.pipeline_micro_batches,
+            cp=p.context_parallel,
         )
 
     def describe(self) -> str:
         parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}"]
         if self.sharding > 1:
             parts.append(f"sharding {self.sharding} (stage {self.stage})")
+        if self.cp > 1:
+            parts.append(f"context {self.cp}")
         parts.append(f"micro batch {self.micro_batch}")
         parts.append("recompute " + (self.recompute if self.recompute != "none" else "off"))
         if self.offload_optimizer:

@@ -1,6 +1,7 @@
 """Ring attention (parallel/ring_attention.py) over 2 and 4 processes equals attention over the whole
 sequence on one process: each rank's output and its q/k/v gradients, for plain causal rows and for packed
-rows with padding, with grouped-query heads (4 query heads, 2 KV heads)."""
+rows with padding, with grouped-query heads (4 query heads, 2 KV heads), in one query block per chunk or
+in blocks of 7 tokens (uneven: the last block of a chunk is shorter)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def _whole(seq: int, packed: bool):
     return out.numpy(), [t.grad.numpy() for t in ts]
 
 
-@pytest.mark.parametrize("nproc,packed", [(2, False), (2, True), (4, True)])
-def test_ring_attention_equals_whole_sequence(tmp_path, nproc, packed):
+@pytest.mark.parametrize("nproc,packed,block", [(2, False, 512), (2, True, 7), (4, True, 512), (4, True, 7)])
+def test_ring_attention_equals_whole_sequence(tmp_path, nproc, packed, block):
     seq = 80 if nproc == 2 else 96  # 2N chunks of 20 / 12 tokens: packed boundaries fall inside chunks
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc)]
     cmd += ["--log_dir", str(tmp_path / "log"), str(WORKER), "--out", str(tmp_path / "r"), "--seq", str(seq)]
+    cmd += ["--block", str(block)]
     res = subprocess.run(cmd + (["--packed"] if packed else []), capture_output=True, text=True, timeout=300)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "log").glob("workerlog.*")))
     assert res.returncode == 0, logs

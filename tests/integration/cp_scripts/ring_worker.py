@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import paddle
 import paddle.distributed as dist
 
+from bmtrain_cli.parallel import cpu_compat
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices
 
 
@@ -42,7 +43,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--packed", action="store_true")
+    ap.add_argument("--block", type=int, default=512)
     args = ap.parse_args()
+    cpu_compat.apply_if_cpu()  # as training does: a new gloo group of all 4 ranks reuses the default one's
     paddle.set_device("cpu")
     dist.init_parallel_env()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -54,7 +57,7 @@ def main() -> None:
     tensors = [paddle.to_tensor(x[:, idx]) for x in (q, k, v)]
     for t in tensors:
         t.stop_gradient = False
-    core = RingCore(Ring(group, ranks, rank))
+    core = RingCore(Ring(group, ranks, rank), block=args.block)
     out = core(*tensors, None if seg is None else paddle.to_tensor(seg))
     (out * paddle.to_tensor(w[:, idx])).sum().backward()
     np.savez(

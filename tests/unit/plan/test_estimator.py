@@ -248,3 +248,21 @@ def test_cli_plan_refuses_gpus_that_do_not_match_the_layout(repo_root) -> None:
     )
     res = runner.invoke(app, ["plan", "--config", str(repo_root / SEVEN_B), "--gpus", "3", "--search"])
     assert res.exit_code == 0 and "search over 3 x" in res.output
+
+
+def test_context_parallel_splits_the_activations(seven_b) -> None:
+    """Each rank of a context group holds 1/cp of every row: its activations fall with the degree (the
+    weights and optimizer states stay whole) and the plan says the figure is not calibrated yet."""
+    from dataclasses import replace
+
+    w = replace(Workload.from_config(seven_b), seq_len=32768)
+    dev = get_device("A100-80GB")
+    one = estimate_layout(w, Layout(dp=8, micro_batch=1, recompute="full"), dev)
+    cp = {
+        n: estimate_layout(w, Layout(dp=8 // n, cp=n, micro_batch=1, recompute="full"), dev) for n in (2, 4)
+    }
+    assert Layout(dp=2, cp=4).world_size == 8
+    assert cp[4].activations < cp[2].activations < one.activations
+    assert cp[2].activations < 0.6 * one.activations and cp[4].activations < 0.35 * one.activations
+    assert cp[4].parameters == one.parameters and cp[4].optimizer_states == one.optimizer_states
+    assert any("not calibrated" in n for n in cp[2].notes)

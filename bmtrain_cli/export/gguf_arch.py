@@ -23,6 +23,7 @@ GGUF_ARCHS = {
     "mixtral": "llama",
     "ernie4_5_moe": "ernie4_5-moe",
     "glm4_moe": "glm4moe",
+    "gemma2": "gemma2",
 }
 # what llama.cpp's gemma3 assumes rather than reads
 _GEMMA3_PATTERN = 6
@@ -80,6 +81,8 @@ def _llama_cpp_assumptions(arch: Any) -> List[str]:
             problems.append(
                 "llama.cpp's gemma3 scales scores by head_dim^-1/2, not query_pre_attn_scalar^-1/2"
             )
+    if arch.family == "gemma2":
+        problems += _gemma2_assumptions(arch)
     if arch.family == "qwen3_moe":
         if not all(arch.is_sparse(i) for i in range(arch.num_hidden_layers)):
             problems.append(
@@ -109,6 +112,32 @@ def _llama_cpp_assumptions(arch: Any) -> List[str]:
     return problems
 
 
+def _gemma2_assumptions(arch: Any) -> List[str]:
+    """llama.cpp's gemma2: even layers slide; both caps always applied; scores scaled by head_dim^-1/2
+    (hidden / heads in its 46-layer 27B)."""
+    problems = []
+    layers = range(arch.num_hidden_layers)
+    if [arch.layer_type(i) for i in layers] != [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
+    ]:
+        problems.append(
+            "llama.cpp's gemma2 makes the even layers sliding and the odd ones global, this model does not"
+        )
+    if arch.sliding_window is None:
+        problems.append("llama.cpp's gemma2 always has sliding layers (sliding_window unset)")
+    if arch.attn_logit_softcapping is None or arch.final_logit_softcapping is None:
+        problems.append("llama.cpp's gemma2 always soft-caps scores and logits (a cap is unset)")
+    scale_dim = (
+        arch.hidden_size // arch.num_attention_heads if arch.num_hidden_layers == 46 else arch.head_dim
+    )
+    if arch.query_pre_attn_scalar not in (None, scale_dim):
+        problems.append(
+            f"llama.cpp's gemma2 scales scores by {scale_dim}^-1/2 (head_dim; hidden/heads at 46 layers), "
+            "not query_pre_attn_scalar^-1/2"
+        )
+    return problems
+
+
 def add_hparams(w: Any, arch: Any, gguf: Any) -> None:
     """The architecture metadata llama.cpp reads for ``arch`` (``gguf`` the gguf module)."""
     w.add_context_length(arch.max_position_embeddings)
@@ -121,11 +150,18 @@ def add_hparams(w: Any, arch: Any, gguf: Any) -> None:
     w.add_rope_freq_base(arch.rope_theta)
     w.add_rope_dimension_count(arch.rotary_dim)
     w.add_vocab_size(arch.vocab_size)
-    if arch.head_dim * arch.num_attention_heads != arch.hidden_size or arch.family == "gemma3_text":
+    if arch.head_dim * arch.num_attention_heads != arch.hidden_size or arch.family in (
+        "gemma3_text",
+        "gemma2",
+    ):
         w.add_key_length(arch.head_dim)
         w.add_value_length(arch.head_dim)
     if arch.sliding_window is not None:
         w.add_sliding_window(arch.sliding_window)
+    if arch.attn_logit_softcapping is not None:
+        w.add_attn_logit_softcapping(arch.attn_logit_softcapping)
+    if arch.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(arch.final_logit_softcapping)
     if arch.num_experts:
         w.add_expert_count(arch.num_experts)
         w.add_expert_used_count(arch.num_experts_per_tok)

@@ -21,6 +21,10 @@ Tensor names come from gguf's own map (``gguf.get_tensor_name_map``) applied to 
 - Gemma 3 stores its norms as ``1 + weight`` (llama.cpp's Gemma converters do; transformers' reader takes
   the 1 off again); llama.cpp fixes its layer pattern (every sixth layer global), the sliding layers'
   rope base (10000) and the score scale (head_dim^-1/2), so a model that differs is refused;
+- Gemma 2 (``gemma2``) stores its norms as Gemma 3's and writes both soft-caps
+  (``attn_logit_softcapping``, ``final_logit_softcapping``); llama.cpp makes the even layers sliding,
+  always caps scores and logits and scales scores by head_dim^-1/2 (hidden / heads in its 46-layer 27B),
+  so a model that differs is refused;
 - Qwen3-MoE's and Mixtral's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` [experts, out,
   in] (Mixtral is llama.cpp's ``llama`` with experts); llama.cpp's qwen3moe makes every layer sparse and
   renormalises the top-k weights, so dense layers or ``norm_topk_prob: false`` are refused;

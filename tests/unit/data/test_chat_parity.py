@@ -1,5 +1,5 @@
 """Token ids we feed equal transformers' apply_chat_template for published chat templates (Qwen3, SmolLM2,
-Llama 3.1, ERNIE 4.5; chat, tool calls, thinking; English, Chinese, emoji), and the trained runs are the assistant turns. Fixtures:
+Llama 3.1, ERNIE 4.5, Gemma 2 and 3; chat, tool calls, thinking; English, Chinese, emoji), and the trained runs are the assistant turns. Fixtures:
 tests/fixtures/make_chat_parity.py (reference venv); with BMTRAIN_REF_PYTHON set the reference side is
 re-run live."""
 

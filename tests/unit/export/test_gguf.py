@@ -591,3 +591,38 @@ def test_baichuan_file_metadata(sp_run, tmp_path):
     names = {t.name for t in reader.tensors}
     assert {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "output.weight"} <= names
     assert not any("W_pack" in n or "attn_qkv" in n for n in names)
+
+
+def test_gemma2_caps_window_and_norms_are_written(tmp_path, sp_tokenizer):
+    """Gemma 2 as llama.cpp's gemma2: (1 + w) norms, tied head, the window, both soft-caps in the metadata."""
+    from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
+    from bmtrain_cli.models import hf_state_dict
+
+    model = _tiny("gemma2", sliding_window=4, query_pre_attn_scalar=8, vocab_size=512)
+    t, hf = gguf_tensors(model), hf_state_dict(model)
+    np.testing.assert_array_equal(
+        t["blk.1.post_attention_norm.weight"], hf["model.layers.1.post_attention_layernorm.weight"] + 1.0
+    )
+    assert "output.weight" not in t and not any("attn_q_norm" in n for n in t)
+    r = gguf.GGUFReader(str(write_gguf(model, sp_tokenizer, tmp_path / "g").path))
+    assert field_value(r, "general.architecture") == "gemma2"
+    assert field_value(r, "gemma2.attention.sliding_window") == 4
+    assert field_value(r, "gemma2.attn_logit_softcapping") == pytest.approx(50.0)
+    assert field_value(r, "gemma2.final_logit_softcapping") == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(layer_types=("full_attention", "sliding_attention")), "even layers sliding"),
+        (dict(attn_logit_softcapping=None), "always soft-caps"),
+        (dict(final_logit_softcapping=None), "always soft-caps"),
+        (dict(query_pre_attn_scalar=64.0), "query_pre_attn_scalar"),
+    ],
+)
+def test_what_llama_cpp_fixes_for_gemma2_is_refused_when_the_model_differs(kw, needle):
+    from bmtrain_cli.export.gguf_arch import check_exportable
+
+    assert check_exportable(_tiny("gemma2", query_pre_attn_scalar=8).arch) == "gemma2"
+    with pytest.raises(UserError, match=needle):
+        check_exportable(replace(_tiny("gemma2", query_pre_attn_scalar=8).arch, **kw))

@@ -1,6 +1,6 @@
 """GGUF exports read by an independent reader: transformers' ``from_pretrained(dir, gguf_file=...)`` in
 the reference venv ($BMTRAIN_REF_PYTHON) gives our model's logits and our tokenisation, for tiny trained
-checkpoints of each family llama.cpp and transformers both read (LLaMA, Mistral, Phi-3 and Gemma 3 with the
+checkpoints of each family llama.cpp and transformers both read (LLaMA, Mistral, Phi-3, Gemma 2 and 3 with the
 quickstart's sentencepiece model, Qwen2, Qwen3 and Qwen3-MoE with a byte-level BPE tokenizer.json), a
 tied-embedding model and a LoRA run (merged on export)."""
 
@@ -50,9 +50,14 @@ CASES = {
     # transformers' reader takes moe_intermediate_size from Qwen3MoeConfig's default (768) and head_dim
     # from the file; llama.cpp reads expert_feed_forward_length
     "qwen3_moe": dict(family="qwen3_moe", tokenizer="bpe", head_dim=128, moe_intermediate_size=768),
+    # the reader takes query_pre_attn_scalar (256) and both soft-caps (50, 30) from Gemma2Config's defaults
+    # (ours too), llama.cpp the caps from the file: head_dim 256, a window of 4 the rows pass
+    "gemma2": dict(
+        family="gemma2", head_dim=256, query_pre_attn_scalar=256, sliding_window=4, num_hidden_layers=4
+    ),
 }
-TIED = {"llama_tied", "gemma3"}
-SLIDING_WINDOW = {"gemma3": 4}
+TIED = {"llama_tied", "gemma3", "gemma2"}
+SLIDING_WINDOW = {"gemma3": 4, "gemma2": 4}
 MAX_NEW_TOKENS = 6
 EXPECTED_TYPE = {
     "demo": "llama",
@@ -64,6 +69,7 @@ EXPECTED_TYPE = {
     "phi3": "phi3",
     "gemma3": "gemma3_text",
     "qwen3_moe": "qwen3_moe",
+    "gemma2": "gemma2",
     "lora": "llama",
 }
 

@@ -116,3 +116,24 @@ def test_validate_config_refuses_what_the_linear_attention_does_not_run(override
         load_config(quickstart, ["model_config.family=qwen3_5_text", override], mode="validate")
     ours = [p for p in exc.value.problems if "Gated DeltaNet" in p.format()]
     assert ours and any(p.path == where for p in ours), [p.format() for p in exc.value.problems]
+
+
+def test_plan_counts_the_linear_attention_layers():
+    """bmtrain plan's parameters are the hybrid's exact count; its activations grow with the linear
+    layers' chunk matrices and states (more value heads: more kept per token)."""
+    from dataclasses import replace
+
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.plan.devices import get_device
+    from bmtrain_cli.plan.estimator import estimate_layout
+    from bmtrain_cli.plan.workload import Layout, Workload
+
+    quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+    config = load_config(quickstart, ["model_config.family=qwen3_5_text"], mode="validate").config
+    w = Workload.from_config(config)
+    device, layout = get_device("cpu"), Layout(micro_batch=2)
+    est = estimate_layout(w, layout, device)
+    assert est.parameters == 4 * count_parameters(w.arch)
+    shape = w.arch.linear_attention
+    wider = replace(w, arch=replace(w.arch, linear_attention=replace(shape, num_value_heads=64)))
+    assert estimate_layout(wider, layout, device).activations > est.activations

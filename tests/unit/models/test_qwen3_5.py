@@ -137,3 +137,34 @@ def test_plan_counts_the_linear_attention_layers():
     shape = w.arch.linear_attention
     wider = replace(w, arch=replace(w.arch, linear_attention=replace(shape, num_value_heads=64)))
     assert estimate_layout(wider, layout, device).activations > est.activations
+
+
+def test_the_kernel_delta_rule_in_the_model_equals_the_reference_rule():
+    """The model on our kernels in float64, once with the CPU delta rule and once with the Paddle-op rule in
+    its place: the same loss and gradients (the rest of the op set alike); and the float32 model's loss on
+    our kernels equals transformers'."""
+    from dataclasses import replace
+
+    ref = _ref()
+    args = [paddle.to_tensor(ref[k]) for k in ("input_ids", "labels", "right_mask")]
+    results = []
+    for with_kernel in (True, False):
+        model = load_pretrained(FIXTURE, kernels="custom")
+        assert model.ops.delta_rule is not None
+        if not with_kernel:
+            ops = replace(model.ops, delta_rule=None)
+            for layer in model.layers:
+                if layer.layer_type == "linear_attention":
+                    layer.linear_attn.ops = ops
+        model.to(dtype="float64")
+        model.train()
+        total, count = model.loss_sum(args[0], args[1], attention_mask=args[2])
+        (total / count).backward()
+        results.append((float(total / count), {n: p.grad.numpy() for n, p in model.named_parameters()}))
+    (loss, grads), (want_loss, want_grads) = results
+    assert abs(loss - want_loss) <= 1e-12
+    for name, want in want_grads.items():
+        assert np.abs(grads[name] - want).max() <= 1e-9 * max(1.0, np.abs(want).max()), name
+    model = load_pretrained(FIXTURE, kernels="custom")
+    total, count = model.loss_sum(args[0], args[1], attention_mask=args[2])
+    assert abs(float(total / count) - float(ref["loss"])) <= 1e-5

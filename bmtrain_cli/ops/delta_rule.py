@@ -6,7 +6,7 @@ fallback.
 The kernel runs the recurrence token by token per (batch, head), from a zero state, float32 or float64 on
 a CPU; it keeps the state before every chunk of ``chunk`` tokens for its backward, which recomputes one
 chunk at a time. Anything else (a given initial state: generation continuing from the cache; another
-dtype or device) takes :func:`bmtrain_cli.ops.reference.gated_delta_rule`. The op set carries it as
+dtype or device, a paddle.jit.to_static trace) takes :func:`bmtrain_cli.ops.reference.gated_delta_rule`. The op set carries it as
 ``OpSet.delta_rule`` where our kernels run on a CPU (kernels ``custom``, or ``auto`` with the extension
 built)."""
 
@@ -19,6 +19,7 @@ from paddle.autograd import PyLayer
 
 from bmtrain_cli.ops import reference
 from bmtrain_cli.ops.build import load_extension
+from bmtrain_cli.ops.custom import _traced as traced
 from bmtrain_cli.ops.custom import contiguous
 
 _DTYPES = (paddle.float32, paddle.float64)
@@ -52,6 +53,8 @@ class _DeltaRule(PyLayer):
 
 
 def _kernel_takes(tensors: Tuple[paddle.Tensor, ...], state: Optional[paddle.Tensor]) -> bool:
+    if traced():  # a to_static graph (the Paddle Inference export) keeps the Paddle-op rule
+        return False
     dtype = tensors[0].dtype
     return (
         state is None

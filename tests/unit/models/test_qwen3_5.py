@@ -168,3 +168,19 @@ def test_the_kernel_delta_rule_in_the_model_equals_the_reference_rule():
     model = load_pretrained(FIXTURE, kernels="custom")
     total, count = model.loss_sum(args[0], args[1], attention_mask=args[2])
     assert abs(float(total / count) - float(ref["loss"])) <= 1e-5
+
+
+@pytest.mark.slow
+def test_paddle_inference_export_equals_the_model_over_several_chunks(tmp_path):
+    """The static graph's chunk loop: logits of 70- and 140-token rows (two and three chunks) equal the
+    dygraph model's (to float32 rounding over the rows)."""
+    from bmtrain_cli.export.paddle_inference import Predictor, export_paddle_inference
+
+    model = load_pretrained(FIXTURE)
+    export_paddle_inference(model, str(tmp_path / "pi"))
+    predictor = Predictor(str(tmp_path / "pi"))
+    for s in (70, 140):
+        ids = np.random.default_rng(s).integers(3, 300, [2, s])
+        want = model(paddle.to_tensor(ids)).numpy()
+        # float32: the graph runs the Paddle-op chunked rule, the model our kernel where it is built
+        assert np.abs(predictor.logits(ids) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

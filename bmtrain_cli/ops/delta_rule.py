@@ -23,19 +23,12 @@ from bmtrain_cli.ops.custom import _traced as traced
 from bmtrain_cli.ops.custom import contiguous
 
 _DTYPES = (paddle.float32, paddle.float64)
+T = paddle.Tensor
 
 
 class _DeltaRule(PyLayer):
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: paddle.Tensor,
-        k: paddle.Tensor,
-        v: paddle.Tensor,
-        g: paddle.Tensor,
-        beta: paddle.Tensor,
-        chunk: int,
-    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    def forward(ctx: Any, q: T, k: T, v: T, g: T, beta: T, chunk: int) -> Tuple[T, T]:
         out, states, final = load_extension().bmt_delta_rule_fwd(q, k, v, g, beta, chunk)
         ctx.save_for_backward(q, k, v, g, beta, states)
         ctx.chunk = chunk
@@ -65,14 +58,8 @@ def _kernel_takes(tensors: Tuple[paddle.Tensor, ...], state: Optional[paddle.Ten
 
 
 def gated_delta_rule(
-    q: paddle.Tensor,
-    k: paddle.Tensor,
-    v: paddle.Tensor,
-    g: paddle.Tensor,
-    beta: paddle.Tensor,
-    state: Optional[paddle.Tensor] = None,
-    chunk: int = 64,
-) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    q: T, k: T, v: T, g: T, beta: T, state: Optional[T] = None, chunk: int = 64
+) -> Tuple[T, T]:
     """:func:`bmtrain_cli.ops.reference.gated_delta_rule`'s signature and results (output [b, s, h, dv],
     final state [b, h, dk, dv]); our kernel where it applies (see the module docstring)."""
     tensors = (q, k, v, g, beta)

@@ -6,10 +6,14 @@ AdamW with a global-norm clip, each stack timed in its own process with the same
           ffn 2048, vocab 16384, tied, batch 2 x 256 (the Gemma-3-270M layout, fewer layers and vocabulary)
 - ernie:  6 layers, hidden 1024, 16 / 2 heads of 128, ffn 3072, vocab 16384, tied, batch 2 x 256
           (ERNIE-4.5-0.3B's layout, fewer layers and vocabulary)
+- qwen35: 6 layers (linear, linear, linear, full, linear, linear), hidden 1024, full attention 8 / 2 heads
+          of 256 with the output gate and rope on a quarter, Gated DeltaNet 16 q/k and 16 value heads of
+          128, ffn 3584, vocab 16384, tied, batch 2 x 256 (Qwen3.5's small layout, fewer layers and
+          vocabulary); transformers runs its torch fallback of the delta rule (no flash-linear-attention)
 
 Stacks: ``ours`` (bmtrain_cli.models.build with ``kernels: auto``, train/optim.build_optimizer: CpuAdamW
 with the fused update, the trainer's clip) and ``torch`` (transformers' Gemma3ForCausalLM /
-Ernie4_5ForCausalLM with sdpa attention, torch.optim.AdamW, clip_grad_norm_) from the reference venv. The
+Ernie4_5ForCausalLM / Qwen3_5ForCausalLM with sdpa attention, torch.optim.AdamW, clip_grad_norm_) from the reference venv. The
 stacks alternate over the rounds; each keeps its best round. The ratio is torch's step time over ours.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_families.py [--rounds 2] [--shapes gemma3,ernie]
@@ -35,6 +39,8 @@ SHAPES: Dict[str, dict] = {
                    window=128, **COMMON),
     "ernie": dict(family="ernie4_5", layers=6, hidden=1024, heads=16, kv_heads=2, head_dim=128, ffn=3072,
                   window=None, **COMMON),
+    "qwen35": dict(family="qwen3_5_text", layers=6, hidden=1024, heads=8, kv_heads=2, head_dim=256, ffn=3584,
+                   window=None, linear=(16, 16, 128, 128), **COMMON),
 }  # fmt: skip
 
 
@@ -58,6 +64,10 @@ def _worker_ours(shape: dict) -> dict:
         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
         vocab_size=shape["vocab"], tie_word_embeddings=True, sliding_window=shape["window"],
     )  # fmt: skip
+    if "linear" in shape:  # Qwen3.5: Gated DeltaNet heads (key, value) and widths
+        from bmtrain_cli.models.families._linear import LinearAttention
+
+        arch = replace(arch, linear_attention=LinearAttention(*shape["linear"]))
     model = build(arch)
     model.train()
     cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
@@ -99,6 +109,15 @@ def _worker_torch(shape: dict) -> dict:
             **sizes, sliding_window=shape["window"], query_pre_attn_scalar=256
         )
         model_cls = transformers.Gemma3ForCausalLM
+    elif shape["family"] == "qwen3_5_text":  # the delta rule on transformers' torch fallback
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        nk, nv, dk, dv = shape["linear"]
+        cfg = Qwen3_5TextConfig(
+            **sizes, linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=dk,
+            linear_value_head_dim=dv,
+        )  # fmt: skip
+        model_cls = Qwen3_5ForCausalLM
     else:
         cfg = transformers.Ernie4_5Config(**sizes)
         model_cls = transformers.Ernie4_5ForCausalLM

@@ -31,6 +31,6 @@ def check_linear_attention(config: Any, arch: Any, err: Callable[..., None]) -> 
     if t.to_static:
         err(
             "train_config.to_static",
-            f"{what} cannot run as a static graph: the delta rule loops over the chunks of each sequence",
+            f"{what} is not trained as a static graph yet (its chunk loop is only exported for inference)",
             "set to_static: false",
         )

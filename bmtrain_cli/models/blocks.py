@@ -152,7 +152,7 @@ class Attention(nn.Layer):
             q, k, v = paddle.split(qkv, [nq, nkv, nkv], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape([b, s, self.num_heads, -1])
+        q = q.reshape([b, s, self.num_heads, hd * 2 if self.gated else hd])
         gate = None
         if self.gated:
             q, gate = paddle.split(q, 2, axis=-1)

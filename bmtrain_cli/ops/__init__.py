@@ -195,8 +195,9 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
         layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
         opset = _measured(measured, layers) if measured is not None else _compose("auto", layers)
     if ours and device.startswith("cpu"):
+        from bmtrain_cli.ops.delta_rule import gated_delta_rule
         from bmtrain_cli.ops.fused_attention import fused_attention
 
-        opset = replace(opset, attention=fused_attention)
+        opset = replace(opset, attention=fused_attention, delta_rule=gated_delta_rule)
     _cache[key] = opset
     return opset

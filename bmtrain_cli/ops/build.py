@@ -43,11 +43,13 @@ CPU_SOURCES = [
     "cpu/grad_norm_cpu.cc",
     "cpu/attention_cpu.cc",
     "cpu/quant_cpu.cc",
+    "cpu/delta_rule_cpu.cc",
     "paddle/fused_ops.cc",
     "paddle/adamw_op.cc",
     "paddle/grad_norm_op.cc",
     "paddle/attention_op.cc",
     "paddle/quant_op.cc",
+    "paddle/delta_rule_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
@@ -254,7 +256,7 @@ def _build(verbose: bool) -> ModuleType:
         if fresh:
             print(
                 f"building the custom kernels ({len(sources)} C++{'/CUDA' if cuda else ''} sources: RMSNorm, "
-                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention, quantised linear) for Paddle {paddle.__version__} "
+                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention, quantised linear, delta rule) for Paddle {paddle.__version__} "
                 f"with the C++ compiler {find_cxx()} into {build_dir}: once per Paddle and compiler, "
                 "1-3 minutes on 2 cores",
                 file=sys.stderr,

@@ -12,6 +12,7 @@ from bmtrain_cli.models.arch import (
     lora_parameters_per_layer,
 )
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
+from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
@@ -25,12 +26,18 @@ def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     h, hd = arch.hidden_size, arch.head_dim
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
-    mats = (h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size) // tp
+    mixer = (h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h) // tp
+    mats = mixer + 3 * h * arch.intermediate_size // tp
     vecs = 2 * h
     if arch.attention_bias:
         mats += (q + 2 * kv) // tp
     if arch.qk_norm:
         vecs += 2 * hd
+    if arch.linear_attention is not None:  # a hybrid (Qwen3.5, tp 1): the mean of its layers' mixers
+        mlp = 3 * h * arch.intermediate_size // tp
+        attention = mats - mlp + vecs - 2 * h  # projections, biases, q/k norms
+        mats = LinearAttention.mixer_parameters(arch, attention) // arch.num_hidden_layers + mlp
+        vecs = 2 * h
     return mats, vecs
 
 
@@ -144,7 +151,12 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     if w.finetuning == "lora":
         n_targets = len([t for t in w.lora_targets if t in LORA_PROJECTIONS])
         core_in += n_targets * w.lora_rank + (n_targets * h if w.lora_dropout > 0 else 0)
-    return hidden_part + core_in + attn_out + mlp + core, float(hidden_part)
+    kept = hidden_part + core_in + attn_out + mlp + core
+    if a.linear_attention is not None and mode != "full":  # a hybrid: the mean over its layers
+        linear = sum(a.layer_type(i) == "linear_attention" for i in range(a.num_hidden_layers))
+        mean = linear / a.num_hidden_layers
+        kept = (1 - mean) * kept + mean * (hidden_part + a.linear_attention.activation_elements() + mlp)
+    return kept, float(hidden_part)
 
 
 def act_bytes(w: Workload) -> int:

@@ -77,6 +77,18 @@ int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v
                           const void* out, const void* lse, const void* dout, void* dq, void* dk, void* dv,
                           int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim, double scale);
 
+/* Gated delta rule (kernels/cpu/delta_rule_cpu.cc): q, k [b, s, h, dk], v [b, s, h, dv], g (log decay) and
+   beta [b, s, h]; out [b, s, h, dv]; states [b, h, ceil(s / chunk), dk, dv] (the state before each chunk,
+   for the backward); final_state [b, h, dk, dv]. The state starts at zero. bwd: dfinal [b, h, dk, dv] the
+   final state's gradient; dq, dk, dv, dg, dbeta in the shapes of their inputs. */
+int bmt_cpu_delta_rule_fwd(int dtype, const void* q, const void* k, const void* v, const void* g, const void* beta,
+                           void* out, void* states, void* final_state, int64_t batch, int64_t seq, int64_t heads,
+                           int64_t dk, int64_t dv, int64_t chunk);
+int bmt_cpu_delta_rule_bwd(int dtype, const void* q, const void* k, const void* v, const void* g, const void* beta,
+                           const void* states, const void* dout, const void* dfinal, void* dq, void* dk, void* dv,
+                           void* dg, void* dbeta, int64_t batch, int64_t seq, int64_t heads, int64_t dk_dim,
+                           int64_t dv_dim, int64_t chunk);
+
 /* ---- CUDA (kernels/cuda/fused_cuda.cu): dtypes BMT_F32, BMT_F16, BMT_BF16 (softmax_xent: BMT_F32);
    stream is a cudaStream_t (NULL = default stream). Asynchronous: errors of the launch are returned,
    errors inside a kernel (bad labels) are reported through the optional int flag `bad_label`. ---- */

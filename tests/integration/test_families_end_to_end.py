@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-FAMILIES = ["ernie4_5", "gemma3_text", "glm4", "phi3_longrope", "gemma2"]
+FAMILIES = ["ernie4_5", "gemma3_text", "glm4", "phi3_longrope", "gemma2", "qwen3_5_text"]
 
 CONFIG = """
 model_config:
@@ -125,7 +125,7 @@ def test_family_trains_resumes_generates_and_exports(name, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3_longrope", "gemma2"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3_longrope", "gemma2", "qwen3_5_text"])
 def test_lora_on_the_family_names_loads_in_peft(name, tokenizer, tmp_path):
     """all-linear LoRA targets the family's own modules (Phi-3: qkv_proj, gate_up_proj); the PEFT export
     loads into transformers + PEFT and gives the merged model's logits."""
@@ -141,6 +141,8 @@ def test_lora_on_the_family_names_loads_in_peft(name, tokenizer, tmp_path):
     _bmtrain("export", "-c", str(ckpt), "-o", str(tmp_path / "merged"), "-f", "hf")
     adapter = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     expected = {"qkv_proj", "gate_up_proj"} if name.startswith("phi3") else {"q_proj", "gate_proj"}
+    if name == "qwen3_5_text":  # the linear-attention layers' projections too
+        expected |= {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
     assert expected <= set(adapter["target_modules"])
     py = _reference_python()
     if py is None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Tuple
 
 FULL_ATTENTION_INTERVAL = 4  # without layer_types, every fourth layer is full attention (transformers)
+DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (ops/reference.gated_delta_rule)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,20 @@ class LinearAttention:
         convolution's last conv_kernel - 1 inputs."""
         recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
         return recurrent + (self.conv_kernel - 1) * self.conv_dim
+
+    def activation_elements(self) -> float:
+        """Elements per token a linear-attention layer keeps for its backward (Paddle-op path, beside the
+        layer input and the MLP's): the projections' outputs, the convolution's padded input, output and
+        SiLU, q/k before and after the l2 norm (repeated per value head), the chunk's decay, system and
+        attention matrices, the solved right-hand sides, the decayed q/k, each chunk's state and update,
+        the gated norm's input and output."""
+        nv, dk, dv = self.num_value_heads, self.key_head_dim, self.value_head_dim
+        projections = self.conv_dim + self.value_dim + 2 * nv
+        conv = 3 * self.conv_dim
+        qk = 2 * self.key_dim + 2 * nv * dk
+        chunk = 3 * nv * DELTA_CHUNK + 2 * nv * (dk + dv) + 3 * nv * dk
+        state = nv * dk * dv / DELTA_CHUNK + nv * dv
+        return projections + conv + qk + chunk + state + 3 * self.value_dim
 
     @staticmethod
     def layer_type(layer: int) -> str:

@@ -11,6 +11,15 @@ from bmtrain_cli.models.families._base import Family, rope_parameter
 from bmtrain_cli.models.families._linear import LinearAttention
 
 _KINDS = {"linear_attention", "full_attention"}
+_FRESH = LinearAttention(16, 32, 128, 128, 4)  # transformers' defaults (a fresh model, missing keys)
+# config.json key -> LinearAttention field
+_LINEAR_KEYS = {
+    "linear_num_key_heads": "num_key_heads",
+    "linear_num_value_heads": "num_value_heads",
+    "linear_key_head_dim": "key_head_dim",
+    "linear_value_head_dim": "value_head_dim",
+    "linear_conv_kernel_dim": "conv_kernel",
+}
 
 
 def _read(cfg: Mapping[str, Any]) -> Dict[str, Any]:
@@ -21,13 +30,7 @@ def _read(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     ]
     if len(types) != n or set(types) - _KINDS:
         raise UserError(f"config.json: layer_types {types} are not {n} of linear_attention/full_attention")
-    shape = LinearAttention(
-        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-    )
+    shape = LinearAttention(**{f: int(cfg.get(key, getattr(_FRESH, f))) for key, f in _LINEAR_KEYS.items()})
     if shape.num_value_heads % shape.num_key_heads:
         raise UserError(
             f"config.json: linear_num_value_heads ({shape.num_value_heads}) must be a multiple of "
@@ -42,45 +45,23 @@ def _read(cfg: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _write(arch: Any) -> Dict[str, Any]:
-    shape = arch.linear_attention
-    return {
-        "layer_types": [arch.layer_type(i) for i in range(arch.num_hidden_layers)],
-        "linear_num_key_heads": shape.num_key_heads,
-        "linear_num_value_heads": shape.num_value_heads,
-        "linear_key_head_dim": shape.key_head_dim,
-        "linear_value_head_dim": shape.value_head_dim,
-        "linear_conv_kernel_dim": shape.conv_kernel,
-        "partial_rotary_factor": arch.partial_rotary_factor,
-        "attention_bias": arch.attention_bias,
-    }
+    out = {key: getattr(arch.linear_attention, f) for key, f in _LINEAR_KEYS.items()}
+    out["layer_types"] = [arch.layer_type(i) for i in range(arch.num_hidden_layers)]
+    out["partial_rotary_factor"] = arch.partial_rotary_factor
+    out["attention_bias"] = arch.attention_bias
+    return out
 
+
+_DEFAULTS: Dict[str, Any] = dict(norm_offset=True, qk_norm=True, attn_output_gate=True, head_dim=256)
+_DEFAULTS.update(partial_rotary_factor=0.25, rope_theta=10000000.0, linear_attention=_FRESH)
 
 FAMILY = Family(
     name="qwen3_5_text",
     model_types=("qwen3_5_text",),
     hf_architecture="Qwen3_5ForCausalLM",
+    known_keys=("layer_types", "full_attention_interval", "partial_rotary_factor", *_LINEAR_KEYS),
     description="Qwen3.5 (dense): Gated DeltaNet linear attention + gated full attention, partial rope",
-    defaults={
-        "norm_offset": True,
-        "qk_norm": True,
-        "attn_output_gate": True,
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 10000000.0,
-        "head_dim": 256,
-        # a fresh model: transformers' defaults
-        "linear_attention": LinearAttention(16, 32, 128, 128, 4),
-    },
-    known_keys=(
-        "layer_types",
-        "full_attention_interval",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_conv_kernel_dim",
-        "partial_rotary_factor",
-        "attn_output_gate",
-    ),
+    defaults=_DEFAULTS,
     read_hf=_read,
     write_hf=_write,
     free_head_dim=True,

@@ -116,3 +116,71 @@ def test_validate_config_refuses_what_the_linear_attention_does_not_run(override
         load_config(quickstart, ["model_config.family=qwen3_5_text", override], mode="validate")
     ours = [p for p in exc.value.problems if "Gated DeltaNet" in p.format()]
     assert ours and any(p.path == where for p in ours), [p.format() for p in exc.value.problems]
+
+
+def test_plan_counts_the_linear_attention_layers():
+    """bmtrain plan's parameters are the hybrid's exact count; its activations grow with the linear
+    layers' chunk matrices and states (more value heads: more kept per token)."""
+    from dataclasses import replace
+
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.plan.devices import get_device
+    from bmtrain_cli.plan.estimator import estimate_layout
+    from bmtrain_cli.plan.workload import Layout, Workload
+
+    quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+    config = load_config(quickstart, ["model_config.family=qwen3_5_text"], mode="validate").config
+    w = Workload.from_config(config)
+    device, layout = get_device("cpu"), Layout(micro_batch=2)
+    est = estimate_layout(w, layout, device)
+    assert est.parameters == 4 * count_parameters(w.arch)
+    shape = w.arch.linear_attention
+    wider = replace(w, arch=replace(w.arch, linear_attention=replace(shape, num_value_heads=64)))
+    assert estimate_layout(wider, layout, device).activations > est.activations
+
+
+def test_the_kernel_delta_rule_in_the_model_equals_the_reference_rule():
+    """The model on our kernels in float64, once with the CPU delta rule and once with the Paddle-op rule in
+    its place: the same loss and gradients (the rest of the op set alike); and the float32 model's loss on
+    our kernels equals transformers'."""
+    from dataclasses import replace
+
+    ref = _ref()
+    args = [paddle.to_tensor(ref[k]) for k in ("input_ids", "labels", "right_mask")]
+    results = []
+    for with_kernel in (True, False):
+        model = load_pretrained(FIXTURE, kernels="custom")
+        assert model.ops.delta_rule is not None
+        if not with_kernel:
+            ops = replace(model.ops, delta_rule=None)
+            for layer in model.layers:
+                if layer.layer_type == "linear_attention":
+                    layer.linear_attn.ops = ops
+        model.to(dtype="float64")
+        model.train()
+        total, count = model.loss_sum(args[0], args[1], attention_mask=args[2])
+        (total / count).backward()
+        results.append((float(total / count), {n: p.grad.numpy() for n, p in model.named_parameters()}))
+    (loss, grads), (want_loss, want_grads) = results
+    assert abs(loss - want_loss) <= 1e-12
+    for name, want in want_grads.items():
+        assert np.abs(grads[name] - want).max() <= 1e-9 * max(1.0, np.abs(want).max()), name
+    model = load_pretrained(FIXTURE, kernels="custom")
+    total, count = model.loss_sum(args[0], args[1], attention_mask=args[2])
+    assert abs(float(total / count) - float(ref["loss"])) <= 1e-5
+
+
+@pytest.mark.slow
+def test_paddle_inference_export_equals_the_model_over_several_chunks(tmp_path):
+    """The static graph's chunk loop: logits of 70- and 140-token rows (two and three chunks) equal the
+    dygraph model's (to float32 rounding over the rows)."""
+    from bmtrain_cli.export.paddle_inference import Predictor, export_paddle_inference
+
+    model = load_pretrained(FIXTURE)
+    export_paddle_inference(model, str(tmp_path / "pi"))
+    predictor = Predictor(str(tmp_path / "pi"))
+    for s in (70, 140):
+        ids = np.random.default_rng(s).integers(3, 300, [2, s])
+        want = model(paddle.to_tensor(ids)).numpy()
+        # float32: the graph runs the Paddle-op chunked rule, the model our kernel where it is built
+        assert np.abs(predictor.logits(ids) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

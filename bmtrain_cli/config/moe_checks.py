@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from bmtrain_cli.config.refusals import refuse_model_parallel
-from bmtrain_cli.models.arch import lora_expert_targets
+from bmtrain_cli.models.arch import arch_projections, lora_expert_targets
 
 
 def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -29,11 +29,12 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
             "set to_static: false",
         )
     if t.finetuning == "lora" and lora_expert_targets(t.lora_target_modules):
+        attention = ", ".join(n for n in arch_projections(arch) if not lora_expert_targets(n))
         err(
             "train_config.lora_target_modules",
             f"LoRA on the MLP projections ({', '.join(lora_expert_targets(t.lora_target_modules))}) is not "
             f"supported for {what}",
-            "target the attention projections (q_proj, k_proj, v_proj, o_proj)",
+            f"target the attention projections ({attention})",
         )
     if t.gradient_checkpointing and t.recompute_granularity == "full" and arch.output_router_logits:
         err(

@@ -120,6 +120,13 @@ def _write_format(
 ) -> None:
     """The model in ``fmt`` (paddle-inference, hf or gguf) with its config and tokenizer, into ``tmp``."""
     if fmt == "paddle-inference":
+        arch: Any = getattr(model, "arch", None)
+        if getattr(arch, "num_experts", 0):
+            raise UserError(
+                f"--format paddle-inference: the {arch.family} mixture of experts does not trace to a static "
+                "graph (its dispatch reads the per-expert token counts, as to_static does not allow); "
+                "export --format hf"
+            )
         from bmtrain_cli.export.hf import write_tokenizer
         from bmtrain_cli.export.paddle_inference import export_paddle_inference
 

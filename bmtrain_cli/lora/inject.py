@@ -109,9 +109,10 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
         raise UserError("LoRA adapters are already applied to this model")
     if getattr(getattr(model, "arch", None), "num_experts", 0):
         if lora_expert_targets(train_config.lora_target_modules):
+            attention = ", ".join(t for t in available_targets(model) if not lora_expert_targets(t))
             raise UserError(
                 "train_config.lora_target_modules: LoRA on the MLP projections of a mixture-of-experts model "
-                "is not supported; target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+                f"is not supported; target the attention projections ({attention})"
             )
     targets = resolve_targets(train_config.lora_target_modules, model)
     for p in model.parameters():

@@ -13,6 +13,7 @@ from bmtrain_cli.models.arch import (
 )
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.models.families._linear import LinearAttention
+from bmtrain_cli.models.families import deepseek_v3 as mla
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
@@ -24,6 +25,10 @@ from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
 def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     """(matrix elements per device, replicated vector elements) of one decoder layer."""
     h, hd = arch.hidden_size, arch.head_dim
+    if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
+        shapes = mla.mla_shapes(arch)
+        attn = sum(i * o for name, (i, o) in shapes.items() if name in mla.mla_projections(arch))
+        return attn + 3 * h * arch.intermediate_size, mla.mla_parameters(arch) - attn + 2 * h
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
     mixer = (h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h) // tp
@@ -138,6 +143,8 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     # heads (and the per-query log-sum-exp, below)
     core_in = (3 * q if (n_rep > 1 and scores) else q + 2 * kv) / tp
     attn_out = q / tp
+    if a.kv_lora_rank:  # latent attention: the core's q, k, v at one width, and the latents before them
+        core_in, attn_out = latent_attention_elems(a), a.num_attention_heads * a.v_head_dim
     mlp = 3 * a.intermediate_size / tp  # gate, up (SwiGLU inputs), SwiGLU output
     core = 0.0
     if mode == "none":
@@ -157,6 +164,17 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
         mean = linear / a.num_hidden_layers
         kept = (1 - mean) * kept + mean * (hidden_part + a.linear_attention.activation_elements() + mlp)
     return kept, float(hidden_part)
+
+
+def latent_attention_elems(a: ModelArch) -> float:
+    """Elements per token a latent-attention layer keeps for its backward before the output projection
+    (models/blocks.py LatentAttention): q, k, v widened to one width for the core; q and k before the
+    widening (and q before its scale); the latents (q_a_proj out and its norm, kv_a_proj_with_mqa out, its
+    norm) and kv_b_proj's output. From the code, not calibrated against a measured run."""
+    n, width = a.num_attention_heads, max(a.qk_nope_head_dim + a.head_dim, a.v_head_dim)
+    qk = n * (a.qk_nope_head_dim + a.head_dim)
+    latents = 2 * a.q_lora_rank + 2 * a.kv_lora_rank + a.head_dim
+    return 3 * n * width + 3 * qk + latents + n * (a.qk_nope_head_dim + a.v_head_dim)
 
 
 def act_bytes(w: Workload) -> int:

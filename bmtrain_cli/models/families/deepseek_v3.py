@@ -16,7 +16,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.families._base import Family
-from bmtrain_cli.models.families.glm4_moe import ROUTER_KEYS, read_router, write_router
+from bmtrain_cli.models.families.glm4_moe import ROUTER_FAMILY, ROUTER_KNOWN_KEYS, read_router, write_router
 
 # transformers' DeepseekV3Config defaults where they differ from GLM-4.5's router
 _ROUTER_DEFAULTS = {
@@ -124,11 +124,9 @@ FAMILY = Family(
         "v_head_dim": 32,
     },
     known_keys=(
-        *(key for key, _, _ in ROUTER_KEYS),
+        *ROUTER_KNOWN_KEYS,
         *_MLA_KEYS,
         "qk_head_dim",  # transformers derives it (qk_nope_head_dim + qk_rope_head_dim)
-        "num_local_experts",
-        "router_aux_loss_coef",
         "rope_interleave",
         "scoring_func",
         "topk_method",
@@ -136,8 +134,5 @@ FAMILY = Family(
     ),
     read_hf=_read,
     write_hf=_write,
-    moe=True,
-    moe_scoring="sigmoid",
-    # transformers keeps the score bias in the router (``mlp.gate.e_score_correction_bias``)
-    hf_renames=((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+    **ROUTER_FAMILY,
 )

@@ -51,6 +51,16 @@ def write_router(arch: Any) -> Dict[str, Any]:
     return {key: getattr(arch, field) for key, field, _ in ROUTER_KEYS}
 
 
+# the config.json keys the router reads and the Family settings of a family with this router
+ROUTER_KNOWN_KEYS = (*(key for key, _, _ in ROUTER_KEYS), "num_local_experts", "router_aux_loss_coef")
+ROUTER_FAMILY: Dict[str, Any] = dict(
+    moe=True,
+    moe_scoring="sigmoid",
+    # transformers keeps the score bias in the router (``mlp.gate.e_score_correction_bias``)
+    hf_renames=((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+)
+
+
 def _read(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     return {
         "qk_norm": bool(cfg.get("use_qk_norm", False)),
@@ -87,16 +97,8 @@ FAMILY = Family(
         "moe_layer_start": 1,
         "moe_score_bias": True,
     },
-    known_keys=(
-        *(key for key, _ in _WRITTEN),
-        *(key for key, _, _ in ROUTER_KEYS),
-        "num_local_experts",
-        "router_aux_loss_coef",
-    ),
+    known_keys=(*(key for key, _ in _WRITTEN), *ROUTER_KNOWN_KEYS),
     read_hf=_read,
     write_hf=_write,
-    moe=True,
-    moe_scoring="sigmoid",
-    # transformers keeps the score bias in the router (``mlp.gate.e_score_correction_bias``)
-    hf_renames=((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+    **ROUTER_FAMILY,
 )

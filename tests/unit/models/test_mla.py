@@ -130,3 +130,49 @@ def test_a_fresh_model_from_model_config_trains():
         opt.clear_grad()
         losses.append(float(total / count))
     assert losses[-1] < losses[0]
+
+
+def test_the_planner_counts_latent_attention_parameters():
+    """plan's per-layer parameters (plan/activations.py layer_params) of a latent-attention layer add up to
+    count_parameters (dense layers: the planner's expert accounting is the MoE families' own) and its kept
+    activations grow with the latent and head widths, not with the rope part alone."""
+    from dataclasses import replace
+
+    from bmtrain_cli.plan.activations import latent_attention_elems, layer_params
+
+    for name in ("deepseek_v3", "deepseek_v3_yarn"):
+        arch = replace(arch_from_hf_dict(_config(name)), num_experts=0)
+        mats, vecs = layer_params(arch, 1)
+        embeddings = 2 * arch.vocab_size * arch.hidden_size + arch.hidden_size
+        assert arch.num_hidden_layers * (mats + vecs) + embeddings == count_parameters(arch)
+        wider = replace(arch, v_head_dim=arch.v_head_dim + 64, kv_lora_rank=arch.kv_lora_rank + 8)
+        assert (
+            latent_attention_elems(wider) > latent_attention_elems(arch) + 3 * arch.num_attention_heads * 40
+        )
+
+
+def test_lora_on_the_latent_projections_trains_and_the_expert_refusal_names_them():
+    from types import SimpleNamespace
+
+    from bmtrain_cli.lora.inject import apply_lora
+
+    def settings(targets):
+        return SimpleNamespace(
+            lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, seed=0
+        )
+
+    with pytest.raises(UserError, match="attention projections") as refused:
+        apply_lora(load_pretrained(FIXTURES / "deepseek_v3"), settings("all-linear"))
+    named = str(refused.value).rsplit("(", 1)[1].rstrip(")").split(", ")
+    assert sorted(named) == sorted(["o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])
+    model = load_pretrained(FIXTURES / "deepseek_v3")
+    model.train()
+    wrapped = apply_lora(
+        model, settings(["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+    )
+    assert len(wrapped) == 5 * 3
+    ref = dict(np.load(FIXTURES / "deepseek_v3" / "reference.npz"))
+    total, count = model.loss_sum(paddle.to_tensor(ref["input_ids"]), paddle.to_tensor(ref["labels"]))
+    (total / count).backward()
+    trainable = [p for p in model.parameters() if not p.stop_gradient]
+    assert len(trainable) == 2 * 5 * 3 and all(p.grad is not None for p in trainable)

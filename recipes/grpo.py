@@ -143,12 +143,16 @@ def reward_before(parts: Parts, state: TrainState) -> None:
 
 
 def summary_fields(parts: Parts, state: TrainState) -> Dict[str, Any]:
-    """The last rollout batch's reward figures, the last eval's (eval_*) and before training (before_eval_*)."""
+    """The last rollout batch's reward figures, the last eval's (eval_*), before training (before_eval_*),
+    and the best held-out reward (best_eval_reward: the closing report prints it in place of the best eval
+    loss)."""
     objective = parts.objective
     assert isinstance(objective, GrpoObjective)
     out: Dict[str, Any] = dict(objective.source.metrics)
     out.update({f"eval_{k}": v for k, v in state.history.get("eval_rewards", {}).items()})
     out.update({f"before_eval_{k}": v for k, v in state.history.get("eval_before", {}).items()})
+    if state.best_eval_loss is not None:  # the eval loss is minus the held-out mean reward
+        out["best_eval_reward"] = -state.best_eval_loss
     return out
 
 

@@ -7,7 +7,8 @@ nothing attends to it) and positions count real tokens only.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import paddle
@@ -19,11 +20,17 @@ from bmtrain_cli.models.decoder import CausalLM
 TokenCallback = Callable[[int, int], bool]  # (prompt index, new token) -> stop this prompt now
 
 
-def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
+def sample_next(
+    logits: np.ndarray,
+    temperature: float,
+    top_p: float,
+    rng: np.random.Generator,
+    draws: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Next token per row of ``logits`` [b, vocab]: argmax when temperature <= 0, else a sample from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability mass
-    reaches top_p (top_p 0 keeps only the most likely token: greedy). Non-finite logits (a model with
-    non-finite weights) are refused."""
+    reaches top_p (top_p 0 keeps only the most likely token: greedy), with one uniform number per row
+    from ``rng`` (or ``draws``, given). Non-finite logits (a model with non-finite weights) are refused."""
     if not np.isfinite(logits).all():
         raise UserError("the model produced non-finite logits: its weights hold inf or NaN")
     if temperature <= 0:
@@ -32,15 +39,19 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     z -= z.max(-1, keepdims=True)
     probs = np.exp(z)
     probs /= probs.sum(-1, keepdims=True)
-    out = np.empty(len(probs), dtype=np.int64)
-    for i, p in enumerate(probs):
-        order = np.argsort(-p, kind="stable")
-        sorted_p = p[order]
-        keep = (np.cumsum(sorted_p) - sorted_p) < top_p
-        keep[0] = True  # the most likely token always stays (top_p 0: greedy)
-        kept = sorted_p * keep
-        out[i] = order[rng.choice(len(kept), p=kept / kept.sum())]
-    return out
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(probs, order, -1)
+    keep = (np.cumsum(sorted_p, -1) - sorted_p) < top_p
+    keep[:, 0] = True  # the most likely token always stays (top_p 0: greedy)
+    kept = sorted_p * keep
+    # all rows at once, the draws of rng.choice(p=kept / kept.sum()) row after row: its normalised
+    # cumulative sum searched (side right) for one uniform number per row, the same numbers in the same
+    # order (tests/unit/models/test_generate.py compares with the row loop)
+    cdf = np.cumsum(kept / kept.sum(-1, keepdims=True), -1)
+    cdf /= cdf[:, -1:]
+    uniform = rng.random(len(probs)) if draws is None else draws
+    picked = (cdf <= uniform[:, None]).sum(-1)
+    return order[np.arange(len(probs)), picked]
 
 
 def left_pad(prompts: Sequence[Sequence[int]]) -> tuple:
@@ -60,6 +71,27 @@ def long_rope_switch(arch: Any) -> Optional[int]:
     return (
         int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
     )
+
+
+STRIDE_FLAG = "FLAGS_use_stride_kernel"
+
+
+@contextlib.contextmanager
+def dense_transposes() -> Iterator[None]:
+    """On a CPU, transposes produce dense tensors inside the block (FLAGS_use_stride_kernel off), as
+    Paddle 2.x did. Paddle 3's CPU kernels read the strided views its transposes give otherwise ~30x
+    slower: its sdpa (which transposes q/k/v to heads-first) took 12 ms for one decoding step's attention
+    of 32 rows over 20 keys, 0.4 ms with dense tensors (docs/benchmarks.md, GRPO). Elsewhere (a GPU) nothing
+    changes."""
+    if paddle.is_compiled_with_cuda():
+        yield
+        return
+    before = paddle.get_flags([STRIDE_FLAG])[STRIDE_FLAG]
+    paddle.set_flags({STRIDE_FLAG: False})
+    try:
+        yield
+    finally:
+        paddle.set_flags({STRIDE_FLAG: before})
 
 
 @paddle.no_grad()
@@ -84,12 +116,15 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     was_training = model.training
     model.eval()
+    dense = contextlib.ExitStack()
+    dense.enter_context(dense_transposes())
     rng = np.random.default_rng(seed)
     ids, mask = left_pad(prompts)
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
     cache = KVCache(len(model.layers)) if use_cache else None
     out: List[List[int]] = [[] for _ in prompts]
     done = np.zeros(len(prompts), dtype=bool)
+    rows = np.arange(len(prompts))  # the prompts still decoding, in batch order
     step_ids, step_pos = ids, pos
     switch = long_rope_switch(model.arch)
     try:
@@ -105,20 +140,27 @@ def generate(
                 position_ids=paddle.to_tensor(step_pos),
                 cache=cache,
             )
-            nxt = sample_next(logits[:, -1].astype("float32").numpy(), temperature, top_p, rng)
-            for i, t in enumerate(nxt):
-                if not done[i]:
-                    out[i].append(int(t))
-                    done[i] = eos_token_id is not None and int(t) == eos_token_id
-                    if on_token is not None and on_token(i, int(t)):
-                        done[i] = True
+            # one uniform number per prompt and step, finished ones included: a prompt's samples do not
+            # depend on when the others stop
+            draws = rng.random(len(prompts))[rows] if temperature > 0 else None
+            nxt = sample_next(logits[:, -1].astype("float32").numpy(), temperature, top_p, rng, draws)
+            for i, t in zip(rows, nxt):
+                out[i].append(int(t))
+                done[i] = eos_token_id is not None and int(t) == eos_token_id
+                if on_token is not None and on_token(int(i), int(t)):
+                    done[i] = True
             if done.all():
                 break
-            mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
-            new_pos = pos[:, -1:] + 1
-            pos = np.concatenate([pos, new_pos], axis=1)
+            mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
+            pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)
             ids = np.concatenate([ids, nxt[:, None]], axis=1)
-            step_ids, step_pos = (nxt[:, None], new_pos) if use_cache else (ids, pos)
+            live = np.nonzero(~done[rows])[0]
+            if len(live) < len(rows):  # finished prompts leave the batch (and the cache)
+                rows, ids, mask, pos, nxt = rows[live], ids[live], mask[live], pos[live], nxt[live]
+                if cache is not None:
+                    cache.select(paddle.to_tensor(live.astype(np.int64)))
+            step_ids, step_pos = (nxt[:, None], pos[:, -1:]) if use_cache else (ids, pos)
     finally:
+        dense.close()
         model.train(was_training)
     return out

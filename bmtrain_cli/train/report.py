@@ -202,7 +202,9 @@ def print_report(parts: Parts, s: Dict[str, Any], method_lines: Sequence[str] = 
         "with setup, evaluation and checkpoints (summary.json: train_time_s, wall_time_s)",
         file=out,
     )
-    if s.get("best_eval_loss") is not None:
+    if s.get("best_eval_reward") is not None:  # a method whose eval is a reward (GRPO: minus the loss)
+        print(f"  best eval reward {s['best_eval_reward']:.4f}", file=out)
+    elif s.get("best_eval_loss") is not None:
         print(f"  best eval loss   {s['best_eval_loss']:.4f}", file=out)
     if s.get("accuracy_after") is not None:
         before = s.get("accuracy_before")

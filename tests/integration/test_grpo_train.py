@@ -82,6 +82,7 @@ def test_stage_grpo_trains_with_trl_metrics_in_metrics_jsonl_and_tensorboard(tmp
     assert res.exit_code == 0, res.output
     assert "reference model: the policy with its LoRA adapters off" in res.output
     assert "held-out mean reward (greedy): before" in res.output
+    assert "best eval reward" in res.output and "best eval loss" not in res.output
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -97,6 +98,8 @@ def test_stage_grpo_trains_with_trl_metrics_in_metrics_jsonl_and_tensorboard(tmp
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "eval_reward" in summary and "before_eval_reward" in summary
+    assert summary["best_eval_reward"] == -summary["best_eval_loss"]
+    assert summary["best_eval_reward"] >= summary["eval_reward"]
     events = EventAccumulator(str(tmp_path / "run" / "logs"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

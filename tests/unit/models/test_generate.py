@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.models import build, load_pretrained, save_pretrained
-from bmtrain_cli.models.generate import generate, sample_next
+from bmtrain_cli.models.generate import STRIDE_FLAG, dense_transposes, generate, sample_next
 from tests.unit.models.tiny import TINY
 
 
@@ -44,6 +44,71 @@ def test_cached_decoding_equals_recomputation(arch):
     s1 = generate(m, prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
     s2 = generate(m, prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, use_cache=False)
     assert s1 == s2
+
+
+def test_decoding_runs_on_dense_transposes_and_restores_paddles_setting():
+    """On a CPU the decoding steps run with Paddle's strided transposes off (its CPU kernels read strided
+    views far slower), the same tokens come out, and the setting is restored afterwards."""
+    m = _model()
+    prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
+    seen = []
+    generate(m, prompts, max_new_tokens=3, on_token=lambda i, t: seen.append(paddle.get_flags([STRIDE_FLAG])))
+    assert paddle.get_flags([STRIDE_FLAG])[STRIDE_FLAG] is True
+    assert seen and all(f[STRIDE_FLAG] is paddle.is_compiled_with_cuda() for f in seen)
+    with dense_transposes():
+        inside = generate(m, prompts, max_new_tokens=6, temperature=0.8, seed=3)
+    assert inside == generate(m, prompts, max_new_tokens=6, temperature=0.8, seed=3)
+    assert paddle.get_flags([STRIDE_FLAG])[STRIDE_FLAG] is True
+
+
+def _sample_row_by_row(logits, temperature, top_p, rng):
+    """sample_next's rule one row at a time with rng.choice (the reference for its vectorised draw)."""
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(-1, keepdims=True)
+    out = []
+    for p in probs:
+        order = np.argsort(-p, kind="stable")
+        sorted_p = p[order]
+        keep = (np.cumsum(sorted_p) - sorted_p) < top_p
+        keep[0] = True
+        kept = sorted_p * keep
+        out.append(order[rng.choice(len(kept), p=kept / kept.sum())])
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_prompt_samples_the_same_whenever_the_others_stop(use_cache):
+    """Finished prompts leave the batch (and the KV cache); the others sample exactly what they would
+    with every prompt still decoding."""
+    m = _model()
+    prompts = [[5, 9, 11, 3, 7, 8], [4, 2], [7, 7, 1], [9]]
+    free = generate(m, prompts, max_new_tokens=8, temperature=1.0, seed=5, use_cache=use_cache)
+    assert all(len(o) == 8 for o in free)
+    stop_after = {0: 1, 2: 4}  # prompt -> tokens it keeps
+    kept = {row: 0 for row in stop_after}
+
+    def stop(row: int, token: int) -> bool:
+        if row not in stop_after:
+            return False
+        kept[row] += 1
+        return kept[row] >= stop_after[row]
+
+    cut = generate(m, prompts, max_new_tokens=8, temperature=1.0, seed=5, use_cache=use_cache, on_token=stop)
+    assert [len(o) for o in cut] == [1, 8, 4, 8]
+    assert cut[1] == free[1] and cut[3] == free[3]
+    assert cut[0] == free[0][:1] and cut[2] == free[2][:4]
+
+
+def test_sampling_all_rows_at_once_draws_what_rng_choice_row_by_row_draws():
+    source = np.random.default_rng(0)
+    mine, ref = np.random.default_rng(7), np.random.default_rng(7)
+    for step in range(60):  # one generator through the steps, as generate() uses it
+        logits = (source.standard_normal((17, 300)) * source.uniform(0.5, 8)).astype(np.float32)
+        temperature, top_p = (1.0, 0.7, 1.3)[step % 3], (1.0, 0.9, 0.5, 0.0)[step % 4]
+        got = sample_next(logits, temperature, top_p, mine)
+        np.testing.assert_array_equal(got, _sample_row_by_row(logits, temperature, top_p, ref))
 
 
 def test_cached_logits_equal_full_forward():

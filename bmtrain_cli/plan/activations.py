@@ -12,8 +12,8 @@ from bmtrain_cli.models.arch import (
     lora_parameters_per_layer,
 )
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
-from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.models.families import deepseek_v3 as mla
+from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload

@@ -13,8 +13,12 @@ TrainerCallback's on_step_end); the first ``--warmup`` steps are left out and th
 kept, best over rounds. The stacks alternate (ours, TRL, ours, TRL, ...) so load on a shared machine hits
 both, each with the same OMP_NUM_THREADS / torch threads.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_grpo.py [--rounds 2] [--steps 6] [--prompts 4]
-        [--generations 8] [--completion 32] [--work output/bench-grpo]
+    OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--rounds 2] [--steps 6] [--prompts 4]
+        [--generations 8] [--completion 32] [--threads 1] [--work output/bench-grpo]
+
+BENCH_GRPO_SFT_STEPS=N starts from N SFT steps instead of 10 (1: near-random weights, which rarely end a
+completion early). On a machine shared with other work, use one thread per stack: torch's thread pool
+collapses when its threads are oversubscribed.
 
 TRL runs in the reference venv (/work/main/.venv-ref or $BENCH_TORCH_PYTHON; `make ref-venv` installs
 trl); without it only our figure is printed.
@@ -56,10 +60,10 @@ def prepare(work: Path) -> Dict[str, str]:
 
     ckpt, hf, prompts = (
         work / "sft" / "checkpoints" / f"step-{SFT_STEPS}",
-        work / "hf",
+        work / f"hf-{SFT_STEPS}",
         work / "data" / "prompts_train.jsonl",
     )
-    if not (hf / "model.safetensors").is_file():
+    if not (hf / "model.safetensors").is_file() or not ckpt.is_dir():
         work.mkdir(parents=True, exist_ok=True)
         config = {
             "model_config": {"family": "llama", **MODEL, "max_seq_len": MAX_SEQ_LEN},

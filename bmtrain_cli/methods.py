@@ -18,6 +18,9 @@ from typing import Any, Callable, Dict, Literal, Tuple
 _PACKAGE = Path(__file__).resolve().parent
 
 REFERENCE_FREE = ("simpo", "orpo")  # the dpo_loss values that compare against no reference model
+# stage grpo's held-out reward: prompts per greedy generate() call (grpo/objective.py; plan/rollout.py counts
+# its KV cache)
+GRPO_EVAL_ROWS = 64
 # the reward functions of stage grpo named by a word (grpo/rewards.py builds them)
 BUILTIN_REWARDS = ("accuracy", "format", "overlong")
 

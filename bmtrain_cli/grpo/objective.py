@@ -28,6 +28,7 @@ from bmtrain_cli.grpo.rollout import (
     sample_completions,
     score_completions,
 )
+from bmtrain_cli.methods import GRPO_EVAL_ROWS
 from bmtrain_cli.preference.logps import model_inputs, token_logps
 from bmtrain_cli.preference.reference import adapters_disabled
 
@@ -162,7 +163,7 @@ class GrpoObjective:
             scale_rewards="none",
             eos_id=s.eos_id,
         )
-        completions = sample_completions(model, [p.ids for p in prompts], greedy, 0, 64)
+        completions = sample_completions(model, [p.ids for p in prompts], greedy, 0, GRPO_EVAL_ROWS)
         texts = [decode_completion(tokenizer, c, s.eos_id) for c in completions]
         per_func, total, _ = score_completions(
             self.source.reward_functions, prompts, completions, texts, greedy

@@ -135,10 +135,14 @@ def prepare(work: Path) -> tuple:
     from bmtrain_cli.data.tokenizers import train_sentencepiece
 
     work.mkdir(parents=True, exist_ok=True)
-    from bmtrain_cli.grpo.demo import write_demo_prompts
-
     train, _ = write_demo_data(str(work / "data"))
-    prompts = write_demo_prompts(str(work / "data"))["prompts_train"]
+    prompts = work / "data" / "prompts.jsonl"  # the GRPO case's prompt records (no eval set: the steps alone)
+    with open(train, encoding="utf-8") as f:
+        rows = [json.loads(line) for _, line in zip(range(2000), f)]
+    prompts.write_text(
+        "".join(json.dumps({"prompt": r["input"], "answer": r["output"]}) + "\n" for r in rows),
+        encoding="utf-8",
+    )
     varied = work / "data" / "varied.jsonl"
     records = _varied_records()
     varied.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
@@ -152,7 +156,7 @@ def prepare(work: Path) -> tuple:
                 if i > 3000:
                     break
         train_sentencepiece(texts, str(tok_dir), vocab_size=256)
-    return {"demo": train, "varied": str(varied), "prompts": prompts}, str(tok_dir)
+    return {"demo": train, "varied": str(varied), "prompts": str(prompts)}, str(tok_dir)
 
 
 def run_case(

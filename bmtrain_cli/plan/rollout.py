@@ -7,13 +7,15 @@ One generate() call samples ``micro_batch_size`` rows (grpo/rollout.py sample_co
 runs the prompts (up to seq_len - max_completion_length tokens) through the model without gradients and
 returns the logits of every prompt position; each decoding step then appends one token's keys and values
 per layer to the cache (a concatenation: the layer's old and new tensors exist at once), which ends at
-rows x (prompt + completion) tokens. The log-probs pass (num_iterations > 1 or beta > 0) runs a
+rows x (prompt + completion) tokens. The held-out reward (an eval set: eval_data_path or the demo's) runs
+the same greedy, ``min(eval_prompts, 64)`` rows per call (grpo/objective.py held_out_reward). The log-probs pass (num_iterations > 1 or beta > 0) runs a
 no-gradient forward of ``micro_batch_size`` whole rows and the completion positions' fp32 logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Tuple
 
 from bmtrain_cli.plan.activations import act_bytes, no_grad_forward_bytes
 from bmtrain_cli.plan.devices import Device
@@ -32,22 +34,33 @@ def kv_bytes_per_token(w: Workload, layout: Layout, layers: int) -> int:
     return layers * 2 * (a.num_key_value_heads // layout.tp) * a.head_dim * act_bytes(w)
 
 
-def rollout_memory(w: Workload, device: Device, layout: Layout, layers: int) -> RolloutMemory:
-    """The rollout phase of ``w`` (a stage grpo workload: ``completion_len`` > 0) on one device."""
+def _generation(w: Workload, device: Device, layout: Layout, layers: int, rows: int) -> Tuple[int, int]:
+    """(KV cache at its longest, the most one generate() call of ``rows`` rows holds at once)."""
     a = w.arch
-    rows = layout.micro_batch
     e = act_bytes(w)
     per_token = kv_bytes_per_token(w, layout, layers)
     prompt = max(1, w.seq_len - w.completion_len)
     cache = rows * w.seq_len * per_token
-    layer_copy = rows * w.seq_len * per_token // max(1, layers)  # one layer's keys and values, concatenated
+    layer_copy = cache // max(1, layers)  # one layer's keys and values, concatenated
     vocab = a.vocab_size // layout.tp
     prefill = (
-        no_grad_forward_bytes(replace(w, seq_len=prompt), device, layout)
+        no_grad_forward_bytes(replace(w, seq_len=prompt), device, replace(layout, micro_batch=rows))
         + rows * prompt * per_token
         + rows * prompt * vocab * e  # the prefill's logits of every prompt position
     )
-    generation = max(prefill, cache + layer_copy + rows * vocab * 4)
+    return cache, max(prefill, cache + layer_copy + rows * vocab * 4)
+
+
+def rollout_memory(w: Workload, device: Device, layout: Layout, layers: int) -> RolloutMemory:
+    """The rollout phase of ``w`` (a stage grpo workload: ``completion_len`` > 0) on one device, and the
+    held-out reward's greedy generate() calls (``eval_rows`` rows each) where there is an eval set."""
+    a = w.arch
+    rows = layout.micro_batch
+    e = act_bytes(w)
+    vocab = a.vocab_size // layout.tp
+    cache, generation = _generation(w, device, layout, layers, rows)
+    if w.eval_rows:
+        generation = max(generation, _generation(w, device, layout, layers, w.eval_rows)[1])
     logps = 0
     if w.rollout_logps:
         n = rows * w.completion_len

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from bmtrain_cli.methods import METHODS, Method
+from bmtrain_cli.methods import GRPO_EVAL_ROWS, METHODS, Method
 from bmtrain_cli.models.arch import (
     ModelArch,
     lora_targets,
@@ -113,6 +113,7 @@ class Workload:
     # log-probs pass (the old policy's, num_iterations > 1; the reference's, beta > 0)
     completion_len: int = 0
     rollout_logps: bool = False
+    eval_rows: int = 0  # rows of one generate() call of the held-out reward (0: no eval set)
 
     @property
     def method(self) -> Method:
@@ -187,7 +188,12 @@ def _grpo_fields(t: Any) -> Dict[str, Any]:
     if METHODS[t.stage].sample != "completion":
         return {}
     g = t.grpo
-    return {"completion_len": g.max_completion_length, "rollout_logps": g.num_iterations > 1 or g.beta > 0}
+    has_eval = t.eval_data_path is not None or (t.demo_data is not None and t.data_path is None)
+    return {
+        "completion_len": g.max_completion_length,
+        "rollout_logps": g.num_iterations > 1 or g.beta > 0,
+        "eval_rows": min(g.eval_prompts, GRPO_EVAL_ROWS) if has_eval else 0,
+    }
 
 
 def _grpo_note(t: Any) -> str:

@@ -108,3 +108,27 @@ def test_the_log_probs_pass_and_a_rollout_phase_peak(seven_b) -> None:
     assert plain.rollout_peak >= plain.parameters + prefill_logits
     assert plain.peak == plain.rollout_peak
     assert "the peak is the rollout phase (sampling the completions)" in plain.notes
+
+
+def test_the_held_out_rewards_greedy_calls_count_where_there_is_an_eval_set(seven_b) -> None:
+    """The held-out reward decodes min(eval_prompts, 64) rows per call: with an eval set and a small
+    micro batch its KV cache, not the rollouts', sizes the rollout phase."""
+    assert Workload.from_config(_grpo(seven_b), read_data=False).eval_rows == 0  # no eval set
+    with_eval = Workload.from_config(_grpo(seven_b, eval_data_path="held.jsonl"), read_data=False)
+    assert with_eval.eval_rows == 64
+    demo = _grpo(seven_b, demo_data="reverse", data_path=None)
+    demo = demo.model_copy(
+        update={
+            "train": demo.train.model_copy(
+                update={"grpo": demo.train.grpo.model_copy(update={"eval_prompts": 16})}
+            )
+        }
+    )
+    assert Workload.from_config(demo, read_data=False).eval_rows == 16
+    gpu, layout = get_device("A100-80GB"), Layout(tp=2, micro_batch=2)
+    plain = estimate_layout(replace(with_eval, eval_rows=0), layout, gpu)
+    evaluated = estimate_layout(with_eval, layout, gpu)
+    assert evaluated.rollout_cache == plain.rollout_cache  # the line shows the rollouts' cache
+    assert evaluated.rollout_peak - plain.rollout_peak >= (64 - 2) * 4096 * kv_bytes_per_token(
+        with_eval, layout, 32
+    )

@@ -63,11 +63,6 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
-    def select(self, index: paddle.Tensor) -> None:
-        """Keep only the batch rows in ``index`` (e.g. after sequences finish)."""
-        self.keys = [None if k is None else paddle.gather(k, index) for k in self.keys]
-        self.values = [None if v is None else paddle.gather(v, index) for v in self.values]
-
 
 def _local_heads(total: int, tp: int, what: str) -> int:
     if total % tp:

@@ -19,7 +19,7 @@ Both run with the same OMP_NUM_THREADS (default 2). Ratios: 8 clients / 1 client
 earlier commit: ``git archive COMMIT bmtrain_cli | tar -x -C DIR``).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_serve.py [--new 32] [--rounds 1] [--clients 1,8,32]
-        [--baseline DIR]
+        [--baseline DIR] [--baseline-clients 1,8]
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _tokenizer_json(vocab_size: int, seed: int = 0) -> Dict[str, Any]:
     merges: List[List[str]] = data["model"]["merges"]
     data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in vocab]  # ids of their own
     special = {t["content"] for t in data["added_tokens"]}
-    pieces = [t for t in vocab if t not in special]
+    # merges of printable ASCII pieces only ("Ġ" is byte-level's space): every new id decodes to whole
+    # characters, so a random model's reply streams at once instead of waiting for UTF-8 to complete
+    pieces = [t for t in vocab if t not in special and all(c == "Ġ" or "!" <= c <= "~" for c in t)]
     rng = random.Random(seed)
     nxt = max(vocab.values()) + 1
     while nxt < vocab_size:
@@ -280,10 +282,14 @@ def _serve_levels(model: Path, new: int, clients: List[int], repo: Path) -> Dict
 
 
 def main(
-    new: int = 32, rounds: int = 1, clients: Sequence[int] = (1, 8, 32), baseline: Optional[str] = None
+    new: int = 32,
+    rounds: int = 1,
+    clients: Sequence[int] = (1, 8, 32),
+    baseline: Optional[str] = None,
+    baseline_clients: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     """``baseline``: another checkout's root (e.g. `git archive` of an earlier commit) whose `bmtrain
-    serve` is measured in the same run, after this one's."""
+    serve` is measured in the same run, after this one's, at ``baseline_clients`` (default: ``clients``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from bmtrain_cli.data.tokenizers import load_tokenizer
@@ -299,11 +305,13 @@ def main(
                 f"transformers generate, batch 8, {new} new tokens: {ref['tokens_per_s']:.1f} tokens/s",
                 flush=True,
             )
-        stacks = {"serve": REPO, **({"serve_baseline": Path(baseline)} if baseline else {})}
-        for name, repo in stacks.items():
+        stacks = {"serve": (REPO, clients)}
+        if baseline:
+            stacks["serve_baseline"] = (Path(baseline), baseline_clients or clients)
+        for name, (repo, levels_wanted) in stacks.items():
             print(f"\n{name} ({repo}): SmolLM2-135M shape, greedy, {new} new tokens")
             print(f"{'clients':>8} {'requests':>9} {'tokens/s':>9} {'TTFT med':>9} {'TTFT max':>9}")
-            levels = result[name] = _serve_levels(model, new, list(clients), repo)
+            levels = result[name] = _serve_levels(model, new, list(levels_wanted), repo)
             if 1 in levels and 8 in levels:
                 result[f"{name}_x8_over_x1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
                 print(f"8 clients / 1 client: {result[f'{name}_x8_over_x1']:.2f}x")
@@ -323,5 +331,6 @@ if __name__ == "__main__":
         int(_arg("--rounds", "1")),
         [int(c) for c in _arg("--clients", "1,8,32").split(",")],
         _arg("--baseline", "") or None,
+        [int(c) for c in _arg("--baseline-clients", "").split(",") if c] or None,
     )
     print(json.dumps(out, indent=2))

@@ -1,5 +1,6 @@
 """The quickstart as a user runs it: `bmtrain train --config configs/quickstart.yaml`, then the LoRA second
-stage `configs/llama-tiny-lora.yaml` and the GRPO stage `configs/quickstart-grpo.yaml` on its checkpoints.
+stage `configs/llama-tiny-lora.yaml` and the GRPO stage `configs/quickstart-grpo.yaml` on its checkpoints,
+and `bmtrain chat` on its output as the README shows.
 Slow (about a minute per stage on 2 cores): held-out accuracy must rise clearly in each."""
 
 from __future__ import annotations
@@ -63,3 +64,12 @@ def test_grpo_demo_raises_held_out_reward(quickstart, tmp_path):
     assert summary["before_eval_reward"] <= 0.4, summary  # half-trained: most reversals wrong
     assert summary["eval_reward"] >= summary["before_eval_reward"] + 0.25, summary
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.25, summary
+
+
+def test_chat_on_the_demo_checkpoint_answers_as_the_readme_says(quickstart):
+    """README's next step `bmtrain chat --model_path output/quickstart`: typing kqzfa= gets afzqk (stdin
+    piped: one reply per line, then the session ends)."""
+    cmd = [sys.executable, "-m", "bmtrain_cli", "chat", "--model_path", str(quickstart)]
+    r = subprocess.run(cmd, input="kqzfa=\n", cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[0] == "afzqk", r.stdout

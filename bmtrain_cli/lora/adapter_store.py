@@ -254,7 +254,6 @@ class LoRARun:
             load_adapter_weights(model, load_adapter_arrays(ckpt), str(ckpt))
             record = read_base_record(ckpt)
             run.base_path, run.base_sha256 = record["base_model_name_or_path"], record["base_model_sha256"]
-            run.quantization = record.get("quantization")
         return run
 
     def record_base(
@@ -262,10 +261,10 @@ class LoRARun:
     ) -> None:
         """Remember the base model's path and hash; a fresh (random) base is written once to
         output_dir/base_model first. Collective under tensor/pipeline parallel (call on every rank)."""
+        q = getattr(config.model, "quantization", None)  # this run's (a resume may change it)
+        self.quantization = quantisation_record(q) if q is not None else None
         if self.base_path is not None:
             return
-        q = getattr(config.model, "quantization", None)
-        self.quantization = quantisation_record(q) if q is not None else None
         is_main = ctx.is_main if ctx is not None else True
         source = getattr(config.model, "model_name_or_path", None)
         if source:

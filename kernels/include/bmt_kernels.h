@@ -23,13 +23,13 @@
 //               optional segment_ids [b, s] (NULL: plain causal); out [b, s, h, d], lse [b, h, s] in the
 //               dtype of q (kernels/cpu/attention_cpu.cc). Causal: query i sees the keys j <= i whose
 //               segment id equals its own. bwd: dq, dk, dv from out, lse and dout (probabilities recomputed).
-//   quant_linear: y [m, n] = x [m, k] @ w^T for a weight w [n, k] (Hugging Face's layout) stored as codes
-//               (kernels/cpu/quant_cpu.cc, fp32): element e = r * k + c of w is levels[code(e)] * scale,
-//               code(e) the e-th byte (bits 8) or nibble (bits 4, two per byte, even e in the high
-//               nibble); scale = scales[e / block] (row_groups 0: blocks over the flattened weight) or
-//               scales[r * ceil(k / block) + c / block] (row_groups 1: groups within each row). levels
-//               holds 2^bits values. bwd: dx [m, k] = dy [m, n] @ w. The weight is dequantised tile by
-//               tile into per-thread buffers, never whole.
+//   quant_dequant_rows: rows r0..r1 of a weight w [n, k] (Hugging Face's layout) stored as codes into
+//               out [r1 - r0, k] fp32 (kernels/cpu/quant_cpu.cc): element e = r * k + c of w is
+//               levels[code(e)] * scale, code(e) the e-th byte (bits 8) or nibble (bits 4, two per byte,
+//               even e in the high nibble); scale = scales[e / block] (row_groups 0: blocks over the
+//               flattened weight) or scales[r * ceil(k / block) + c / block] (row_groups 1: groups within
+//               each row). levels holds 2^bits values. The quantised linear layer multiplies such tiles,
+//               never the whole weight (bmtrain_cli/ops/quant_linear.py).
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 

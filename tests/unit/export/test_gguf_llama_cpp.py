@@ -3,7 +3,7 @@ fixed texts (llama_cpp_logits.cc beside this file), and its logits must be our m
 export writes (tiny trained checkpoints, in shapes llama.cpp reads from the file, not the ones transformers'
 GGUF reader assumes: Qwen3 with head_dim 16, Phi-3 with partial rotary and LongRoPE, Baichuan's 32 layers,
 Qwen3-MoE/Mixtral/ERNIE-MoE/GLM-4.5 experts, the selection bias set away from zero, GLM-4.5's group-limited
-routing, routed scaling and shared expert, each shown to move the logits past the tolerance when undone).
+routing, routed scaling and shared expert, Gemma 2's soft-caps, each shown to move the logits past the tolerance when undone).
 
 Needs a llama.cpp source tree built with CMake (``make llama-cpp`` builds one in .cache/llama.cpp)
 named by $BMTRAIN_LLAMA_CPP, and a C++ compiler; skipped otherwise. llama.cpp's CPU matmuls round the
@@ -45,6 +45,13 @@ def _score_bias(model):
             p.set_value(rng.normal(0.0, 0.2, p.shape).astype("float32"))
 
 
+def _sharpen_scores(model):
+    """q and k 8x larger: attention scores past a soft-cap of a few units."""
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.set_value(p * 8.0)
+
+
 CASES = {
     "llama": dict(family="llama"),
     "llama_tied": dict(family="llama", tie=True),
@@ -64,6 +71,17 @@ CASES = {
         },
     ),
     "gemma3": dict(family="gemma3_text", sliding_window=4, num_hidden_layers=6, query_pre_attn_scalar=16),
+    # Gemma 2: alternating layers, window 4 in 13-token rows; q/k scaled up so that the score cap bends
+    # (undoing either cap moves our logits by 6.5e-2 / 3.5e-2 of their range, past the f16 tolerance)
+    "gemma2": dict(
+        family="gemma2",
+        sliding_window=4,
+        num_hidden_layers=4,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=4.0,
+        setup=_sharpen_scores,
+    ),
     "qwen3_moe": dict(family="qwen3_moe", tokenizer="bpe", **MOE),
     "mixtral": dict(family="mixtral", **MOE),
     "ernie4_5": dict(family="ernie4_5"),

@@ -21,6 +21,7 @@ from bmtrain_cli.models.arch import (
     arch_from_model_config,
     arch_to_hf_dict,
     count_parameters,
+    lora_targets,
 )
 from bmtrain_cli.models.blocks import LatentAttention
 from bmtrain_cli.models.generate import generate
@@ -146,6 +147,9 @@ def test_the_planner_counts_latent_attention_parameters():
         embeddings = 2 * arch.vocab_size * arch.hidden_size + arch.hidden_size
         assert arch.num_hidden_layers * (mats + vecs) + embeddings == count_parameters(arch)
         wider = replace(arch, v_head_dim=arch.v_head_dim + 64, kv_lora_rank=arch.kv_lora_rank + 8)
+        # all-linear reaches the latent projections here only (the plan counts its adapters per target)
+        assert "kv_b_proj" in lora_targets(arch, "all-linear")
+        assert "kv_b_proj" not in lora_targets(replace(arch, kv_lora_rank=0), "all-linear")
         assert (
             latent_attention_elems(wider) > latent_attention_elems(arch) + 3 * arch.num_attention_heads * 40
         )

@@ -77,8 +77,7 @@ class ModelArch:
     routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by this (GLM-4.5)
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
     router_aux_loss_coef: float = 0.001
-    # multi-head latent attention (DeepSeek-V3) where kv_lora_rank > 0; head_dim is then the rope part of q/k
-    kv_lora_rank: int = 0
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek-V3); head_dim is the rope part of q/k
     q_lora_rank: int = 0  # 0: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
@@ -425,7 +424,8 @@ ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
     """The projection names a lora_target_modules setting selects ("all-linear" = every projection)."""
     names = [names] if isinstance(names, str) else list(names)
-    return LORA_PROJECTIONS if "all-linear" in names else tuple(names)
+    every = LORA_PROJECTIONS if arch.kv_lora_rank else LORA_PROJECTIONS[: -len(mla.MLA_PROJECTIONS)]
+    return every if "all-linear" in names else tuple(names)
 
 
 def arch_projections(arch: ModelArch) -> Tuple[str, ...]:

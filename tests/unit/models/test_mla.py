@@ -21,6 +21,7 @@ from bmtrain_cli.models.arch import (
     arch_from_model_config,
     arch_to_hf_dict,
     count_parameters,
+    lora_targets,
 )
 from bmtrain_cli.models.blocks import LatentAttention
 from bmtrain_cli.models.generate import generate
@@ -146,6 +147,9 @@ def test_the_planner_counts_latent_attention_parameters():
         embeddings = 2 * arch.vocab_size * arch.hidden_size + arch.hidden_size
         assert arch.num_hidden_layers * (mats + vecs) + embeddings == count_parameters(arch)
         wider = replace(arch, v_head_dim=arch.v_head_dim + 64, kv_lora_rank=arch.kv_lora_rank + 8)
+        # all-linear reaches the latent projections here only (the plan counts its adapters per target)
+        assert "kv_b_proj" in lora_targets(arch, "all-linear")
+        assert "kv_b_proj" not in lora_targets(replace(arch, kv_lora_rank=0), "all-linear")
         assert (
             latent_attention_elems(wider) > latent_attention_elems(arch) + 3 * arch.num_attention_heads * 40
         )
@@ -176,3 +180,59 @@ def test_lora_on_the_latent_projections_trains_and_the_expert_refusal_names_them
     (total / count).backward()
     trainable = [p for p in model.parameters() if not p.stop_gradient]
     assert len(trainable) == 2 * 5 * 3 and all(p.grad is not None for p in trainable)
+
+
+@pytest.mark.parametrize(
+    "kernels, implementation", [("auto", "eager"), ("auto", "sdpa"), ("reference", "auto")]
+)
+def test_every_cpu_attention_path_runs_the_padded_heads_exactly(kernels, implementation):
+    """The zero-padded q/k/v go through eager, sdpa and (kernels: reference) the pure-Paddle paths as through
+    the fused CPU kernel of test_hf_parity.py: transformers' logits on right- and left-padded rows."""
+    for name in ("deepseek_v3", "deepseek_v3_yarn"):
+        ref = dict(np.load(FIXTURES / name / "reference.npz"))
+        model = load_pretrained(FIXTURES / name, kernels=kernels, attention_implementation=implementation)
+        ids = paddle.to_tensor(ref["input_ids"])
+        for mask, want, pos in (
+            ("right_mask", "logits_right_mask", None),
+            ("left_mask", "logits_left_mask", 1),
+        ):
+            kwargs = {"position_ids": paddle.to_tensor(ref["left_position_ids"])} if pos else {}
+            got = model(ids, attention_mask=paddle.to_tensor(ref[mask]), **kwargs).numpy()
+            valid = ref[mask].astype(bool)
+            assert np.abs(got[valid] - ref[want][valid]).max() <= TOL
+
+
+def test_the_blocked_kernel_gives_the_eager_loss_and_gradients(monkeypatch):
+    """Past DENSE_MAX_SEQ without the fused CPU kernel training runs the blocked kernel (its own backward):
+    on the padded heads it gives eager attention's loss and the latent projections' gradients."""
+    from bmtrain_cli.models import attention
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return blocked(*args, **kwargs)
+
+    blocked = attention.blocked_attention
+    monkeypatch.setattr(attention, "blocked_attention", counted)
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(3, 384, [1, 300]))
+    mask = paddle.to_tensor(np.array([[1] * 180 + [2] * 120]))  # two packed segments
+    out = {}
+    for implementation in ("auto", "eager"):
+        model = load_pretrained(
+            FIXTURES / "deepseek_v3_yarn", kernels="reference", attention_implementation=implementation
+        )
+        model.train()
+        total, count = model.loss_sum(ids, ids, attention_mask=mask)
+        (total / count).backward()
+        attn = model.layers[1].self_attn
+        out[implementation] = (
+            float(total / count),
+            attn.kv_b_proj.weight.grad.numpy(),
+            attn.q_proj.weight.grad.numpy(),
+        )
+    assert calls and all(shape[-1] == 28 for shape in calls)  # v_head_dim 28 > 24 q/k: the width
+    (la, *ga), (lb, *gb) = out["auto"], out["eager"]
+    assert abs(la - lb) <= 1e-5
+    for a, b in zip(ga, gb):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)

@@ -5,9 +5,11 @@ limit. Optional per family: a score-correction bias that picks the experts but d
 group-limited top-k (the best groups by the sum of their two best scores), a routed scaling factor and
 always-on shared experts.
 
-Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids) and runs
-one matmul chain per expert over its contiguous rows, then adds the weighted rows back per token. This is
-plain Paddle ops on one device: no grouped-GEMM kernel, no expert parallelism.
+Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids), runs the
+experts over their contiguous rows, then adds the weighted rows back per token. Where our kernels run on a
+CPU (``OpSet.moe_experts``) all the experts run as one grouped GEMM call (ops/moe_experts.py); elsewhere,
+for other dtypes than float32, and while an expert's projection is wrapped (LoRA), one matmul chain per
+expert (the reference composition). No expert parallelism here.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
 excluded through the attention mask as transformers does.
@@ -24,6 +26,7 @@ from paddle import nn
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.families import family
 from bmtrain_cli.ops import OpSet
+from bmtrain_cli.ops.moe_experts import reference_experts, resolve
 
 
 class Expert(nn.Layer):
@@ -86,6 +89,7 @@ class SparseMoE(nn.Layer):
             Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
+        self.grouped = resolve(ops.moe_experts, ops.name, paddle.get_device())
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = x.shape
@@ -100,18 +104,21 @@ class SparseMoE(nn.Layer):
         counts: List[int] = [int(n) for n in paddle.bincount(pairs, minlength=self.num_experts).numpy()]
         token = order // self.top_k
         rows = paddle.gather(flat, token)
-        outs: List[paddle.Tensor] = []
-        start = 0
-        for e, n in enumerate(counts):
-            # an expert without tokens runs on zero rows too: its gradient is then zeros, not missing, so
-            # every rank reduces the same gradients under data parallel and the optimizer sees them all
-            outs.append(self.experts[e](rows[start : start + n]))
-            start += n
-        done = paddle.concat(outs) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        done = self._experts(rows, counts) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
         out = paddle.index_add(paddle.zeros_like(flat), token, 0, done)
         if self.shared_experts is not None:
             out = self.shared_experts(flat) + out
         return out.reshape(shape)
+
+    def _experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
+        """Every expert over its rows (sorted by expert, ``counts`` each); an expert without rows gets zero
+        gradients, not missing ones, so every rank reduces the same gradients under data parallel."""
+        projs = [(x.gate_proj, x.up_proj, x.down_proj) for x in self.experts]
+        plain = all(type(p) is nn.Linear and p.bias is None for ps in projs for p in ps)
+        if self.grouped is not None and plain and rows.dtype == paddle.float32:
+            weights = tuple([ps[i].weight for ps in projs] for i in range(3))
+            return self.grouped(rows, counts, weights)
+        return reference_experts(rows, counts, [x.__call__ for x in self.experts])
 
     def _route(self, logits: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
         """(weights, chosen experts) [tokens, top_k] from fp32 router logits."""

@@ -63,6 +63,9 @@ class OpSet:
     # the chunked gated delta rule (Gated DeltaNet) where our kernels run on a CPU, else None: the
     # linear-attention layers then run ops/reference.gated_delta_rule
     delta_rule: Optional[Callable] = field(default=None, compare=False)
+    # the routed MoE experts as one grouped GEMM (ops/moe_experts.py) where our kernels run on a CPU, else
+    # None: models/moe.py then runs one matmul chain per expert
+    moe_experts: Optional[Callable] = field(default=None, compare=False)
 
 
 REFERENCE = OpSet(
@@ -199,5 +202,9 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
         from bmtrain_cli.ops.fused_attention import fused_attention
 
         opset = replace(opset, attention=fused_attention, delta_rule=gated_delta_rule)
+    from bmtrain_cli.ops import moe_experts
+
+    if moe_experts.choose(mode, device, bool(ours))[0] == "grouped":
+        opset = replace(opset, moe_experts=moe_experts.grouped_experts)
     _cache[key] = opset
     return opset

@@ -44,12 +44,14 @@ CPU_SOURCES = [
     "cpu/attention_cpu.cc",
     "cpu/quant_cpu.cc",
     "cpu/delta_rule_cpu.cc",
+    "cpu/moe_cpu.cc",
     "paddle/fused_ops.cc",
     "paddle/adamw_op.cc",
     "paddle/grad_norm_op.cc",
     "paddle/attention_op.cc",
     "paddle/quant_op.cc",
     "paddle/delta_rule_op.cc",
+    "paddle/moe_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
 HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
@@ -65,10 +67,22 @@ def link_flags() -> List[str]:
     Where Paddle has no libiomp5 (builds without MKL) our kernels use libgomp."""
     import paddle
 
-    iomp = Path(paddle.__file__).resolve().parent / "libs" / "libiomp5.so"
-    if iomp.is_file():
-        return [str(iomp), f"-Wl,-rpath,{iomp.parent}"]
-    return ["-fopenmp"]
+    libs = Path(paddle.__file__).resolve().parent / "libs"
+    iomp = libs / "libiomp5.so"
+    mkl = mkl_library()
+    shipped = [str(lib) for lib in (mkl, iomp) if lib is not None and lib.is_file()]
+    runtime = [] if iomp.is_file() else ["-fopenmp"]
+    return shipped + runtime + ([f"-Wl,-rpath,{libs}"] if shipped else [])
+
+
+def mkl_library() -> Optional[Path]:
+    """The MKL (``libmklml_intel.so``) Paddle ships on x86 and runs its CPU matmuls with: the MoE experts'
+    grouped GEMM (kernels/cpu/moe_cpu.cc) calls its sgemm, built with ``-DBMT_WITH_MKL``; without it that
+    kernel uses its own blocked loops."""
+    import paddle
+
+    lib = Path(paddle.__file__).resolve().parent / "libs" / "libmklml_intel.so"
+    return lib if lib.is_file() else None
 
 
 CUDA_FLAGS = ["-O3"]
@@ -167,6 +181,8 @@ def plan() -> Tuple[List[str], List[str], List[str], bool]:
     with_cuda = bool(paddle.is_compiled_with_cuda()) and find_nvcc() is not None
     sources = [str(KERNELS_DIR / s) for s in CPU_SOURCES]
     cxx = list(CXX_FLAGS)
+    if mkl_library() is not None:
+        cxx.append("-DBMT_WITH_MKL")
     cuda: List[str] = []
     if with_cuda:
         sources += [str(KERNELS_DIR / s) for s in CUDA_SOURCES]
@@ -256,7 +272,8 @@ def _build(verbose: bool) -> ModuleType:
         if fresh:
             print(
                 f"building the custom kernels ({len(sources)} C++{'/CUDA' if cuda else ''} sources: RMSNorm, "
-                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention, quantised linear, delta rule) for Paddle {paddle.__version__} "
+                f"RoPE, SwiGLU, cross-entropy, AdamW, grad norm, attention, quantised linear, delta rule, MoE experts) "
+                f"for Paddle {paddle.__version__} "
                 f"with the C++ compiler {find_cxx()} into {build_dir}: once per Paddle and compiler, "
                 "1-3 minutes on 2 cores",
                 file=sys.stderr,

@@ -30,6 +30,11 @@
 //               flattened weight) or scales[r * ceil(k / block) + c / block] (row_groups 1: groups within
 //               each row). levels holds 2^bits values. The quantised linear layer multiplies such tiles,
 //               never the whole weight (bmtrain_cli/ops/quant_linear.py).
+//   moe_swiglu: the routed experts of an MoE layer (kernels/cpu/moe_cpu.cc, fp32): x [rows, h] sorted by
+//               expert, counts[e] rows for expert e (in order); gate[e], up[e] [h, f] and down[e] [f, h]
+//               (Paddle's [in, out] layout). fwd: gate_up [rows, 2f] = [x gate_e | x up_e] (saved for
+//               bwd) and y [rows, h] = (silu(G) * U) down_e. bwd from dy: dx [rows, h] and every expert's
+//               dgate, dup, ddown (overwritten; zeros for an expert without rows).
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -112,6 +117,15 @@ int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, 
 int bmt_cpu_quant_dequant_rows(const uint8_t* codes, int bits, const float* levels, const float* scales,
                                int64_t block, int row_groups, float* out, int64_t n, int64_t k, int64_t r0,
                                int64_t r1);
+
+/* ---- CPU (kernels/cpu/moe_cpu.cc): fp32, OpenMP over (expert, row tile) and (expert, weight tile) ---- */
+int bmt_cpu_moe_swiglu_fwd(const float* x, const int64_t* counts, int64_t experts, const float* const* gate,
+                           const float* const* up, const float* const* down, float* gate_up, float* y,
+                           int64_t hidden, int64_t inter);
+int bmt_cpu_moe_swiglu_bwd(const float* x, const int64_t* counts, int64_t experts, const float* const* gate,
+                           const float* const* up, const float* const* down, const float* gate_up, const float* dy,
+                           float* dx, float* const* dgate, float* const* dup, float* const* ddown, int64_t hidden,
+                           int64_t inter);
 
 #ifdef __cplusplus
 }

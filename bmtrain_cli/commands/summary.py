@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Tuple
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.arch import arch_from_model_config, count_parameters, lora_parameters_per_layer
+from bmtrain_cli.models.arch import arch_from_model_config, lora_parameters_per_layer
+from bmtrain_cli.models.param_count import count_parameters
 
 
 def summarize(config: Config) -> Dict[str, Any]:

@@ -1,5 +1,5 @@
 """Model architecture as plain data (no Paddle import): family defaults, Hugging Face config.json
-reading/writing, and parameter counting. Used by the model builder, validate-config and the planner.
+reading/writing, and the LoRA-targetable projections (parameter counts: models/param_count.py). Used by the model builder, validate-config and the planner.
 """
 
 from __future__ import annotations
@@ -424,7 +424,7 @@ ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 def lora_targets(arch: ModelArch, names: Any) -> Tuple[str, ...]:
     """The projection names a lora_target_modules setting selects ("all-linear" = every projection)."""
     names = [names] if isinstance(names, str) else list(names)
-    every = LORA_PROJECTIONS if arch.kv_lora_rank else LORA_PROJECTIONS[: -len(mla.MLA_PROJECTIONS)]
+    every = tuple(n for n in LORA_PROJECTIONS if arch.kv_lora_rank or n not in mla.MLA_PROJECTIONS)
     return every if "all-linear" in names else tuple(names)
 
 
@@ -474,39 +474,3 @@ def lora_parameters_per_layer(arch: ModelArch, rank: int, targets: Any, tp: int 
         for name, (i, o) in projection_shapes(arch).items()
         if name in selected
     )
-
-
-def count_active_parameters(arch: ModelArch) -> int:
-    return count_parameters(arch, active=True)  # a sparse layer counts its router and top-k experts only
-
-
-def count_parameters(arch: ModelArch, active: bool = False) -> int:
-    """Exact parameter count of the decoder described by ``arch`` (``active``: see count_active_parameters)."""
-    experts_active = arch.num_experts_per_tok
-    h, hd = arch.hidden_size, arch.head_dim
-    q = arch.num_attention_heads * hd
-    kv = arch.num_key_value_heads * hd
-    attn = h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h
-    if arch.attention_bias:
-        attn += q + 2 * kv
-    if arch.o_proj_bias:
-        attn += h
-    if arch.qk_norm:
-        attn += 2 * hd
-    attn = mla.mla_parameters(arch) if arch.kv_lora_rank else attn
-    mlp = 3 * h * arch.intermediate_size
-    if arch.mlp_bias:
-        mlp += 2 * arch.intermediate_size + h
-    norms = len(family(arch.family).norm_names) * h
-    sparse = sum(arch.is_sparse(i) for i in range(arch.num_hidden_layers))
-    experts = experts_active if active else arch.num_experts
-    moe = h * arch.num_experts + experts * 3 * h * arch.moe_intermediate_size
-    shared = arch.moe_shared_experts * arch.moe_intermediate_size
-    moe += 3 * h * shared + (2 * shared + h if arch.mlp_bias and shared else 0)
-    moe += arch.num_experts if arch.moe_score_bias else 0
-    total = arch.vocab_size * h + arch.num_hidden_layers * norms + h
-    total += LinearAttention.mixer_parameters(arch, attn)
-    total += (arch.num_hidden_layers - sparse) * mlp + sparse * moe
-    if not arch.tie_word_embeddings:
-        total += arch.vocab_size * h
-    return total

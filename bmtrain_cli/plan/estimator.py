@@ -27,10 +27,8 @@ import itertools
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple
 
-from bmtrain_cli.models.arch import (
-    ModelArch,
-    count_parameters,
-)
+from bmtrain_cli.models.arch import ModelArch
+from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.activations import (
     act_bytes,
     attention_kernel,
@@ -398,7 +396,7 @@ def check_arch_fits(arch: Any, bytes_per_param: int = 4, device: Optional[Device
     """Refuse a model to load for inference (`generate`, `eval`) whose weights alone exceed this machine's
     memory, by the same rule as train: e.g. a config.json with vocab_size 1e12. Does not import Paddle
     when ``device`` is given."""
-    from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.models.param_count import count_parameters
     from bmtrain_cli.plan.devices import detect_device
 
     dev = device if device is not None else detect_device()

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
-from bmtrain_cli.models.arch import count_parameters
+from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.activations import lora_layer_params
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.estimator import estimate_layout

@@ -24,6 +24,7 @@ from typing import (
     TextIO,
     Tuple,
     Union,
+    runtime_checkable,
 )
 
 import numpy as np
@@ -75,6 +76,14 @@ class Stepper(Protocol):
     def step(self) -> None: ...
 
     def clear_grad(self, set_to_zero: bool = True) -> None: ...
+
+
+@runtime_checkable
+class ClipMeasuringStepper(Protocol):
+    """A stepper that clips inside step() (fleet's: OptimParts.own_clip False) and tells the norm it
+    measured (None: its clip did not run)."""
+
+    def grad_norm(self) -> Optional[float]: ...
 
 
 @dataclass

@@ -90,7 +90,7 @@ class StepMeter:
     loss scale and gradient compression."""
 
     def __init__(self, parts: Parts) -> None:
-        from bmtrain_cli.models.arch import count_active_parameters, count_parameters
+        from bmtrain_cli.models.param_count import count_active_parameters, count_parameters
         from bmtrain_cli.train.metrics import flops_per_token, peak_flops
 
         arch = parts.model.raw.arch

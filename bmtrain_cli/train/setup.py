@@ -236,7 +236,7 @@ def build_model_and_optimizer(
     rt: Runtime, tokenizer: Any, ctx: ParallelCtx, console: Console
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
-    from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.models.param_count import count_parameters
     from bmtrain_cli.parallel.rebalance import resumed_cut
     from bmtrain_cli.train.optim import Precision, build_optimizer
 

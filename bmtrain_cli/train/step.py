@@ -12,7 +12,7 @@ import math
 from typing import Any, Iterator, List
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.train.parts import Batch, Parts, StepOutput
+from bmtrain_cli.train.parts import Batch, ClipMeasuringStepper, Parts, StepOutput
 from bmtrain_cli.train.stopping import TrainingStopped
 from bmtrain_cli.train.token_loss import count_tokens
 
@@ -144,10 +144,8 @@ def fleet_grad_norm(parts: Parts, step: int, overflow: bool = False) -> float:
     itself was skipped through found_inf, so the run goes on with a lower loss scale). Any other
     non-finite measured norm means the update already ran with it, inside fleet: stop rather than train
     on from non-finite weights."""
-    from bmtrain_cli.parallel.sharding import GradSumOptimizer
-
     stepper = parts.optim.stepper
-    assert isinstance(stepper, GradSumOptimizer)  # own_clip is False only under fleet's wrapper
+    assert isinstance(stepper, ClipMeasuringStepper)  # own_clip is False only under fleet's wrapper
     norm = stepper.grad_norm()  # read (and forgotten) in every case
     if norm is None or overflow:
         return math.nan

@@ -191,7 +191,8 @@ def test_validate_config_trainable_count_matches_real(family, targets, extra):
     """validate-config's trainable count (commands/summary.py) equals the parameters LoRA really adds."""
     from bmtrain_cli.commands.summary import summarize
     from bmtrain_cli.config.schema import Config
-    from bmtrain_cli.models.arch import arch_from_model_config, count_parameters
+    from bmtrain_cli.models.arch import arch_from_model_config
+    from bmtrain_cli.models.param_count import count_parameters
 
     mc = dict(
         family=family,

@@ -147,7 +147,7 @@ def test_parameter_names_follow_hugging_face():
 
 
 def test_parameter_count_matches_arch():
-    from bmtrain_cli.models.arch import count_parameters
+    from bmtrain_cli.models.param_count import count_parameters
 
     for arch in (
         TINY,

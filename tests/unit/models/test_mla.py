@@ -16,16 +16,11 @@ import pytest
 from bmtrain_cli.config.schema import ModelConfig
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models import load_pretrained
-from bmtrain_cli.models.arch import (
-    arch_from_hf_dict,
-    arch_from_model_config,
-    arch_to_hf_dict,
-    count_parameters,
-    lora_targets,
-)
+from bmtrain_cli.models.arch import arch_from_hf_dict, arch_from_model_config, arch_to_hf_dict, lora_targets
 from bmtrain_cli.models.blocks import LatentAttention
 from bmtrain_cli.models.generate import generate
 from bmtrain_cli.models.hf import build
+from bmtrain_cli.models.param_count import count_parameters
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 TOL = 1e-4  # test_hf_parity.py's

@@ -17,15 +17,10 @@ import pytest
 from bmtrain_cli.config.schema import ModelConfig
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.models import load_pretrained, save_pretrained
-from bmtrain_cli.models.arch import (
-    arch_from_hf_dict,
-    arch_from_model_config,
-    arch_to_hf_dict,
-    count_active_parameters,
-    count_parameters,
-)
+from bmtrain_cli.models.arch import arch_from_hf_dict, arch_from_model_config, arch_to_hf_dict
 from bmtrain_cli.models.hf import build, load_hf_state_dict
 from bmtrain_cli.models.moe import SparseMoE
+from bmtrain_cli.models.param_count import count_active_parameters, count_parameters
 from bmtrain_cli.models.safetensors_io import checkpoint_files
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"

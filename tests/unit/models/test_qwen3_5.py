@@ -11,7 +11,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.models import load_pretrained, save_pretrained
-from bmtrain_cli.models.arch import count_parameters
+from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.ops import reference
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "qwen3_5_text"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from bmtrain_cli.cli import app
 from bmtrain_cli.config import load_config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.arch import count_parameters
+from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.devices import GiB, get_device, parse_bytes
 from bmtrain_cli.plan.estimator import (
     Layout,

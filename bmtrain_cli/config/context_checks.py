@@ -71,6 +71,20 @@ def _check_arch(arch: Optional[Any], max_seq_len: int, err: Callable[..., None])
             "longest position of the whole sequence, which no rank holds",
             "use context_parallel: 1",
         )
+    if arch.attn_logit_softcapping is not None:
+        err(
+            key,
+            "context parallel does not support soft-capped attention scores (attn_logit_softcapping, Gemma 2): "
+            "the ring's blocks merge uncapped scores",
+            "use context_parallel: 1",
+        )
+    if arch.linear_attention is not None:
+        err(
+            key,
+            "context parallel does not support linear-attention layers (Qwen3.5's Gated DeltaNet): their "
+            "recurrent state runs through the whole sequence in order",
+            "use context_parallel: 1",
+        )
     if arch.num_experts and arch.output_router_logits:
         err(
             key,

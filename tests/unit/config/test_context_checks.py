@@ -43,6 +43,8 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
         ({"model": "  family: mistral\n  sliding_window: 64\n"}, 10, "sliding window (64)"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
+        ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
+        ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
     ],
 )
 def test_refused_at_file_line(write_yaml, kwargs, line, message):

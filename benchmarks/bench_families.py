@@ -10,13 +10,17 @@ AdamW with a global-norm clip, each stack timed in its own process with the same
           of 256 with the output gate and rope on a quarter, Gated DeltaNet 16 q/k and 16 value heads of
           128, ffn 3584, vocab 16384, tied, batch 2 x 256 (Qwen3.5's small layout, fewer layers and
           vocabulary); transformers runs its torch fallback of the delta rule (no flash-linear-attention)
+- gemma2: the gemma3 shape as Gemma 2 (layers alternating sliding / global, no q/k norms, scores soft-capped
+          at 50 and logits at 30): ours on the blocked kernel, transformers on eager attention (its Gemma 2
+          has no sdpa path: sdpa cannot cap scores)
 
 Stacks: ``ours`` (bmtrain_cli.models.build with ``kernels: auto``, train/optim.build_optimizer: CpuAdamW
 with the fused update, the trainer's clip) and ``torch`` (transformers' Gemma3ForCausalLM /
-Ernie4_5ForCausalLM / Qwen3_5ForCausalLM with sdpa attention, torch.optim.AdamW, clip_grad_norm_) from the reference venv. The
+Ernie4_5ForCausalLM / Qwen3_5ForCausalLM with sdpa attention, Gemma2ForCausalLM with eager attention,
+torch.optim.AdamW, clip_grad_norm_) from the reference venv. The
 stacks alternate over the rounds; each keeps its best round. The ratio is torch's step time over ours.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_families.py [--rounds 2] [--shapes gemma3,ernie]
+    OMP_NUM_THREADS=2 python benchmarks/bench_families.py [--rounds 2] [--shapes gemma3,ernie,gemma2]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ SHAPES: Dict[str, dict] = {
     "qwen35": dict(family="qwen3_5_text", layers=6, hidden=1024, heads=8, kv_heads=2, head_dim=256, ffn=3584,
                    window=None, linear=(16, 16, 128, 128), **COMMON),
 }  # fmt: skip
+SHAPES["gemma2"] = dict(SHAPES["gemma3"], family="gemma2")
 
 
 def _worker_ours(shape: dict) -> dict:
@@ -104,7 +109,11 @@ def _worker_torch(shape: dict) -> dict:
         num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], tie_word_embeddings=True,
         max_position_embeddings=2048,
     )  # fmt: skip
-    if shape["family"] == "gemma3_text":
+    attention = "sdpa"
+    if shape["family"] == "gemma2":
+        cfg = transformers.Gemma2Config(**sizes, sliding_window=shape["window"], query_pre_attn_scalar=256)
+        model_cls, attention = transformers.Gemma2ForCausalLM, "eager"
+    elif shape["family"] == "gemma3_text":
         cfg = transformers.Gemma3TextConfig(
             **sizes, sliding_window=shape["window"], query_pre_attn_scalar=256
         )
@@ -121,7 +130,7 @@ def _worker_torch(shape: dict) -> dict:
     else:
         cfg = transformers.Ernie4_5Config(**sizes)
         model_cls = transformers.Ernie4_5ForCausalLM
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention
     model = model_cls(cfg).float()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)

@@ -9,7 +9,9 @@ model picks decodes to text. Both stacks load that same directory.
 - serve: a real `bmtrain serve` process; 1, 8 and 32 concurrent clients, each sending streamed
   /v1/completions requests (greedy, ``max_tokens`` NEW tokens, usage in the last event) for a bounded
   number of requests; aggregate completion tokens/s (all tokens / wall time from the first request to the
-  last answer) and time to first token (request sent -> first text chunk; median and worst).
+  last answer) and time to first token (request sent -> first text chunk; median and worst). With a
+  baseline, both servers run at once and the rounds alternate between them; each level reports its
+  median round.
 - transformers: ``LlamaForCausalLM.generate`` (greedy, exactly NEW tokens) on the first 8 prompts' ids
   as one left-padded batch of 8, in the reference venv (/work/main/.venv-ref or $BENCH_TORCH_PYTHON);
   best of the timed rounds after one warm-up.
@@ -264,21 +266,39 @@ def transformers_generate(
 
 
 # ---------------------------------------------------------------- main
-def _serve_levels(model: Path, new: int, clients: List[int], repo: Path) -> Dict[int, Dict[str, float]]:
-    proc, url = start_server(model, new, repo)
-    levels = {}
+def _median_round(results: List[Dict[str, float]]) -> Dict[str, Any]:
+    """The round with the median tokens/s (the lower middle one of an even count)."""
+    ranked = sorted(results, key=lambda r: r["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in results]}
+
+
+def _serve_rounds(
+    model: Path, new: int, rounds: int, stacks: Dict[str, Tuple[Path, Sequence[int]]]
+) -> Dict[str, Dict[int, Dict[str, Any]]]:
+    """Every stack's server started at once (an idle one takes no CPU), then ``rounds`` rounds, each
+    running every stack's levels in turn, so load on a shared machine hits all of them alike."""
+    servers = {}
     try:
-        _one(url, prompts(1)[0], new)  # warm-up
-        for c in clients:
-            r = levels[c] = load(url, c, CLIENTS.get(c, 1), new)
-            print(
-                f"{c:>8} {r['requests']:>9} {r['tokens_per_s']:>9.1f} {r['ttft_median_s']:>8.2f}s "
-                f"{r['ttft_max_s']:>8.2f}s",
-                flush=True,
-            )
+        for name, (repo, _) in stacks.items():
+            servers[name] = start_server(model, new, repo)
+            _one(servers[name][1], prompts(1)[0], new)  # warm-up
+        runs: Dict[str, Dict[int, List[Dict[str, float]]]] = {
+            n: {c: [] for c in lv} for n, (_, lv) in stacks.items()
+        }
+        for r in range(rounds):
+            for name, (_, levels) in stacks.items():
+                for c in levels:
+                    res = load(servers[name][1], c, CLIENTS.get(c, 1), new)
+                    runs[name][c].append(res)
+                    print(
+                        f"round {r + 1} {name:>14} {c:>3} clients: {res['tokens_per_s']:7.1f} tokens/s, "
+                        f"TTFT median {res['ttft_median_s']:.2f}s, max {res['ttft_max_s']:.2f}s",
+                        flush=True,
+                    )
     finally:
-        stop_server(proc)
-    return levels
+        for proc, _ in servers.values():
+            stop_server(proc)
+    return {n: {c: _median_round(rs) for c, rs in per.items()} for n, per in runs.items()}
 
 
 def main(
@@ -305,19 +325,25 @@ def main(
                 f"transformers generate, batch 8, {new} new tokens: {ref['tokens_per_s']:.1f} tokens/s",
                 flush=True,
             )
-        stacks = {"serve": (REPO, clients)}
+        stacks: Dict[str, Tuple[Path, Sequence[int]]] = {"serve": (REPO, clients)}
         if baseline:
             stacks["serve_baseline"] = (Path(baseline), baseline_clients or clients)
-        for name, (repo, levels_wanted) in stacks.items():
-            print(f"\n{name} ({repo}): SmolLM2-135M shape, greedy, {new} new tokens")
-            print(f"{'clients':>8} {'requests':>9} {'tokens/s':>9} {'TTFT med':>9} {'TTFT max':>9}")
-            levels = result[name] = _serve_levels(model, new, list(levels_wanted), repo)
-            if 1 in levels and 8 in levels:
-                result[f"{name}_x8_over_x1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
-                print(f"8 clients / 1 client: {result[f'{name}_x8_over_x1']:.2f}x")
-            if ref is not None and 8 in levels:
-                result[f"{name}_x8_over_transformers"] = levels[8]["tokens_per_s"] / ref["tokens_per_s"]
-                print(f"8 clients / transformers batch 8: {result[f'{name}_x8_over_transformers']:.2f}x")
+        measured = _serve_rounds(model, new, rounds, stacks)
+    for name, levels in measured.items():
+        result[name] = levels
+        print(f"\n{name}: SmolLM2-135M shape, greedy, {new} new tokens, median of {rounds} round(s)")
+        print(f"{'clients':>8} {'requests':>9} {'tokens/s':>9} {'TTFT med':>9} {'TTFT max':>9}")
+        for c, r in levels.items():
+            print(
+                f"{c:>8} {r['requests']:>9} {r['tokens_per_s']:>9.1f} {r['ttft_median_s']:>8.2f}s "
+                f"{r['ttft_max_s']:>8.2f}s"
+            )
+        if 1 in levels and 8 in levels:
+            result[f"{name}_x8_over_x1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
+            print(f"8 clients / 1 client: {result[f'{name}_x8_over_x1']:.2f}x")
+        if ref is not None and 8 in levels:
+            result[f"{name}_x8_over_transformers"] = levels[8]["tokens_per_s"] / ref["tokens_per_s"]
+            print(f"8 clients / transformers batch 8: {result[f'{name}_x8_over_transformers']:.2f}x")
     return result
 
 

@@ -66,13 +66,18 @@ class _Grouped(PyLayer):
         rows, gate_up, *weights = ctx.saved_tensor()
         e = len(ctx.counts)
         gate, up, down = weights[:e], weights[e : 2 * e], weights[2 * e :]
+        ext, dy = load_extension(), contiguous(dy)
+        if all(w.stop_gradient for w in weights):  # frozen experts: the input gradient only
+            return (
+                ext.bmt_moe_swiglu_dx(rows, gate, up, down, gate_up, dy, ctx.counts),
+                *[None] * len(weights),
+            )
         dw = [paddle.empty(w.shape, w.dtype) for w in weights]
-        dgate, dup, ddown = dw[:e], dw[e : 2 * e], dw[2 * e :]
-        out = load_extension().bmt_moe_swiglu_bwd(
-            rows, gate, up, down, gate_up, contiguous(dy), dgate, dup, ddown, ctx.counts
+        out = ext.bmt_moe_swiglu_bwd(
+            rows, gate, up, down, gate_up, dy, dw[:e], dw[e : 2 * e], dw[2 * e :], ctx.counts
         )
         dx = out[0] if isinstance(out, (list, tuple)) else out
-        # Paddle wants None for an input that needs no gradient (frozen experts: the kernel still computes them)
+        # Paddle wants None for an input that needs no gradient
         return (
             None if rows.stop_gradient else dx,
             *(None if w.stop_gradient else g for w, g in zip(weights, dw)),

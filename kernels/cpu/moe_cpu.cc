@@ -9,7 +9,8 @@
 // Backward, from dy [rows, h]:
 //   A = silu(G) * U, dA = dy_e down_e^T, dG = dA * U * silu'(G), dU = dA * silu(G)
 //   dx_e = dG gate_e^T + dU up_e^T
-//   dgate_e = X_e^T dG, dup_e = X_e^T dU, ddown_e = A^T dy_e   (zeros for an expert without rows)
+//   dgate_e = X_e^T dG, dup_e = X_e^T dU, ddown_e = A^T dy_e   (zeros for an expert without rows;
+//   skipped when dgate is NULL: frozen experts)
 //
 // Work is dealt to OpenMP threads in blocks: the row-wise products in (expert, tile of kRowTile rows)
 // blocks, the weight gradients in (expert, weight, kWeightRows rows of that weight) blocks, so an expert
@@ -100,7 +101,7 @@ void forward(const Experts& ex, const float* x, float* gate_up, float* y) {
 #pragma omp parallel if (threaded(ex))
   {
     std::vector<float> act(static_cast<size_t>(kRowTile * f));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
     for (int64_t b = 0; b < nb; ++b) {
       const Block& bl = blocks[b];
       const int64_t m = bl.r1 - bl.r0;
@@ -124,17 +125,18 @@ void backward(const Experts& ex, const float* x, const float* gate_up, const flo
   const int64_t h = ex.h, f = ex.f, rows = ex.off[ex.count];
   const std::vector<Block> blocks = row_blocks(ex);
   const int64_t nb = static_cast<int64_t>(blocks.size());
+  const bool weights = dgate != nullptr;  // NULL: the input gradient only (frozen experts)
   // A and [dG | dU] of every row, for the weight gradients
-  std::vector<float> act(static_cast<size_t>(rows * f)), dgu(static_cast<size_t>(rows * 2 * f));
+  std::vector<float> act(static_cast<size_t>(weights ? rows * f : 0)), dgu(static_cast<size_t>(rows * 2 * f));
   std::vector<Block> wblocks;  // e, weight (0 gate, 1 up, 2 down), first row of that weight's gradient
-  for (int64_t e = 0; e < ex.count; ++e)
+  for (int64_t e = 0; weights && e < ex.count; ++e)
     for (int64_t w = 0; w < 3; ++w)
       for (int64_t r = 0; r < (w == 2 ? f : h); r += kWeightRows) wblocks.push_back({e * 3 + w, r, 0});
   const int64_t nw = static_cast<int64_t>(wblocks.size());
 #pragma omp parallel if (threaded(ex))
   {
     std::vector<float> da(static_cast<size_t>(kRowTile * f));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
     for (int64_t b = 0; b < nb; ++b) {
       const Block& bl = blocks[b];
       const int64_t m = bl.r1 - bl.r0;
@@ -143,12 +145,12 @@ void backward(const Experts& ex, const float* x, const float* gate_up, const flo
         const int64_t r = bl.r0 + i;
         const float* g = gate_up + r * 2 * f;
         const float* d = da.data() + i * f;
-        float* a = act.data() + r * f;
+        float* a = weights ? act.data() + r * f : nullptr;
         float* dg = dgu.data() + r * 2 * f;
 #pragma omp simd
         for (int64_t j = 0; j < f; ++j) {
           const float s = sigmoid(g[j]), silu = g[j] * s, u = g[f + j];
-          a[j] = silu * u;
+          if (weights) a[j] = silu * u;
           dg[f + j] = d[j] * silu;
           dg[j] = d[j] * u * s * (1.f + g[j] * (1.f - s));
         }
@@ -157,7 +159,7 @@ void backward(const Experts& ex, const float* x, const float* gate_up, const flo
       gemm(false, true, m, h, f, dgb, 2 * f, ex.gate[bl.e], f, 0.f, dx + bl.r0 * h, h);
       gemm(false, true, m, h, f, dgb + f, 2 * f, ex.up[bl.e], f, 1.f, dx + bl.r0 * h, h);
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
     for (int64_t b = 0; b < nw; ++b) {
       const int64_t e = wblocks[b].e / 3, w = wblocks[b].e % 3, r0 = wblocks[b].r0;
       const int64_t n = ex.off[e + 1] - ex.off[e], o = ex.off[e];

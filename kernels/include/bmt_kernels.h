@@ -34,7 +34,8 @@
 //               expert, counts[e] rows for expert e (in order); gate[e], up[e] [h, f] and down[e] [f, h]
 //               (Paddle's [in, out] layout). fwd: gate_up [rows, 2f] = [x gate_e | x up_e] (saved for
 //               bwd) and y [rows, h] = (silu(G) * U) down_e. bwd from dy: dx [rows, h] and every expert's
-//               dgate, dup, ddown (overwritten; zeros for an expert without rows).
+//               dgate, dup, ddown (overwritten; zeros for an expert without rows; dgate, dup and ddown
+//               all NULL: dx only).
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 

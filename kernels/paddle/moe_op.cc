@@ -5,7 +5,8 @@
 //
 // bmt_moe_swiglu_fwd returns Y [rows, h] and GateUp [rows, 2f] (the pre-activations, for the backward);
 // bmt_moe_swiglu_bwd takes them with DY, returns DX and writes every expert's weight gradients into the
-// lists DGate, DUp, DDown in place (allocated by the caller, shaped as the weights). Autograd is the
+// lists DGate, DUp, DDown in place (allocated by the caller, shaped as the weights); bmt_moe_swiglu_dx
+// returns DX only (frozen experts: no weight gradient is computed). Autograd is the
 // PyLayer of bmtrain_cli/ops/moe_experts.py, which checks first with a clearer message.
 #include <vector>
 
@@ -76,35 +77,58 @@ std::vector<paddle::Tensor> MoeSwigluForward(const paddle::Tensor& x, const std:
   return {y, gate_up};
 }
 
-std::vector<paddle::Tensor> MoeSwigluBackward(const paddle::Tensor& x, const std::vector<paddle::Tensor>& gate,
-                                              const std::vector<paddle::Tensor>& up,
-                                              const std::vector<paddle::Tensor>& down, const paddle::Tensor& gate_up,
-                                              const paddle::Tensor& dy, std::vector<paddle::Tensor>& dgate,
-                                              std::vector<paddle::Tensor>& dup, std::vector<paddle::Tensor>& ddown,
-                                              const std::vector<int64_t>& counts) {
-  const char* op = "bmt_moe_swiglu_bwd";
+namespace {
+
+// dx, and the weight gradients into dgate / dup / ddown when they are given (else the input gradient only)
+paddle::Tensor backward(const paddle::Tensor& x, const std::vector<paddle::Tensor>& gate,
+                        const std::vector<paddle::Tensor>& up, const std::vector<paddle::Tensor>& down,
+                        const paddle::Tensor& gate_up, const paddle::Tensor& dy, std::vector<paddle::Tensor>* dgate,
+                        std::vector<paddle::Tensor>* dup, std::vector<paddle::Tensor>* ddown,
+                        const std::vector<int64_t>& counts, const char* op) {
   const auto [h, f] = check_all(x, gate, up, down, counts, op);
   const int64_t rows = x.shape()[0];
   check_f32(gate_up, op, "gate_up");
   PD_CHECK(gate_up.numel() == rows * 2 * f, op, ": gate_up must be [rows, 2 * inter]");
   check_f32(dy, op, "the output's gradient");
   PD_CHECK(dy.numel() == rows * h, op, ": dy must be [rows, hidden]");
-  check_list(dgate, counts.size(), h, f, op, "dgate");
-  check_list(dup, counts.size(), h, f, op, "dup");
-  check_list(ddown, counts.size(), f, h, op, "ddown");
   auto dx = paddle::empty({rows, h}, x.dtype(), x.place());
   std::vector<float*> dg, du, dd;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    dg.push_back(dgate[e].data<float>());
-    du.push_back(dup[e].data<float>());
-    dd.push_back(ddown[e].data<float>());
+  if (dgate != nullptr) {
+    check_list(*dgate, counts.size(), h, f, op, "dgate");
+    check_list(*dup, counts.size(), h, f, op, "dup");
+    check_list(*ddown, counts.size(), f, h, op, "ddown");
+    for (size_t e = 0; e < counts.size(); ++e) {
+      dg.push_back((*dgate)[e].data<float>());
+      du.push_back((*dup)[e].data<float>());
+      dd.push_back((*ddown)[e].data<float>());
+    }
   }
   const auto g = ptrs(gate), u = ptrs(up), d = ptrs(down);
+  const bool w = dgate != nullptr;
   const int st = bmt_cpu_moe_swiglu_bwd(x.data<float>(), counts.data(), static_cast<int64_t>(counts.size()), g.data(),
                                         u.data(), d.data(), gate_up.data<float>(), dy.data<float>(), dx.data<float>(),
-                                        dg.data(), du.data(), dd.data(), h, f);
+                                        w ? dg.data() : nullptr, w ? du.data() : nullptr, w ? dd.data() : nullptr, h,
+                                        f);
   PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
-  return {dx};
+  return dx;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> MoeSwigluBackward(const paddle::Tensor& x, const std::vector<paddle::Tensor>& gate,
+                                              const std::vector<paddle::Tensor>& up,
+                                              const std::vector<paddle::Tensor>& down, const paddle::Tensor& gate_up,
+                                              const paddle::Tensor& dy, std::vector<paddle::Tensor>& dgate,
+                                              std::vector<paddle::Tensor>& dup, std::vector<paddle::Tensor>& ddown,
+                                              const std::vector<int64_t>& counts) {
+  return {backward(x, gate, up, down, gate_up, dy, &dgate, &dup, &ddown, counts, "bmt_moe_swiglu_bwd")};
+}
+
+std::vector<paddle::Tensor> MoeSwigluInputGrad(const paddle::Tensor& x, const std::vector<paddle::Tensor>& gate,
+                                               const std::vector<paddle::Tensor>& up,
+                                               const std::vector<paddle::Tensor>& down, const paddle::Tensor& gate_up,
+                                               const paddle::Tensor& dy, const std::vector<int64_t>& counts) {
+  return {backward(x, gate, up, down, gate_up, dy, nullptr, nullptr, nullptr, counts, "bmt_moe_swiglu_dx")};
 }
 
 PD_BUILD_OP(bmt_moe_swiglu_fwd)
@@ -122,3 +146,9 @@ PD_BUILD_OP(bmt_moe_swiglu_bwd)
                     {paddle::Vec("DUp"), paddle::Vec("DUpOut")},
                     {paddle::Vec("DDown"), paddle::Vec("DDownOut")}})
     .SetKernelFn(PD_KERNEL(MoeSwigluBackward));
+
+PD_BUILD_OP(bmt_moe_swiglu_dx)
+    .Inputs({"X", paddle::Vec("Gate"), paddle::Vec("Up"), paddle::Vec("Down"), "GateUp", "DY"})
+    .Outputs({"DX"})
+    .Attrs({"counts: std::vector<int64_t>"})
+    .SetKernelFn(PD_KERNEL(MoeSwigluInputGrad));

@@ -5,15 +5,17 @@ implementation by mode and device; a model trained with our kernels equals one w
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
 import paddle
 import pytest
 
+from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.models.moe import SparseMoE
-from bmtrain_cli.ops import select
-from bmtrain_cli.ops.moe_experts import choose, grouped_experts, reference_experts, swiglu_expert
+from bmtrain_cli.ops import moe_experts, select
+from bmtrain_cli.ops.moe_experts import choose, grouped_experts, reference_experts, resolve, swiglu_expert
 
 # (hidden, inter, rows of each expert)
 CASES = [
@@ -109,6 +111,17 @@ def test_choice_by_mode_and_device():
     assert choose("reference", "cpu", True)[0] == "reference"
     impl, why = choose("auto", "gpu:0", True)
     assert impl == "reference" and "gpu:0" in why and "fused_moe" in why
+
+
+def test_a_gpu_layer_says_once_that_it_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(moe_experts, "_told", set())
+    with pytest.warns(NoticeWarning, match="MoE experts: no grouped-GEMM training op .* on gpu:0"):
+        assert resolve(None, "auto", "gpu:0") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve(None, "auto", "gpu:0") is None  # once per process and reason
+        assert resolve(None, "reference", "cpu") is None  # a CPU without our kernels: no line
+        assert resolve(grouped_experts, "auto", "cpu") is grouped_experts
 
 
 def test_op_sets_carry_the_grouped_gemm_where_our_cpu_kernels_run(ext):

@@ -5,15 +5,17 @@ implementation by mode and device; a model trained with our kernels equals one w
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
 import paddle
 import pytest
 
+from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.models.moe import SparseMoE
-from bmtrain_cli.ops import select
-from bmtrain_cli.ops.moe_experts import choose, grouped_experts, reference_experts, swiglu_expert
+from bmtrain_cli.ops import moe_experts, select
+from bmtrain_cli.ops.moe_experts import choose, grouped_experts, reference_experts, resolve, swiglu_expert
 
 # (hidden, inter, rows of each expert)
 CASES = [
@@ -111,6 +113,17 @@ def test_choice_by_mode_and_device():
     assert impl == "reference" and "gpu:0" in why and "fused_moe" in why
 
 
+def test_a_gpu_layer_says_once_that_it_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(moe_experts, "_told", set())
+    with pytest.warns(NoticeWarning, match="MoE experts: no grouped-GEMM training op .* on gpu:0"):
+        assert resolve(None, "auto", "gpu:0") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve(None, "auto", "gpu:0") is None  # once per process and reason
+        assert resolve(None, "reference", "cpu") is None  # a CPU without our kernels: no line
+        assert resolve(grouped_experts, "auto", "cpu") is grouped_experts
+
+
 def test_op_sets_carry_the_grouped_gemm_where_our_cpu_kernels_run(ext):
     assert select("custom", device="cpu").moe_experts is grouped_experts
     assert select("reference", device="cpu").moe_experts is None
@@ -136,3 +149,69 @@ def test_an_moe_layer_trains_the_same_with_the_grouped_gemm(ext):
     assert len(results[0]) == len(results[1]) == 1 + 1 + 3 * 6  # router and every expert
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_launcher_without_mkl_equals_numpy(tmp_path):
+    """kernels/cpu/moe_cpu.cc built alone without BMT_WITH_MKL (its own loops, where Paddle ships no MKL),
+    called through its C ABI: forward and every gradient equal numpy in float64, experts without rows
+    included."""
+    import ctypes
+    import subprocess
+
+    from bmtrain_cli.machine import find_cxx
+    from bmtrain_cli.ops.build import KERNELS_DIR
+
+    cxx = find_cxx()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    lib_path = tmp_path / "libmoe.so"
+    subprocess.run(
+        [cxx, "-O1", "-fopenmp", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
+         str(KERNELS_DIR / "cpu" / "moe_cpu.cc"), "-o", str(lib_path)],
+        check=True,
+    )  # fmt: skip
+    lib = ctypes.CDLL(str(lib_path))
+    h, f, counts = 11, 6, [4, 0, 7]
+    rng = np.random.default_rng(0)
+    rows = sum(counts)
+    x, dy = rng.standard_normal((rows, h)), rng.standard_normal((rows, h))
+    ws = [[rng.standard_normal(s) / 3 for _ in counts] for s in ((h, f), (h, f), (f, h))]
+
+    f32 = np.float32
+    c = lambda a: np.ascontiguousarray(a, dtype=f32)  # noqa: E731
+    fptr = ctypes.POINTER(ctypes.c_float)
+    ptr = lambda a: a.ctypes.data_as(fptr)  # noqa: E731
+    arrs = [[c(w) for w in group] for group in ws]
+    lists = [(fptr * len(counts))(*[ptr(w) for w in group]) for group in arrs]
+    xc, dyc = c(x), c(dy)
+    cnt = np.array(counts, dtype=np.int64)
+    gate_up, y, dx = np.empty((rows, 2 * f), f32), np.empty((rows, h), f32), np.empty((rows, h), f32)
+    grads = [[np.empty_like(w) for w in group] for group in arrs]
+    glists = [(fptr * len(counts))(*[ptr(g) for g in group]) for group in grads]
+    i64 = ctypes.c_int64
+    cnt_p = cnt.ctypes.data_as(ctypes.POINTER(i64))
+    assert (
+        lib.bmt_cpu_moe_swiglu_fwd(ptr(xc), cnt_p, i64(3), *lists, ptr(gate_up), ptr(y), i64(h), i64(f)) == 0
+    )
+    assert (
+        lib.bmt_cpu_moe_swiglu_bwd(ptr(xc), cnt_p, i64(3), *lists, ptr(gate_up), ptr(dyc), ptr(dx), *glists,
+                                   i64(h), i64(f))
+        == 0
+    )  # fmt: skip
+
+    start, ref_y, ref_dx = 0, np.zeros_like(x), np.zeros_like(x)
+    for e, n in enumerate(counts):
+        xe, de = x[start : start + n], dy[start : start + n]
+        g, u = xe @ ws[0][e], xe @ ws[1][e]
+        s = 1 / (1 + np.exp(-g))
+        a = g * s * u
+        ref_y[start : start + n] = a @ ws[2][e]
+        da = de @ ws[2][e].T
+        dg, du = da * u * s * (1 + g * (1 - s)), da * g * s
+        ref_dx[start : start + n] = dg @ ws[0][e].T + du @ ws[1][e].T
+        for k, want in enumerate((xe.T @ dg, xe.T @ du, a.T @ de)):
+            np.testing.assert_allclose(grads[k][e], want, rtol=1e-4, atol=1e-5)
+        start += n
+    np.testing.assert_allclose(y, ref_y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-5)
+    assert not any(grads[k][1].any() for k in range(3))  # the expert without rows: zeros

@@ -30,11 +30,13 @@ def _layout_refusals(config: Config) -> List[Tuple[bool, str, str, str]]:
     t, p = config.train, config.parallel
     return [
         (
-            p.tensor_parallel > 1,
+            p.tensor_parallel > 2
+            or (p.tensor_parallel > 1 and (p.data_parallel > 2 or p.sharding_parallel > 1)),
             "parallel_config.tensor_parallel",
-            "tensor_parallel > 1: the rollouts sample from the whole vocabulary's logits, which tensor "
-            "parallel splits over the ranks (data_parallel and sharding_parallel stage 1 shard the rollouts)",
-            "tensor_parallel: 1",
+            f"tensor_parallel {p.tensor_parallel} with data_parallel {p.data_parallel} and "
+            f"sharding_parallel {p.sharding_parallel}: tensor parallel is checked against one process at "
+            "tensor_parallel 2, alone or with data_parallel 2",
+            "tensor_parallel: 2 with data_parallel 1 or 2 and sharding_parallel: 1, or tensor_parallel: 1",
         ),
         (
             p.pipeline_parallel > 1,
@@ -72,7 +74,7 @@ def _layout_refusals(config: Config) -> List[Tuple[bool, str, str, str]]:
 def check_grpo(config: Config, err: Callable[..., None]) -> None:
     """stage: grpo: whole groups per step, one weight per reward function, rewards that exist, a
     reference to compare with when beta > 0, and the layouts it runs under (data parallel and sharding
-    stage 1; docs/grpo.md)."""
+    stage 1, tensor parallel 2 alone or with data parallel 2; docs/grpo.md)."""
     m, t = config.model, config.train
     g = t.grpo
     if t.stage != "grpo":

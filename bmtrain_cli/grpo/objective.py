@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from bmtrain_cli.grpo.loss import LossSettings, grpo_loss, loss_metrics
 from bmtrain_cli.grpo.prompts import PromptSet
@@ -51,12 +50,20 @@ def completion_logps(
     logits = model.logits_from_hidden(picked).astype("float32") / temperature
     targets = paddle.to_tensor(batch["completion_ids"].reshape(-1).astype(np.int64))
     logps = token_logps(logits, targets, getattr(model, "factory", None)).reshape([rows, t])
-    entropy = None
-    if with_entropy:
-        with paddle.no_grad():
-            logp_all = F.log_softmax(logits, axis=-1)
-            entropy = -(paddle.exp(logp_all) * logp_all).sum(-1).reshape([rows, t])
+    entropy = token_entropy(logits, model.factory).reshape([rows, t]) if with_entropy else None
     return logps, entropy
+
+
+@paddle.no_grad()
+def token_entropy(logits: paddle.Tensor, factory: Any) -> paddle.Tensor:
+    """The entropy of softmax(``logits``) per row [tokens, vocab] (a vocabulary shard under tensor
+    parallel, the max and the sums then combined over the group): log S - sum p (z - m), where m is the
+    row's max logit, S = sum exp(z - m) and p = exp(z - m) / S."""
+    shifted = logits - factory.vocab_reduce(logits.max(-1, keepdim=True), "max")
+    exp = paddle.exp(shifted)
+    total = factory.vocab_reduce(exp.sum(-1, keepdim=True), "sum")
+    weighted = factory.vocab_reduce((exp * shifted).sum(-1, keepdim=True), "sum")
+    return (paddle.log(total) - weighted / total).reshape([-1])
 
 
 def no_grad_logps(

@@ -139,11 +139,14 @@ def generate(
                 attention_mask=paddle.to_tensor(mask),
                 position_ids=paddle.to_tensor(step_pos),
                 cache=cache,
-            )
+            )[:, -1]
+            # under tensor parallel each rank holds a vocabulary shard: every rank samples from the
+            # whole, gathered, distribution and so picks the same tokens with the same seed
+            logits = model.factory.whole_vocab(logits)
             # one uniform number per prompt and step, finished ones included: a prompt's samples do not
             # depend on when the others stop
             draws = rng.random(len(prompts))[rows] if temperature > 0 else None
-            nxt = sample_next(logits[:, -1].astype("float32").numpy(), temperature, top_p, rng, draws)
+            nxt = sample_next(logits.astype("float32").numpy(), temperature, top_p, rng, draws)
             for i, t in zip(rows, nxt):
                 out[i].append(int(t))
                 done[i] = eos_token_id is not None and int(t) == eos_token_id

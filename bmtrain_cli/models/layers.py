@@ -34,6 +34,10 @@ class LayerFactory(Protocol):
         self, logits: paddle.Tensor, labels: paddle.Tensor
     ) -> Tuple[paddle.Tensor, paddle.Tensor]: ...
 
+    def whole_vocab(self, logits: paddle.Tensor) -> paddle.Tensor: ...
+
+    def vocab_reduce(self, value: paddle.Tensor, op: str) -> paddle.Tensor: ...
+
     @property
     def sum_grad_over_group(self) -> Optional[Callable[[paddle.Tensor], paddle.Tensor]]:
         """A hook that sums a replicated weight's gradient over the group (None: one device)."""
@@ -66,3 +70,11 @@ class PlainFactory:
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
         """(sum of token losses, number of non-ignored labels) over logits [..., vocab]."""
         return reference.cross_entropy_sum(logits, labels)
+
+    def whole_vocab(self, logits: paddle.Tensor) -> paddle.Tensor:
+        """The logits over the whole vocabulary (they are already)."""
+        return logits
+
+    def vocab_reduce(self, value: paddle.Tensor, op: str) -> paddle.Tensor:
+        """A per-row reduction ("max" or "sum") of the vocabulary shards: the value itself on one device."""
+        return value

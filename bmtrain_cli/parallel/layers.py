@@ -90,5 +90,21 @@ class TensorParallelFactory:
         valid = (flat_labels != ignore_index).astype("float32")
         return (loss.astype("float32") * valid).sum(), valid.sum()
 
+    def whole_vocab(self, logits: Any) -> Any:
+        """The vocabulary-split logits [..., vocab / tp] gathered over the group into [..., vocab], the
+        same on every rank (sampling needs the whole distribution)."""
+        from paddle.distributed.fleet.layers.mpu import mp_ops
+
+        return mp_ops._c_concat(logits, group=self.mp_group)
+
+    def vocab_reduce(self, value: Any, op: str) -> Any:
+        """A per-row "max" or "sum" of each rank's vocabulary shard combined over the group (no gradient:
+        an all-reduce of a copy)."""
+        import paddle.distributed as dist
+
+        out = value.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.mp_group)
+        return out
+
     def __repr__(self) -> str:
         return f"TensorParallelFactory(tp_degree={self.tp_degree}, tp_rank={self.tp_rank})"

@@ -1,8 +1,10 @@
 """stage: grpo through `bmtrain run` equals one process step by step (loss, gradient norm and TRL's
 figures at 1e-5, same seeds): data parallel with LoRA, the reference (adapters off), the old policy's
 log-probs (num_iterations 2), dapo's token normalisation and scale_rewards: batch; sharding stage 1 with
-full fine-tuning, the grpo loss and group scaling. Each data rank samples and scores its block of the
-rollout batch (grpo/shard.py)."""
+full fine-tuning, the grpo loss and group scaling; tensor parallel (vocabulary-split logits: gathered for
+sampling, the log-probs and entropy reduced over the group), alone and with dp2, with LoRA, the reference
+and the old policy.
+Each data rank samples and scores its block of the rollout batch (grpo/shard.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ train_config:
 parallel_config:
   data_parallel: {dp}
   sharding_parallel: {sharding}
+  tensor_parallel: {tp}
 """
 )
 
@@ -64,14 +67,16 @@ KEYS = (
 )
 
 
-def _run(tmp: Path, name: str, dp: int, sharding: int, extra: str, grpo: str) -> dict:
+def _run(tmp: Path, name: str, dp: int, sharding: int, extra: str, grpo: str, tp: int = 1) -> dict:
     reward = tmp / "vowel_reward.py"
     reward.write_text(VOWELS, encoding="utf-8")
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
-    text = GRPO.format(out=out, dp=dp, sharding=sharding, extra=extra, grpo=grpo, reward=f"{reward}:vowels")
+    text = GRPO.format(
+        out=out, dp=dp, sharding=sharding, tp=tp, extra=extra, grpo=grpo, reward=f"{reward}:vowels"
+    )
     cfg.write_text(text, encoding="utf-8")
-    command = "train" if dp * sharding == 1 else "run"
+    command = "train" if dp * sharding * tp == 1 else "run"
     res = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", command, "--config", str(cfg)],
         capture_output=True,
@@ -112,3 +117,14 @@ def test_sharding_stage1_full_grpo_loss_equals_one_process(tmp_path):
     one = _run(tmp_path, "one", 1, 1, "", grpo)
     sharded = _run(tmp_path, "sharded", 1, 2, "", grpo)
     _same(one, sharded, KEYS)
+
+
+def test_tp2_and_dp2_x_tp2_lora_reference_old_policy_equal_one_process(tmp_path):
+    extra = "  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear"
+    grpo = "    beta: 0.05\n    num_iterations: 2\n    loss_type: grpo\n    scale_rewards: group"
+    one = _run(tmp_path, "one", 1, 1, extra, grpo)
+    tp2 = _run(tmp_path, "tp2", 1, 1, extra, grpo, tp=2)
+    _same(one, tp2, KEYS + ("kl",))
+    assert one["train"][1]["kl"] > 0
+    dp2_tp2 = _run(tmp_path, "dp2_tp2", 2, 1, extra, grpo, tp=2)
+    _same(one, dp2_tp2, KEYS + ("kl",))

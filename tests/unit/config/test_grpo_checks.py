@@ -1,4 +1,5 @@
-"""validate-config for stage: grpo: the layouts a GRPO run takes (data parallel, sharding stage 1) pass,
+"""validate-config for stage: grpo: the layouts a GRPO run takes (data parallel, sharding stage 1, tensor
+parallel 2 alone or with data parallel 2) pass,
 the others are refused before launch with their reason."""
 
 from __future__ import annotations
@@ -33,10 +34,23 @@ def test_data_parallel_and_sharding_stage1_are_accepted(write_yaml, layout):
     assert load_config(write_yaml(BASE + layout)).config.parallel.data_ranks > 1
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tensor_parallel_2_alone_or_with_data_parallel_2_is_accepted(write_yaml, dp):
+    config = load_config(
+        write_yaml(BASE + f"parallel:\n  tensor_parallel: 2\n  data_parallel: {dp}\n")
+    ).config
+    assert config.parallel.tensor_parallel == 2 and config.parallel.data_parallel == dp
+
+
 @pytest.mark.parametrize(
     "layout, message",
     [
-        ("parallel:\n  tensor_parallel: 2\n", "which tensor parallel splits over the ranks"),
+        (
+            "parallel:\n  tensor_parallel: 2\n  sharding_parallel: 2\n",
+            "tensor parallel is checked against one process at tensor_parallel 2, alone or with data_parallel 2",
+        ),
+        ("parallel:\n  tensor_parallel: 2\n  data_parallel: 4\n", "tensor_parallel 2 with data_parallel 4"),
+        ("parallel:\n  tensor_parallel: 4\n", "tensor_parallel 4 with data_parallel 1"),
         ("parallel:\n  pipeline_parallel: 2\n", "the rollouts run the whole model on each rank"),
         (
             "parallel:\n  sharding_parallel: 2\n  sharding_stage: 2\n",

@@ -179,3 +179,28 @@ def test_a_users_reward_file_outside_the_repo_scores_the_completions(tmp_path):
     for r in _rows(tmp_path / "user"):
         assert r["rewards/length/mean"] == r["reward"]
         assert abs(r["reward"] - r["completions/mean_length"] / 10) < 1e-12
+
+
+def test_grpo_on_a_quantised_base_with_gradient_checkpointing_trains_the_adapters(tmp_path):
+    """QLoRA under GRPO: an nf4 base, LoRA on every projection and recomputed layers; the policy gradient
+    reaches the adapters at every step and the checkpoint holds only them, with the quantisation recorded."""
+    from safetensors.numpy import load_file
+
+    sets = (
+        "train_config.finetuning=lora",
+        "train_config.lora_target_modules=all-linear",
+        "train_config.gradient_checkpointing=true",
+        "model_config.quantization.method=nf4",
+        "model_config.quantization.block_size=16",
+    )
+    result = _train(tmp_path, "qlora", grpo=f"    reward_funcs: [{_vowels(tmp_path)}]", sets=sets)
+    assert result.exit_code == 0, result.output
+    rows = _rows(tmp_path / "qlora")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows), rows
+    step = tmp_path / "qlora" / "checkpoints" / "step-3"
+    adapters = load_file(str(step / "adapter_model.safetensors"))
+    assert adapters and all("lora_" in name for name in adapters)
+    assert any(abs(w).max() > 0 for name, w in adapters.items() if "lora_B" in name)  # B starts at zero
+    assert not (step / "model.safetensors").exists()
+    assert json.loads((step / "lora_base.json").read_text())["quantization"]["method"] == "nf4"

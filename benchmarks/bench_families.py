@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_stacks import CLIP, LR, _env, _ids, _timed, _torch_python  # noqa: E402
+from bench_stacks import _env, _timed, _torch_python, ours_phases, torch_phases  # noqa: E402
 
 COMMON = dict(vocab=16384, seq=256, batch=2, warmup=2, steps=3)
 SHAPES: Dict[str, dict] = {
@@ -52,14 +52,12 @@ SHAPES["gemma2"] = dict(SHAPES["gemma3"], family="gemma2")
 def _worker_ours(shape: dict) -> dict:
     sys.path.insert(0, str(REPO))
     from dataclasses import replace
-    from types import SimpleNamespace
 
     import paddle
 
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.models.families import family
-    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
 
     paddle.seed(0)
     fam = shape["family"]
@@ -75,26 +73,7 @@ def _worker_ours(shape: dict) -> dict:
         arch = replace(arch, linear_attention=LinearAttention(*shape["linear"]))
     model = build(arch)
     model.train()
-    cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
-    opt = build_optimizer(model, cfg, LR)
-    params = [p for p in model.parameters() if not p.stop_gradient]
-    ids = paddle.to_tensor(_ids(shape), dtype="int64")
-    state: dict = {}
-
-    def forward():
-        total, count = model.loss_sum(ids, ids)
-        state["loss"] = total / count
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        clip_for_step(opt, params, CLIP, float(grad_norm_tensor(params)))
-        opt.step()
-        opt.clear_grad()
-
-    return _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    return _timed(ours_phases(model, shape)[0], shape)
 
 
 def _worker_torch(shape: dict) -> dict:
@@ -133,23 +112,7 @@ def _worker_torch(shape: dict) -> dict:
     cfg._attn_implementation = attention
     model = model_cls(cfg).float()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    ids = torch.from_numpy(_ids(shape))
-    state: dict = {}
-
-    def forward():
-        state["loss"] = model(input_ids=ids, labels=ids).loss
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    return _timed(torch_phases(model, shape), shape)
 
 
 def _run(python: str, kind: str, shape: str) -> Tuple[dict, str]:

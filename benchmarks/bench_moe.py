@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_stacks import CLIP, LR, _env, _ids, _timed, _torch_python  # noqa: E402
+from bench_stacks import _env, _timed, _torch_python, ours_phases, torch_phases  # noqa: E402
 
 COMMON = dict(
     hidden=1024,
@@ -81,13 +81,9 @@ def _make_checkpoint(shape: dict, out: str) -> None:
 
 def _worker_ours(shape: dict, ckpt: str, grouped: bool) -> dict:
     sys.path.insert(0, str(REPO))
-    from types import SimpleNamespace
-
-    import paddle
 
     from bmtrain_cli.models import load_pretrained
     from bmtrain_cli.models.moe import SparseMoE
-    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
 
     model = load_pretrained(ckpt)
     moe = [m for m in model.sublayers() if isinstance(m, SparseMoE)]
@@ -96,26 +92,7 @@ def _worker_ours(shape: dict, ckpt: str, grouped: bool) -> dict:
         for m in moe:
             m.grouped = None
     model.train()
-    cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
-    opt = build_optimizer(model, cfg, LR)
-    params = [p for p in model.parameters() if not p.stop_gradient]
-    ids = paddle.to_tensor(_ids(shape), dtype="int64")
-    state: dict = {}
-
-    def forward():
-        total, count = model.loss_sum(ids, ids)
-        state["loss"] = total / count
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        clip_for_step(opt, params, CLIP, float(grad_norm_tensor(params)))
-        opt.step()
-        opt.clear_grad()
-
-    return _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    return _timed(ours_phases(model, shape)[0], shape)
 
 
 def _worker_torch(shape: dict, ckpt: str, impl: str) -> dict:
@@ -127,23 +104,7 @@ def _worker_torch(shape: dict, ckpt: str, impl: str) -> dict:
         ckpt, dtype=torch.float32, attn_implementation="sdpa", experts_implementation=impl
     )
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    ids = torch.from_numpy(_ids(shape))
-    state: dict = {}
-
-    def forward():
-        state["loss"] = model(input_ids=ids, labels=ids).loss
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    return _timed(torch_phases(model, shape), shape)
 
 
 def _run(python: str, args: list) -> Tuple[Optional[dict], str]:

@@ -100,9 +100,66 @@ def _ids(shape: dict):
     return np.random.default_rng(0).integers(0, shape["vocab"], (shape["batch"], shape["seq"]))
 
 
+def ours_phases(
+    model: object, shape: dict, loss_sum: Optional[Callable] = None
+) -> Tuple[Dict[str, Callable[[], object]], object]:
+    """Our training step on ``model`` (a bmtrain_cli CausalLM) as _timed's phases, with the trainer's
+    optimizer (CpuAdamW on a CPU, the clip folded into its update as in train/step.py)."""
+    from types import SimpleNamespace
+
+    import paddle
+
+    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
+
+    cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
+    opt = build_optimizer(model, cfg, LR)
+    params = [p for p in model.parameters() if not p.stop_gradient]
+    loss_fn = loss_sum or model.loss_sum
+    ids = paddle.to_tensor(_ids(shape), dtype="int64")
+    state: dict = {}
+
+    def forward():
+        total, count = loss_fn(ids, ids)
+        state["loss"] = total / count
+        return state["loss"]
+
+    def backward():
+        state["loss"].backward()
+
+    def update():
+        norm = float(grad_norm_tensor(params))  # the trainer brings the norm to the host once per step
+        clip_for_step(opt, params, CLIP, norm)
+        opt.step()
+        opt.clear_grad()
+
+    return {"forward": forward, "backward": backward, "update": update}, opt
+
+
+def torch_phases(model: object, shape: dict) -> Dict[str, Callable[[], object]]:
+    """transformers' training step on ``model`` as _timed's phases: torch.optim.AdamW, clip_grad_norm_."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    ids = torch.from_numpy(_ids(shape))
+    state: dict = {}
+
+    def forward():
+        state["loss"] = model(input_ids=ids, labels=ids).loss
+        return state["loss"]
+
+    def backward():
+        state["loss"].backward()
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return {"forward": forward, "backward": backward, "update": update}
+
+
 def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     sys.path.insert(0, str(REPO))
-    from types import SimpleNamespace
 
     import paddle
 
@@ -112,7 +169,6 @@ def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     host_memory.apply(host)  # as train/setup.py does on a CPU (train_config.host_memory)
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
-    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
     from bmtrain_cli.train.static import compile_loss_sum
 
     paddle.seed(0)
@@ -124,28 +180,8 @@ def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     )  # fmt: skip
     model = build(arch)  # model_config.kernels default: auto
     model.train()
-    cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
-    opt = build_optimizer(model, cfg, LR)
-    params = [p for p in model.parameters() if not p.stop_gradient]
-    loss_sum = compile_loss_sum(model) if static else model.loss_sum
-    ids = paddle.to_tensor(_ids(shape), dtype="int64")
-    state: dict = {}
-
-    def forward():
-        total, count = loss_sum(ids, ids)
-        state["loss"] = total / count
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        norm = float(grad_norm_tensor(params))  # the trainer brings the norm to the host once per step
-        clip_for_step(opt, params, CLIP, norm)  # CpuAdamW folds the clip into its update, as in train/step.py
-        opt.step()
-        opt.clear_grad()
-
-    res = _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    phases, opt = ours_phases(model, shape, compile_loss_sum(model) if static else None)
+    res = _timed(phases, shape)
     res["optimizer"] = f"{type(opt).__name__}(fused={getattr(opt, 'fused', None)})"
     return res
 
@@ -198,23 +234,7 @@ def _worker_torch(shape: dict) -> dict:
     )  # fmt: skip
     model = LlamaForCausalLM(cfg).float()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    ids = torch.from_numpy(_ids(shape))
-    state: dict = {}
-
-    def forward():
-        state["loss"] = model(input_ids=ids, labels=ids).loss
-        return state["loss"]
-
-    def backward():
-        state["loss"].backward()
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _timed({"forward": forward, "backward": backward, "update": update}, shape)
+    return _timed(torch_phases(model, shape), shape)
 
 
 def _worker_peak(framework: str) -> dict:

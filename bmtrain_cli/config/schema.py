@@ -6,96 +6,22 @@ section live in ``checks.py`` so that each section here stays a plain descriptio
 
 from __future__ import annotations
 
-import types
-from typing import Any, Dict, List, Literal, Optional, Type, Union, get_args, get_origin
+from typing import Any, Dict, List, Literal, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bmtrain_cli.config.derived import Derived, derive
+from bmtrain_cli.config.grpo_schema import GrpoConfig
+from bmtrain_cli.config.parallel_schema import ParallelConfig
+from bmtrain_cli.config.quant_schema import QuantizationConfig
+from bmtrain_cli.config.section import Dtype, _Section
 from bmtrain_cli.methods import STAGES
 from bmtrain_cli.models.families import FAMILY_NAMES
 from bmtrain_cli.trackers import NONE, REPORT_TO_NAMES
 
 Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # one choice per module in models/families/
-Dtype = Literal["float32", "bfloat16", "float16"]
 Tracker = Literal[REPORT_TO_NAMES]  # type: ignore[valid-type]  # the names of the trackers' registry
 Stage = Literal[STAGES]  # type: ignore[valid-type]  # one choice per training method (methods.py)
-
-
-def _allows_bool(tp: Any) -> bool:
-    if tp is bool or tp is Any:
-        return True
-    origin = get_origin(tp)
-    if origin is Literal:
-        return any(isinstance(a, bool) for a in get_args(tp))
-    if origin is Union or origin is types.UnionType:
-        return any(_allows_bool(a) for a in get_args(tp))
-    return False
-
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: YAML reads .inf and .nan as floats; no field of a config means either
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, protected_namespaces=(), allow_inf_nan=False
-    )
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_numbers(cls, value: Any, info: Any) -> Any:
-        # pydantic's lax mode turns true/false (and YAML's yes/no/on/off) into 1/0 for a number field
-        if isinstance(value, bool) and info.field_name in cls.model_fields:
-            tp = cls.model_fields[info.field_name].annotation
-            if not _allows_bool(tp):
-                raise ValueError(
-                    f"got the boolean {str(value).lower()}, which this field does not take (YAML reads "
-                    "true/false, yes/no and on/off as booleans)"
-                )
-        return value
-
-
-QUANT_METHODS = ("nf4", "int8", "int4")
-# layers left in full precision unless skip_modules says otherwise (module-name components)
-DEFAULT_SKIP_MODULES = ("embed_tokens", "lm_head", "norm", "gate")
-
-
-class QuantizationConfig(_Section):
-    """A frozen low-bit base (QLoRA): the linear layers' weights stored as 4- or 8-bit codes plus scales
-    (bmtrain_cli/quant/). Only with finetuning: lora; see docs/qlora.md."""
-
-    method: Literal[QUANT_METHODS] = Field(  # type: ignore[valid-type]
-        "nf4",
-        description="nf4 (4-bit NormalFloat, blockwise absmax; QLoRA's codebook and bitsandbytes' layout), "
-        "int8 (per output channel) or int4 (per group of block_size inputs), symmetric, weight-only.",
-    )
-    block_size: Optional[int] = Field(
-        None,
-        gt=0,
-        description="Elements per absmax block (nf4, default 64) or inputs per scale group (int4, default 64); "
-        "not used by int8 (one scale per output channel).",
-    )
-    double_quant: bool = Field(
-        False,
-        description="nf4 only: quantise the absmax scales too (8-bit blockwise, blocks of 256, around their "
-        "mean), saving about 0.37 bits per weight.",
-    )
-    compute_dtype: Optional[Dtype] = Field(
-        None,
-        description="dtype the dequantised weight is multiplied in; default and only choice in this slice: "
-        "model_config.dtype.",
-    )
-    skip_modules: List[str] = Field(
-        default_factory=lambda: list(DEFAULT_SKIP_MODULES),
-        description="Linear layers kept unquantised: a layer is skipped when one of these equals a dotted "
-        "component of its name (down_proj, layers.0 ...). Default: the embeddings, the LM head, norms and "
-        "MoE routers.",
-    )
-
-    @property
-    def resolved_block_size(self) -> int:
-        """The block (nf4) or group (int4) size in use; 0 for int8 (per channel)."""
-        if self.method == "int8":
-            return 0
-        return int(self.block_size or 64)
 
 
 class ModelConfig(_Section):
@@ -148,63 +74,6 @@ class ModelConfig(_Section):
     quantization: Optional[QuantizationConfig] = Field(
         None, description="Store the frozen base low-bit (QLoRA, finetuning: lora only); docs/qlora.md."
     )
-
-
-class GrpoConfig(_Section):
-    """stage: grpo (docs/grpo.md): TRL's GRPOConfig names and defaults, as one nested section so that
-    beta, epsilon and loss_type keep TRL's names beside the dpo_ keys and adam_epsilon."""
-
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group size).")
-    max_completion_length: int = Field(512, gt=0, description="New tokens per completion at most.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass of the rollouts.")
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference; 0 keeps no reference model.")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clipping bound: ratio >= 1 - epsilon.")
-    epsilon_high: Optional[float] = Field(
-        None, gt=0, description="Upper clipping bound: ratio <= 1 + epsilon_high (default: epsilon)."
-    )
-    num_iterations: int = Field(
-        1, gt=0, description="Optimizer steps per batch of rollouts (the old policy's log-probs kept)."
-    )
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
-        "dapo", description="How per-token losses are averaged (TRL's loss_type; docs/grpo.md)."
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Divide advantages by the group's reward std, the batch's, or not at all."
-    )
-    mask_truncated_completions: bool = Field(
-        False, description="Leave completions that reached max_completion_length without EOS out of the loss."
-    )
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance ratio per token (GRPO) or per sequence (GSPO)."
-    )
-    reward_funcs: List[str] = Field(
-        default_factory=list,
-        description="Built-in rewards (accuracy, format, overlong) or user functions, path/to/file.py:name "
-        "or module:name, each f(prompts, completions, **columns) -> list of floats.",
-    )
-    reward_weights: Optional[List[float]] = Field(
-        None, description="Weight per reward function (default: 1 each)."
-    )
-    answer_column: str = Field("answer", description="The column the accuracy reward compares with.")
-    format_pattern: str = Field(
-        r"<think>.*?</think>\s*<answer>.*?</answer>",
-        description="The regular expression (full match, dot matches newline) the format reward checks.",
-    )
-    overlong_buffer: int = Field(
-        0,
-        ge=0,
-        description="overlong reward: the last this many tokens before max_completion_length are "
-        "penalised linearly from 0 to -1 (DAPO's soft overlong punishment; 0: only truncation gives -1).",
-    )
-    eval_prompts: int = Field(
-        64, gt=0, description="Held-out prompts (eval_data_path) scored by greedy decoding at each eval."
-    )
-
-    @property
-    def upper_epsilon(self) -> float:
-        """TRL's epsilon_high: epsilon_high, or epsilon when unset."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class TrainConfig(_Section):
@@ -398,58 +267,6 @@ class TrainConfig(_Section):
             if any(w <= 0 for w in self.data_weights):
                 raise ValueError("data_weights must all be > 0")
         return self
-
-
-class PipelineRebalanceConfig(_Section):
-    """Dynamic pipeline load balancing (parallel/rebalance.py, docs/parallel.md)."""
-
-    enabled: bool = Field(
-        False, description="Move the pipeline stage boundaries at a checkpoint when the stages are unequal."
-    )
-    threshold: float = Field(
-        1.2,
-        gt=1.0,
-        description="Rebalance when the slowest stage's forward time exceeds the fastest's x this.",
-    )
-    check_every: int = Field(
-        10, gt=0, description="Steps over which the per-layer times are averaged before each comparison."
-    )
-
-
-class ParallelConfig(_Section):
-    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding x context."""
-
-    data_parallel: int = Field(1, gt=0)
-    tensor_parallel: int = Field(1, gt=0)
-    pipeline_parallel: int = Field(1, gt=0)
-    sharding_parallel: int = Field(1, gt=0, description="ZeRO sharding degree (a data-parallel axis).")
-    sharding_stage: Literal[1, 2, 3] = 1
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    pipeline_micro_batches: Optional[int] = Field(
-        None, gt=0, description="Micro-batches per pipeline step (default: gradient accumulation steps)."
-    )
-    pipeline_partition: Literal["uniform", "parameters", "measured"] = "uniform"
-    pipeline_rebalance: PipelineRebalanceConfig = Field(default_factory=PipelineRebalanceConfig)
-    gradient_compression: Literal["none", "int8", "topk", "threshold"] = "none"
-    topk_ratio: float = Field(0.01, gt=0, le=1)
-    compression_threshold: float = Field(
-        1e-3,
-        gt=0,
-        description="threshold compression: gradient entries below this magnitude wait in the residual",
-    )
-    fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
-    context_parallel: int = Field(1, gt=0, description="Ranks that split every sequence (ring attention).")
-    context_parallel_mode: Literal["ring", "ulysses"] = "ring"
-
-    @property
-    def world_size(self) -> int:
-        return self.data_ranks * self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks that see different data (data parallel x sharding)."""
-        return self.data_parallel * self.sharding_parallel
 
 
 class Config(BaseModel):

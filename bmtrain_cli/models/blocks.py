@@ -88,30 +88,61 @@ def _local_heads(total: int, tp: int, what: str) -> int:
     return total // tp
 
 
-class Attention(nn.Layer):
-    def __init__(
-        self, arch: ModelArch, factory: LayerFactory, ops: OpSet, layer_idx: int, implementation: str
-    ):
+class AttentionCore(nn.Layer):
+    """What every softmax attention shares: the core over the cached keys/values (optionally recomputed in
+    the backward), with the layer's sliding window and score soft-cap where the family has them."""
+
+    def __init__(self, arch: ModelArch, ops: OpSet, layer_idx: int, implementation: str):
         super().__init__()
-        tp = factory.tp_degree
-        self.layer_idx = layer_idx
-        self.head_dim = arch.head_dim
-        self.num_heads = _local_heads(arch.num_attention_heads, tp, "num_attention_heads")
-        self.num_kv_heads = _local_heads(arch.num_key_value_heads, tp, "num_key_value_heads")
-        self.implementation = implementation
-        self.ops = ops
-        self.use_rope = arch.position_embedding == "rope"
-        self.rotary_dim = arch.rotary_dim
-        self.rotate = reference.rotary_interleaved if arch.rope_interleaved else ops.rotary
-        # scores scale by query_pre_attn_scalar ** -0.5 (Gemma): q is pre-scaled, the core divides by sqrt(hd)
-        scalar = arch.query_pre_attn_scalar
-        self.q_scale = 1.0 if scalar is None else math.sqrt(arch.head_dim / scalar)
+        self.layer_idx, self.implementation, self.ops = layer_idx, implementation, ops
         self.layer_type = arch.layer_type(layer_idx)
         # soft-capped scores (Gemma 2): the core caps them and applies the sliding window itself (the
         # layer inputs then hold no window in the mask: models/decoder.py LayerInputs)
         self.softcap = arch.attn_logit_softcapping
         self.window = arch.window_of(self.layer_type) if self.softcap is not None else None
         self.recompute_core = False
+
+    def _cached_core(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        bias: Optional[paddle.Tensor],
+        cache: Optional[KVCache],
+    ) -> paddle.Tensor:
+        """The attention core over the cached keys/values and these (recomputed in the backward when
+        ``recompute_core`` is set)."""
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        if self.recompute_core and self.training:
+            from paddle.distributed.fleet.utils import recompute
+
+            return recompute(self._core, q, k, v, bias)
+        return self._core(q, k, v, bias)
+
+    def _core(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
+    ) -> paddle.Tensor:
+        return attend(
+            q, k, v, bias, self.implementation, self.training, self.ops.attention, self.window, self.softcap
+        )
+
+
+class Attention(AttentionCore):
+    def __init__(
+        self, arch: ModelArch, factory: LayerFactory, ops: OpSet, layer_idx: int, implementation: str
+    ):
+        super().__init__(arch, ops, layer_idx, implementation)
+        tp = factory.tp_degree
+        self.head_dim = arch.head_dim
+        self.num_heads = _local_heads(arch.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = _local_heads(arch.num_key_value_heads, tp, "num_key_value_heads")
+        self.use_rope = arch.position_embedding == "rope"
+        self.rotary_dim = arch.rotary_dim
+        self.rotate = reference.rotary_interleaved if arch.rope_interleaved else ops.rotary
+        # scores scale by query_pre_attn_scalar ** -0.5 (Gemma): q is pre-scaled, the core divides by sqrt(hd)
+        scalar = arch.query_pre_attn_scalar
+        self.q_scale = 1.0 if scalar is None else math.sqrt(arch.head_dim / scalar)
         h, hd = arch.hidden_size, arch.head_dim
         q_out, kv_out = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
         self.gated = (
@@ -170,24 +201,6 @@ class Attention(nn.Layer):
             out = out * F.sigmoid(gate.reshape([b, s, self.num_heads * hd]))
         return self.o_proj(out)
 
-    def _cached_core(
-        self,
-        q: paddle.Tensor,
-        k: paddle.Tensor,
-        v: paddle.Tensor,
-        bias: Optional[paddle.Tensor],
-        cache: Optional[KVCache],
-    ) -> paddle.Tensor:
-        """The attention core over the cached keys/values and these (recomputed in the backward when
-        ``recompute_core`` is set)."""
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        if self.recompute_core and self.training:
-            from paddle.distributed.fleet.utils import recompute
-
-            return recompute(self._core, q, k, v, bias)
-        return self._core(q, k, v, bias)
-
     def _rotary(
         self, q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -200,15 +213,8 @@ class Attention(nn.Layer):
         q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
         return paddle.concat([q_rot, q_pass], axis=-1), paddle.concat([k_rot, k_pass], axis=-1)
 
-    def _core(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: Optional[paddle.Tensor]
-    ) -> paddle.Tensor:
-        return attend(
-            q, k, v, bias, self.implementation, self.training, self.ops.attention, self.window, self.softcap
-        )
 
-
-class LatentAttention(Attention):
+class LatentAttention(AttentionCore):
     """Multi-head latent attention (DeepSeek-V3; see models/families/deepseek_v3.py), named as transformers
     names its parts. The per-head keys [nope | rope] and values are expanded from the latent before the
     core, which then runs as any attention's (the KV cache holds them): where the value head is narrower
@@ -216,13 +222,9 @@ class LatentAttention(Attention):
     leaves the scores and the outputs exact, and the output is cut back to ``v_head_dim``."""
 
     def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
-        nn.Layer.__init__(self)
+        super().__init__(arch, ops, layer_idx, implementation)
         if factory.tp_degree > 1:
             raise UserError("multi-head latent attention (deepseek_v3) does not support tensor_parallel > 1")
-        self.layer_idx, self.implementation, self.ops = layer_idx, implementation, ops
-        self.recompute_core = False
-        self.layer_type = arch.layer_type(layer_idx)
-        self.window, self.softcap = None, None  # DeepSeek-V3 attends globally, its scores uncapped
         h, n = arch.hidden_size, arch.num_attention_heads
         self.num_heads, self.rank = n, arch.kv_lora_rank
         self.nope, self.rope, self.v_dim = arch.qk_nope_head_dim, arch.head_dim, arch.v_head_dim

@@ -25,9 +25,9 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.data.stream import DataError
-from bmtrain_cli.parallel.rebalance import rebalance_if_due
 from bmtrain_cli.train.holdout import demo_accuracy, evaluate
 from bmtrain_cli.train.parts import Parts, StepOutput, TrainState
+from bmtrain_cli.train.rebalance import rebalance_if_due
 from bmtrain_cli.train.report import StepMeter, hparams, opening_lines, print_report, summary
 from bmtrain_cli.train.saving import save, save_if_new
 from bmtrain_cli.train.setup import TOKEN_DEMO, token_data

@@ -163,7 +163,7 @@ class ParallelContext:
 
         pipeline parallel: the decoder is cut into a fleet PipelineLayer (only this stage's layers kept),
         by pipeline_partition, by ``pipeline_costs`` (one per item) or at ``pipeline_bounds``
-        (parallel/rebalance.py);
+        (train/rebalance.py);
         tensor parallel / sharding: fleet.distributed_model; plain data parallel: parameters broadcast from
         rank 0 and gradients summed by the optimizer wrapper (optionally compressed)."""
         if self.world_size == 1:

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     import paddle
 
     from bmtrain_cli.data.tokenizers import Tokenizer
-    from bmtrain_cli.lora.adapter_store import LoRARun
     from bmtrain_cli.models.decoder import CausalLM
+    from bmtrain_cli.train.lora_run import LoRARun
     from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
     from bmtrain_cli.train.optim import Precision
     from bmtrain_cli.train.schedule import Schedule

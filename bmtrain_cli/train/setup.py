@@ -237,14 +237,14 @@ def build_model_and_optimizer(
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
     from bmtrain_cli.models.param_count import count_parameters
-    from bmtrain_cli.parallel.rebalance import resumed_cut
     from bmtrain_cli.train.optim import Precision, build_optimizer
+    from bmtrain_cli.train.rebalance import resumed_cut
 
     t, p = rt.config.train, rt.config.parallel
     model = build_model(rt, tokenizer, ctx)
     lora = None
     if t.finetuning == "lora":  # freeze the base, only the adapters train (bmtrain_cli/lora)
-        from bmtrain_cli.lora.adapter_store import LoRARun
+        from bmtrain_cli.train.lora_run import LoRARun
 
         lora = LoRARun.start(model, t, resume_from=rt.resume_from)
     if t.gradient_checkpointing and t.recompute_granularity != "none":

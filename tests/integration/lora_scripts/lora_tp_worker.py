@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import paddle
 
 from bmtrain_cli.config.schema import Config
-from bmtrain_cli.lora.adapter_store import whole_adapter_arrays
 from bmtrain_cli.lora.inject import apply_lora
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.layers import PlainFactory
+from bmtrain_cli.train.lora_run import whole_adapter_arrays
 from tests.tiny import ARCH
 
 LORA = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")

@@ -225,7 +225,7 @@ def test_whole_state_is_not_reused_under_a_split_layout_and_missing_parts(tmp_pa
 
 def test_a_stage_part_is_not_reused_under_another_cut(tmp_path):
     """Under pipeline parallel a rank's optimizer part belongs to the layers of its stage: after a
-    rebalance (parallel/rebalance.py) a resume cut elsewhere must not take it for its own layers."""
+    rebalance (train/rebalance.py) a resume cut elsewhere must not take it for its own layers."""
 
     def pp2(bounds):
         ctx = _FakeCtx(tp=1)

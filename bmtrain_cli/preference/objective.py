@@ -40,7 +40,9 @@ class PreferenceObjective:
         if reference is None and self.kind not in REFERENCE_FREE:
             raise ValueError(f"the {self.kind} loss needs a reference")
         self.reference = reference
-        self._all_reduce = all_reduce  # sums a tensor over the data ranks (ParallelContext.all_reduce_sum)
+        self._all_reduce = (
+            all_reduce  # sums a tensor over the data ranks (ParallelContext.collectives.all_reduce_sum)
+        )
         self._nll_scale = 0.0
         self._stats: List[paddle.Tensor] = []
         self.last_metrics: Dict[str, float] = {}  # the last step's (summary.json)

@@ -40,7 +40,7 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
     if ctx is None or (ctx.tp_degree == 1 and ctx.pp_degree == 1):
         return adapter_arrays(inner)
     if ctx.pp_degree > 1:
-        return {k: v for k, v in ctx.full_state_dict(model).items() if is_lora_name(k)}
+        return {k: v for k, v in ctx.wrapping.full_state_dict(model).items() if is_lora_name(k)}
     import paddle.distributed as dist
 
     group = ctx.hcg.get_model_parallel_group()
@@ -106,7 +106,7 @@ class LoRARun:
             if is_main:
                 _save_base(model, tensors, base)
             if ctx is not None and ctx.world_size > 1:
-                ctx.barrier()
+                ctx.collectives.barrier()
         self.base_path = str(base)
         self.base_sha256 = hash_base(base) if is_main else None
 
@@ -150,7 +150,7 @@ def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str,
     from bmtrain_cli.parallel.full_weights import unwrap
 
     if ctx is not None and (ctx.tp_degree > 1 or ctx.pp_degree > 1):
-        full = ctx.full_state_dict(model)
+        full = ctx.wrapping.full_state_dict(model)
     else:
         full = {n: p.numpy() for n, p in unwrap(model).state_dict().items()}
         # a quantised base's layers hold codes, not weights: the weights they stand for (QLoRA)

@@ -127,7 +127,7 @@ class StepMeter:
         precision = self.parts.optim.precision
         if precision.loss_scale is not None:
             values["loss_scale"] = precision.loss_scale
-        compression = self.parts.ctx.compression_stats
+        compression = self.parts.ctx.wrapping.compression_stats
         if compression:  # gradient compression: dense / sent bytes so far, and bytes sent
             values["compression_ratio"] = compression["ratio"]
             values["compression_bytes_sent"] = compression["bytes_sent"]

@@ -69,12 +69,12 @@ def save(parts: Parts, state: TrainState) -> Path:
         # the optimizer state is split over the ranks: every rank saves its part (reused by a resume
         # under the same layout only); rank 0 moves them into the checkpoint after the barrier
         write_optimizer_shard(rt.checkpoint_dir, state.step, ctx.rank, optim.base, model.raw)
-        ctx.barrier()
+        ctx.collectives.barrier()
     # LoRA: adapters only (+ base path and hash); gathering them is collective under tensor parallel
     writer = model.lora.weights_writer(model.wrapped, ctx) if model.lora is not None else None
     if writer is None:
         # collective: under tensor/pipeline parallel gather whole tensors (None: the default writer)
-        writer = ctx.checkpoint_weights_writer(model.wrapped)
+        writer = ctx.wrapping.checkpoint_weights_writer(model.wrapped)
     if ctx.is_main:
         path = save_checkpoint(
             rt.checkpoint_dir,
@@ -89,7 +89,7 @@ def save(parts: Parts, state: TrainState) -> Path:
             layout=layout,
         )
         parts.metrics.log_event(state.step, "checkpoint", path=str(path))
-    ctx.barrier()
+    ctx.collectives.barrier()
     state.last_saved_step = state.step
     state.last_checkpoint = path
     return path

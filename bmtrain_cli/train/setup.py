@@ -84,7 +84,7 @@ def prepare_data(rt: Runtime, ctx: ParallelCtx, demo: DemoData) -> Dict[str, Any
         data_dir = rt.output_dir / "data"
         if ctx.is_main:
             demo.write(str(data_dir), t.demo_data)
-        ctx.barrier()
+        ctx.collectives.barrier()
         paths["train"] = str(data_dir / demo.files["train"])
         paths["heldout"] = str(data_dir / demo.files["heldout"])
         if paths["eval"] is None:
@@ -151,7 +151,7 @@ def load_tokenizer(rt: Runtime, paths: Dict[str, Any], ctx: ParallelCtx) -> Any:
             texts = collect_texts(paths["train"])
             vocab = m.vocab_size or min(8000, max(300, len(set("".join(texts[:20000]))) * 4))
             train_sentencepiece(texts, str(tok_dir), vocab_size=vocab)
-    ctx.barrier()
+    ctx.collectives.barrier()
     return load(str(tok_dir))
 
 
@@ -206,9 +206,13 @@ def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
 
         alternatives = [m.model_name_or_path] if m.model_name_or_path else []
         base = find_base(rt.resume_from, alternatives)
-        return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
+        return load_pretrained(
+            str(base), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
+        )
     path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
-    return load_pretrained(str(path), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
+    return load_pretrained(
+        str(path), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
+    )
 
 
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
@@ -229,7 +233,7 @@ def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
-    return build(arch, factory=ctx.factory, kernels=m.kernels, quantization=m.quantization)
+    return build(arch, factory=ctx.wrapping.factory, kernels=m.kernels, quantization=m.quantization)
 
 
 def build_model_and_optimizer(
@@ -272,19 +276,23 @@ def build_model_and_optimizer(
     raw, base = precision.decorate(model, base)
     # pipeline_rebalance: a resume keeps the cut its checkpoint was saved under
     wrapped = (
-        ctx.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from)) if distributed else raw
+        ctx.wrapping.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from))
+        if distributed
+        else raw
     )
     sharded = None
     if group_sharded:
         from bmtrain_cli.models.decoder import LossSum
 
         # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
-        sharded, stepper, scaler = ctx.wrap_model_and_optimizer(LossSum(wrapped), base, precision.scaler)
+        sharded, stepper, scaler = ctx.wrapping.wrap_model_and_optimizer(
+            LossSum(wrapped), base, precision.scaler
+        )
         precision.scaler = scaler  # Paddle's GroupShardedScaler (fp16), or None
     else:
-        stepper = ctx.wrap_optimizer(base) if distributed else base
+        stepper = ctx.wrapping.wrap_optimizer(base) if distributed else base
         if distributed:
-            precision.scaler = ctx.wrap_scaler(precision.scaler)
+            precision.scaler = ctx.wrapping.wrap_scaler(precision.scaler)
     from bmtrain_cli.parallel.sharding import backward_factor
 
     model_parts = ModelParts(
@@ -312,7 +320,7 @@ def loss_function(config: Config, wrapped: Any, ctx: ParallelCtx, console: Conso
     (the forward and its backward become one static program; the optimizer step stays eager)."""
     t = config.train
     if ctx.pp_degree > 1:
-        return None  # fleet's pipeline schedule computes the loss (ctx.pipeline_step)
+        return None  # fleet's pipeline schedule computes the loss (ctx.wrapping.pipeline_step)
     if not t.to_static:
         return wrapped.loss_sum
     from bmtrain_cli.train.static import compile_loss_sum
@@ -365,7 +373,7 @@ def claim_output_dir(
         clear_output_dir(rt.config, resuming=rt.resume_from is not None)
         text = yaml.safe_dump(rt.config.to_dict(), sort_keys=False)
         write_text_atomic(rt.output_dir / "config.yaml", text)  # a full disk leaves no empty config.yaml
-    ctx.barrier()
+    ctx.collectives.barrier()
     data.loader.start_rejected_log(rt.output_dir, ctx.is_main)  # streaming: every rank, as it reads
     if model.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
         model.lora.record_base(rt.config, rt.output_dir, model.wrapped, ctx)

@@ -40,8 +40,8 @@ class TokenLoss:
         """(predicted tokens, non-padding tokens) of the whole step, summed over the data ranks."""
         from bmtrain_cli.models.scoring import count_targets
 
-        count = float(self.ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
-        return count, float(self.ctx.all_reduce_sum(count_tokens(micro)))
+        count = float(self.ctx.collectives.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
+        return count, float(self.ctx.collectives.all_reduce_sum(count_tokens(micro)))
 
     def loss_sum(self, model: Any, batch: Batch) -> Any:
         from bmtrain_cli.models.scoring import to_tensors
@@ -65,7 +65,7 @@ class TokenLoss:
             whole_model(parts),
             parts.data.eval_loader,
             parts.optim.precision.autocast,
-            ctx.all_reduce_sum if ctx.data_world > 1 else None,
+            ctx.collectives.all_reduce_sum if ctx.data_world > 1 else None,
         )
         return loss, {}
 

@@ -25,7 +25,7 @@ import numpy as np
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.parallel.full_weights import NAME_MAP_ATTR
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 # --------------------------------------------------------------------------- partition (plain maths)
 
@@ -474,7 +474,7 @@ def pipeline_train_step(
     return total, count
 
 
-def last_stage_values(ctx: ParallelCtx, values: np.ndarray) -> np.ndarray:
+def last_stage_values(ctx: Topology, values: np.ndarray) -> np.ndarray:
     """The last pipeline stage's float64 ``values`` (where the loss is computed), on every stage."""
     import paddle
     import paddle.distributed as dist

@@ -27,7 +27,7 @@ from bmtrain_cli.checkpoint_layout import write_text_atomic
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 from bmtrain_cli.train.parts import (
     Console,
     ModelParts,
@@ -170,7 +170,7 @@ def train_data(rt: Runtime, paths: Dict[str, Any], loader: Any, eval_loader: Opt
     return TrainData(paths=paths, loader=loader, eval_loader=eval_loader, report=report)
 
 
-def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelCtx) -> TrainData:
+def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Topology) -> TrainData:
     """SFT records: this data rank's training loader and the eval loader (rejected records are written
     later, by claim_output_dir, once every check has passed)."""
     from bmtrain_cli.data.loader import build_loader
@@ -315,7 +315,7 @@ def build_model_and_optimizer(
     return model_parts, optim
 
 
-def loss_function(config: Config, wrapped: Any, ctx: ParallelCtx, console: Console) -> Optional[Any]:
+def loss_function(config: Config, wrapped: Any, ctx: Topology, console: Console) -> Optional[Any]:
     """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
     (the forward and its backward become one static program; the optimizer step stays eager)."""
     t = config.train
@@ -380,7 +380,7 @@ def claim_output_dir(
         console.say(model.lora.describe(model.raw, model.n_params))
 
 
-def _set_host_memory(policy: str, plan: Any, ctx: ParallelCtx, console: Console) -> None:
+def _set_host_memory(policy: str, plan: Any, ctx: Topology, console: Console) -> None:
     """CPU training: keep freed tensor memory for reuse or return it to the OS (plan/host_memory.py)."""
     from bmtrain_cli.plan import host_memory
     from bmtrain_cli.plan.devices import format_bytes, host_memory_bytes

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Literal, Tuple
 _PACKAGE = Path(__file__).resolve().parent
 
 REFERENCE_FREE = ("simpo", "orpo")  # the dpo_loss values that compare against no reference model
-# the metrics of stage dpo, named as TRL logs them (preference/objective.py computes them, train/metrics.py
+# the metrics of stage dpo, named as TRL logs them (preference/objective.py computes them, train/monitoring/metrics.py
 # writes them)
 PREFERENCE_KEYS = (
     "rewards/chosen",

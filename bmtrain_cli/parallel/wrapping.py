@@ -56,7 +56,7 @@ class ModelWrapper:
 
         pipeline parallel: the decoder is cut into a fleet PipelineLayer (only this stage's layers kept),
         by pipeline_partition, by ``pipeline_costs`` (one per item) or at ``pipeline_bounds``
-        (train/rebalance.py);
+        (train/loop/pipeline_rebalance.py);
         tensor parallel / sharding: fleet.distributed_model; plain data parallel: parameters broadcast from
         rank 0 and gradients summed by the optimizer wrapper (optionally compressed)."""
         if self._ctx.world_size == 1:
@@ -184,7 +184,7 @@ class ModelWrapper:
 
     def checkpoint_weights_writer(self, model: Any) -> Optional[Any]:
         """Collective (call on every rank before saving): gathers the whole weights under tensor/pipeline
-        parallel and returns a ``writer(model, dir)`` for train.training_state.save_checkpoint that writes them
+        parallel and returns a ``writer(model, dir)`` for train.checkpoint.training_state.save_checkpoint that writes them
         in Hugging Face layout. None when this rank already holds whole weights (use the default writer)."""
         if self._ctx.tp_degree == 1 and self._ctx.pp_degree == 1:
             return None

@@ -114,7 +114,7 @@ class LoRARun:
         self, model: nn.Layer, ctx: Optional[ParallelCtx] = None
     ) -> Callable[[Any, str], None]:
         """Gather the adapters now (collective) and return the ``weights_writer`` for
-        train.training_state.save_checkpoint: adapters (PEFT layout) + base record + config.json."""
+        train.checkpoint.training_state.save_checkpoint: adapters (PEFT layout) + base record + config.json."""
         from bmtrain_cli.models.arch import arch_to_hf_dict
         from bmtrain_cli.parallel.full_weights import unwrap
 

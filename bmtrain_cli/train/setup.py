@@ -6,7 +6,7 @@ objective -> schedule -> resume -> claim the output directory -> metrics. A fail
 claim leaves the previous run's files as they were.
 
 What differs between training methods comes from the recipe (recipes/<stage>.py): its demo task, its
-data builder and its objective builder. The SFT ones live here and in train/token_loss.py (token_data,
+data builder and its objective builder. The SFT ones live here and in train/loop/token_loss.py (token_data,
 TOKEN_DEMO, token_loss); the DPO ones in recipes/dpo.py.
 """
 
@@ -28,6 +28,7 @@ from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
+from bmtrain_cli.train.monitoring.report import data_report
 from bmtrain_cli.train.parts import (
     Console,
     ModelParts,
@@ -37,7 +38,6 @@ from bmtrain_cli.train.parts import (
     TrainData,
     TrainState,
 )
-from bmtrain_cli.train.report import data_report
 from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
 
 
@@ -241,8 +241,8 @@ def build_model_and_optimizer(
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
     from bmtrain_cli.models.param_count import count_parameters
-    from bmtrain_cli.train.optim import Precision, build_optimizer
-    from bmtrain_cli.train.rebalance import resumed_cut
+    from bmtrain_cli.train.loop.pipeline_rebalance import resumed_cut
+    from bmtrain_cli.train.optimizer.adamw import Precision, build_optimizer
 
     t, p = rt.config.train, rt.config.parallel
     model = build_model(rt, tokenizer, ctx)
@@ -323,7 +323,7 @@ def loss_function(config: Config, wrapped: Any, ctx: Topology, console: Console)
         return None  # fleet's pipeline schedule computes the loss (ctx.wrapping.pipeline_step)
     if not t.to_static:
         return wrapped.loss_sum
-    from bmtrain_cli.train.static import compile_loss_sum
+    from bmtrain_cli.train.loop.to_static import compile_loss_sum
 
     if t.batching == "longest":
         console.say(
@@ -433,10 +433,10 @@ def setup(
     import paddle
 
     from bmtrain_cli.parallel.topology import init_parallel
-    from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
-    from bmtrain_cli.train.optim import check_precision_supported
-    from bmtrain_cli.train.saving import restore
-    from bmtrain_cli.train.schedule import build_schedule
+    from bmtrain_cli.train.checkpoint.saving import restore
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter, MetricsWriter
+    from bmtrain_cli.train.optimizer.adamw import check_precision_supported
+    from bmtrain_cli.train.optimizer.lr_schedule import build_schedule
 
     started = time.time()
     config = loaded.config

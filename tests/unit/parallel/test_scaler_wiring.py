@@ -15,9 +15,9 @@ import pytest
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.parallel import sharding
 from bmtrain_cli.parallel.context import ParallelContext
-from bmtrain_cli.train import step as step_mod
-from bmtrain_cli.train.optim import Precision, found_inf
-from bmtrain_cli.train.stopping import TrainingStopped
+from bmtrain_cli.train.loop import step as step_mod
+from bmtrain_cli.train.loop.stopping import TrainingStopped
+from bmtrain_cli.train.optimizer.adamw import Precision, found_inf
 
 
 def _cfg(par) -> Config:

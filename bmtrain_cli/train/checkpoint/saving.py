@@ -9,9 +9,9 @@ import yaml
 
 from bmtrain_cli.checkpoint_layout import step_name
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.holdout import gather_sharded_parameters
+from bmtrain_cli.train.evaluation.holdout import gather_sharded_parameters
+from bmtrain_cli.train.loop.stopping import TrainingStopped
 from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
-from bmtrain_cli.train.stopping import TrainingStopped
 
 
 def check_weights_finite(parts: Parts, step: int) -> None:
@@ -56,8 +56,8 @@ def _run_state(parts: Parts, state: TrainState) -> Dict[str, Any]:
 
 def save(parts: Parts, state: TrainState) -> Path:
     """Checkpoint step-<state.step> (collective: every rank calls it)."""
-    from bmtrain_cli.train.optimizer_state import optimizer_layout, write_optimizer_shard
-    from bmtrain_cli.train.training_state import save_checkpoint
+    from bmtrain_cli.train.checkpoint.optimizer_state import optimizer_layout, write_optimizer_shard
+    from bmtrain_cli.train.checkpoint.training_state import save_checkpoint
 
     ctx, rt, optim, model = parts.ctx, parts.runtime, parts.optim, parts.model
     check_weights_finite(parts, state.step)
@@ -107,8 +107,8 @@ def restore(
 ) -> TrainState:
     """Load checkpoint ``ckpt`` into the built parts (weights, optimizer, loss scale, data position) and
     return the state the run continues from."""
-    from bmtrain_cli.train.optimizer_state import optimizer_layout
-    from bmtrain_cli.train.training_state import load_training_state
+    from bmtrain_cli.train.checkpoint.optimizer_state import optimizer_layout
+    from bmtrain_cli.train.checkpoint.training_state import load_training_state
 
     saved = load_training_state(
         ckpt, model=model.raw, optimizer=optim.base, layout=optimizer_layout(ctx), rank=ctx.rank

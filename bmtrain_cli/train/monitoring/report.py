@@ -91,7 +91,7 @@ class StepMeter:
 
     def __init__(self, parts: Parts) -> None:
         from bmtrain_cli.models.param_count import count_active_parameters, count_parameters
-        from bmtrain_cli.train.metrics import flops_per_token, peak_flops
+        from bmtrain_cli.train.monitoring.metrics import flops_per_token, peak_flops
 
         arch = parts.model.raw.arch
         self.parts = parts

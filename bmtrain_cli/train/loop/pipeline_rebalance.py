@@ -225,7 +225,7 @@ def resumed_cut(config: Config, checkpoint: Optional[Path]) -> Optional[List[int
         or not config.parallel.pipeline_rebalance.enabled
     ):
         return None
-    from bmtrain_cli.train.training_state import read_state
+    from bmtrain_cli.train.checkpoint.training_state import read_state
 
     bounds = (read_state(Path(checkpoint)).get("optimizer_layout") or {}).get("pipeline_bounds")
     return [int(b) for b in bounds] if bounds else None
@@ -255,7 +255,7 @@ def carry_moved_state(parts: Parts, old: Sequence[int], new: Sequence[int]) -> i
     import paddle
     import paddle.distributed as dist
 
-    from bmtrain_cli.train.optimizer_state import internal_optimizer_state, optimizer_tensors
+    from bmtrain_cli.train.checkpoint.optimizer_state import internal_optimizer_state, optimizer_tensors
 
     ctx, raw, base = parts.ctx, parts.model.raw, parts.optim.base
     group = ctx.hcg.get_pipe_parallel_group()

@@ -12,9 +12,9 @@ import math
 from typing import Any, Iterator, List
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.loop.stopping import TrainingStopped
+from bmtrain_cli.train.loop.token_loss import count_tokens
 from bmtrain_cli.train.parts import Batch, ClipMeasuringStepper, Parts, StepOutput
-from bmtrain_cli.train.stopping import TrainingStopped
-from bmtrain_cli.train.token_loss import count_tokens
 
 
 class MicroBatches:
@@ -43,7 +43,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
     import paddle
 
-    from bmtrain_cli.train.optim import clip_for_step, grad_norm_tensor
+    from bmtrain_cli.train.optimizer.adamw import clip_for_step, grad_norm_tensor
 
     ctx, optim = parts.ctx, parts.optim
     if ctx.pp_degree > 1:

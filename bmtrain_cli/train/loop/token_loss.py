@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.holdout import whole_model
+from bmtrain_cli.train.evaluation.holdout import whole_model
 from bmtrain_cli.train.parts import (
     Batch,
     Console,
@@ -59,7 +59,9 @@ class TokenLoss:
         """Mean token loss over the eval set (collective; whole weights under tensor/pipeline parallel)."""
         from bmtrain_cli.models.scoring import eval_loss
 
-        assert parts.data.eval_loader is not None  # train/holdout.evaluate runs only with an eval set
+        assert (
+            parts.data.eval_loader is not None
+        )  # train/evaluation/holdout.evaluate runs only with an eval set
         ctx = parts.ctx
         loss, _ = eval_loss(
             whole_model(parts),

@@ -44,7 +44,7 @@ def demo_accuracy(parts: Parts) -> Optional[Dict[str, Any]]:
     if not parts.ctx.is_main:
         return None
     from bmtrain_cli.data.readers import read_values
-    from bmtrain_cli.train.evaluate import answer_accuracy
+    from bmtrain_cli.train.evaluation.answer_accuracy import answer_accuracy
 
     t = parts.config.train
     return answer_accuracy(

@@ -20,7 +20,7 @@ import time
 CHILD = """
 import sys, time, paddle
 paddle.set_device("cpu")
-from bmtrain_cli.train.cpu_adamw import CpuAdamW
+from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 x, w = paddle.randn([384, 576]), paddle.randn([576, 1536])
 def matmul_ms():
     for _ in range(3): paddle.matmul(x, w)

@@ -6,7 +6,7 @@ an interpreter with torch).
 Parameters: a LLaMA built by bmtrain_cli.models.build with the SmolLM2-135M shape (30 layers, hidden 576,
 9 / 3 heads, intermediate 1536, vocab 49152, tied: 272 tensors, 134.5M parameters), fixed random gradients
 (global norm ~11.6) clipped to 1.0, so the clip fires every step. A step is what the trainer does after
-backward (train/step.py): the global norm (train/optim.grad_norm_tensor, read on the host), the clip
+backward (train/loop/step.py): the global norm (train/optimizer/adamw.grad_norm_tensor, read on the host), the clip
 (``clip_for_step`` where the checkout has it: folded into CpuAdamW's update; otherwise ``clip_grads_``),
 ``opt.step()``; torch: ``clip_grad_norm_`` and ``step()``, with its default (foreach) AdamW and with
 ``fused=True`` (its fused CPU kernel). Each
@@ -54,8 +54,8 @@ def _paddle_worker(kind: str, tree: Path) -> dict:
 
     params = _params(tree)
     grads = [paddle.randn(p.shape, dtype=p.dtype) * 1e-3 for p in params]
-    from bmtrain_cli.train import optim
-    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+    from bmtrain_cli.train.optimizer import adamw as optim
+    from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 
     kw = dict(learning_rate=3e-4, parameters=params, weight_decay=0.01)
     opt = paddle.optimizer.AdamW(**kw) if kind == "paddle AdamW" else CpuAdamW(fused=True, **kw)

@@ -13,7 +13,7 @@ process so that its allocator peak is its own:
                kernel of models/attention.py, nothing s x s kept
 - blocked_packed: the blocked kernel with the segment ids of a row packed with 4 samples
 
-peak_MiB is the training peak as summary.json's peak_memory_bytes measures it (train.metrics.MemoryMeter:
+peak_MiB is the training peak as summary.json's peak_memory_bytes measures it (train.monitoring.metrics.MemoryMeter:
 Paddle's host allocator peak since before the model was built). attention_MiB is the attention core alone:
 the allocator peak of one forward + backward of the core on the layer's q/k/v shape, above its inputs.
 Linear growth means ~8x from 512 to 4096 tokens; quadratic means ~64x.
@@ -46,7 +46,7 @@ def _worker(variant: str, seq: int) -> Dict[str, Any]:
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.models.attention import attend
-    from bmtrain_cli.train.metrics import MemoryMeter
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter
 
     paddle.seed(0)
     meter = MemoryMeter(on_gpu=False)

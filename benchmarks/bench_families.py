@@ -14,7 +14,7 @@ AdamW with a global-norm clip, each stack timed in its own process with the same
           at 50 and logits at 30): ours on the blocked kernel, transformers on eager attention (its Gemma 2
           has no sdpa path: sdpa cannot cap scores)
 
-Stacks: ``ours`` (bmtrain_cli.models.build with ``kernels: auto``, train/optim.build_optimizer: CpuAdamW
+Stacks: ``ours`` (bmtrain_cli.models.build with ``kernels: auto``, train/optimizer/adamw.build_optimizer: CpuAdamW
 with the fused update, the trainer's clip) and ``torch`` (transformers' Gemma3ForCausalLM /
 Ernie4_5ForCausalLM / Qwen3_5ForCausalLM with sdpa attention, Gemma2ForCausalLM with eager attention,
 torch.optim.AdamW, clip_grad_norm_) from the reference venv. The

@@ -2,7 +2,7 @@
 
 Each mode trains in its own child process (so that the peaks are per mode): the same LLaMA-style decoder,
 the same random token batches, AdamW, fp32, CPU. Peak memory is measured as the trainer measures
-peak_memory_bytes (bmtrain_cli.train.metrics.MemoryMeter: on CPU the peak of Paddle's host allocator
+peak_memory_bytes (bmtrain_cli.train.monitoring.metrics.MemoryMeter: on CPU the peak of Paddle's host allocator
 since the model build started, on a GPU max_memory_allocated); the process's RSS growth is reported
 beside it. LoRA: rank 8 on all linear projections of the decoder layers.
 
@@ -32,8 +32,8 @@ def _child(mode: str) -> dict:
     from bmtrain_cli.models.arch import ModelArch
     from bmtrain_cli.models.decoder import CausalLM
     from bmtrain_cli.plan import host_memory
-    from bmtrain_cli.train.metrics import MemoryMeter
-    from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     host_memory.apply("release")  # RSS ~= the live tensors (train_config.host_memory: release)
     meter = MemoryMeter(on_gpu=False)

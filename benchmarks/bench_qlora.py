@@ -69,7 +69,7 @@ def _child(mode: str, base: str) -> dict:
     from bmtrain_cli.models import load_pretrained
     from bmtrain_cli.plan import host_memory
     from bmtrain_cli.quant.layer import quantized_bytes, quantized_layers
-    from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     host_memory.apply("release")
     quant = QuantizationConfig(method="nf4") if mode.startswith("qlora") else None

@@ -9,9 +9,9 @@ Two shapes (issue 17), random weights and random token ids, fp32, forward + back
 Stacks, each step timed in its own process with the same OMP_NUM_THREADS (default 2):
 
 - ours:        what `bmtrain train` runs per step with the shipped defaults: bmtrain_cli.models.build
-               (``kernels: auto``), train/optim.build_optimizer (CpuAdamW with the fused C++ update on the
+               (``kernels: auto``), train/optimizer/adamw.build_optimizer (CpuAdamW with the fused C++ update on the
                CPU), loss_sum / count, backward, the fp32 global grad norm and clip (clip 1.0), step
-- ours_static: the same with ``to_static: true`` (train/static.compile_loss_sum)
+- ours_static: the same with ``to_static: true`` (train/loop/to_static.compile_loss_sum)
 - ours_release: ours with ``train_config.host_memory: release`` (freed tensors returned to the OS); the
                "ours" stacks run ``reuse``, what ``auto`` picks whenever twice the plan fits in RAM (it
                does here: ~3 GB for the 135M shape)
@@ -104,12 +104,12 @@ def ours_phases(
     model: object, shape: dict, loss_sum: Optional[Callable] = None
 ) -> Tuple[Dict[str, Callable[[], object]], object]:
     """Our training step on ``model`` (a bmtrain_cli CausalLM) as _timed's phases, with the trainer's
-    optimizer (CpuAdamW on a CPU, the clip folded into its update as in train/step.py)."""
+    optimizer (CpuAdamW on a CPU, the clip folded into its update as in train/loop/step.py)."""
     from types import SimpleNamespace
 
     import paddle
 
-    from bmtrain_cli.train.optim import build_optimizer, clip_for_step, grad_norm_tensor
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer, clip_for_step, grad_norm_tensor
 
     cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
     opt = build_optimizer(model, cfg, LR)
@@ -169,7 +169,7 @@ def _worker_ours(shape: dict, static: bool, host: str = "reuse") -> dict:
     host_memory.apply(host)  # as train/setup.py does on a CPU (train_config.host_memory)
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import ModelArch
-    from bmtrain_cli.train.static import compile_loss_sum
+    from bmtrain_cli.train.loop.to_static import compile_loss_sum
 
     paddle.seed(0)
     arch = ModelArch(

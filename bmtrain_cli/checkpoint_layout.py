@@ -17,7 +17,7 @@ A LoRA step-N holds the adapters in PEFT layout instead of the weights (lora/ada
 
 Every directory is written under a hidden temporary name, fsynced and renamed into place
 (:func:`atomic_directory`): a kill at any moment leaves either the old or the new directory complete, never a
-half-written one under a real name. Training (train/training_state.py), export (export/pipeline.py,
+half-written one under a real name. Training (train/checkpoint/training_state.py), export (export/pipeline.py,
 export/peft.py) and LoRA (lora/adapter_store.py) all use this module.
 """
 

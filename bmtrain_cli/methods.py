@@ -18,6 +18,17 @@ from typing import Any, Callable, Dict, Literal, Tuple
 _PACKAGE = Path(__file__).resolve().parent
 
 REFERENCE_FREE = ("simpo", "orpo")  # the dpo_loss values that compare against no reference model
+# the metrics of stage dpo, named as TRL logs them (preference/objective.py computes them, train/monitoring/metrics.py
+# writes them)
+PREFERENCE_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "preference_accuracy",
+)
 # stage grpo's held-out reward: prompts per greedy generate() call (grpo/objective.py; plan/rollout.py counts
 # its KV cache)
 GRPO_EVAL_ROWS = 64

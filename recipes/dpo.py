@@ -96,7 +96,7 @@ def scoring_model(parts: Parts) -> Any:
     """The model pairs are scored with: the training model itself, tensor-parallel shards included; under
     pipeline parallel (collective) a gathered copy with the whole weights on every rank, as SFT's eval."""
     if parts.ctx.pp_degree > 1:
-        return parts.ctx.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
+        return parts.ctx.wrapping.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
     return parts.model.wrapped
 
 
@@ -115,7 +115,7 @@ def pair_loss(
         else:
             precision = optim.precision
             dtype = precision.dtype if precision.master_weights else None
-            live = FrozenCopy(load_reference_model(config, ctx.factory, dtype))
+            live = FrozenCopy(load_reference_model(config, ctx.wrapping.factory, dtype))
             what = f"a frozen copy of {config.model.model_name_or_path}"
         if t.precompute_ref_log_probs:
             for loader in (ld for ld in (data.loader, data.eval_loader) if ld is not None):
@@ -126,7 +126,7 @@ def pair_loss(
         else:
             console.say(f"reference model: {what}")
             reference = live
-    return PairLoss(t, reference, ctx.all_reduce_sum)
+    return PairLoss(t, reference, ctx.collectives.all_reduce_sum)
 
 
 def setup(loaded: LoadedConfig, stream: Optional[TextIO] = None) -> Tuple[Parts, TrainState]:

@@ -7,9 +7,9 @@
         --set parallel_config.data_parallel=2
 
 setup() builds every part from bmtrain_cli.train, this method's own being the token data (SFT records,
-train/setup.py token_data) and the token loss (train/token_loss.py); it checks them all before the output
+train/setup.py token_data) and the token loss (train/loop/token_loss.py); it checks them all before the output
 directory is touched (train/setup.py). train_step() is one optimizer step of the objective whatever the
-parallel layout (train/step.py), save() writes an atomic checkpoint (train/saving.py). To change how a
+parallel layout (train/loop/step.py), save() writes an atomic checkpoint (train/checkpoint/saving.py). To change how a
 run trains, copy this file, edit it and point `bmtrain train --recipe` (or train_config.recipe) at it.
 recipes/dpo.py builds its own data and objective and runs this file's loop.
 """
@@ -25,16 +25,16 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "bmtrain_cl
 
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.data.stream import DataError
-from bmtrain_cli.parallel.rebalance import rebalance_if_due
-from bmtrain_cli.train.holdout import demo_accuracy, evaluate
+from bmtrain_cli.train.checkpoint.saving import save, save_if_new
+from bmtrain_cli.train.evaluation.holdout import demo_accuracy, evaluate
+from bmtrain_cli.train.loop.pipeline_rebalance import rebalance_if_due
+from bmtrain_cli.train.loop.step import MicroBatches, train_step
+from bmtrain_cli.train.loop.stopping import SignalGuard, bad_data_stop, signal_stop, too_many_nonfinite
+from bmtrain_cli.train.loop.token_loss import token_loss
+from bmtrain_cli.train.monitoring.report import StepMeter, hparams, opening_lines, print_report, summary
 from bmtrain_cli.train.parts import Parts, StepOutput, TrainState
-from bmtrain_cli.train.report import StepMeter, hparams, opening_lines, print_report, summary
-from bmtrain_cli.train.saving import save, save_if_new
 from bmtrain_cli.train.setup import TOKEN_DEMO, token_data
 from bmtrain_cli.train.setup import setup as build_parts
-from bmtrain_cli.train.step import MicroBatches, train_step
-from bmtrain_cli.train.stopping import SignalGuard, bad_data_stop, signal_stop, too_many_nonfinite
-from bmtrain_cli.train.token_loss import token_loss
 
 OnStep = Callable[[Parts, TrainState, StepOutput], None]  # called after every step (tests, benchmarks)
 
@@ -131,7 +131,7 @@ def finish(
 ) -> Dict[str, Any]:
     """Held-out accuracy, loss curve, summary.json and the closing report (with a method's own
     figures: ``method_fields`` in summary.json, ``method_lines`` in the report)."""
-    from bmtrain_cli.train.metrics import plot_loss_curve, write_summary
+    from bmtrain_cli.train.monitoring.metrics import plot_loss_curve, write_summary
 
     accuracy = demo_accuracy(parts)  # collective under tensor/pipeline parallel
     result = summary(parts, state, meter, checkpoint, final_eval, accuracy)

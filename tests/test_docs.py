@@ -88,9 +88,9 @@ def test_user_docs_carry_no_development_history():
 
 
 def test_training_md_mfu_is_the_code_formula():
-    """docs/training.md's MFU line: the FLOPs per token of train/metrics.flops_per_token and the CPU peak of
+    """docs/training.md's MFU line: the FLOPs per token of train/monitoring/metrics.flops_per_token and the CPU peak of
     measured_matmul_flops (not a clock x FLOP/cycle estimate)."""
-    from bmtrain_cli.train.metrics import flops_per_token
+    from bmtrain_cli.train.monitoring.metrics import flops_per_token
 
     text = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
     line = text[text.index("* MFU = ") :].split("\n* ")[0]

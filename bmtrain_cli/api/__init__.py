@@ -8,7 +8,7 @@ into the user's model: ``TensorParallel`` replaces ``paddle.nn.Linear``/``paddle
 ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding holding slices of the original weights,
 ``PipelineParallel`` cuts a Sequential (or a model's one LayerList) into a fleet PipelineLayer at the
 boundaries of ``parallel.pipeline.partition``. ``train_step`` reduces gradients through
-``ParallelContext.wrap_optimizer`` (plain data parallel: summed over the data ranks; otherwise fleet's
+``ParallelContext.wrapping.wrap_optimizer`` (plain data parallel: summed over the data ranks; otherwise fleet's
 hybrid-parallel optimizer, whose clip measures the global norm over shards and stages).
 
 Loss convention: ``loss_fn(output, labels)`` returns the mean over the rows of ``labels`` (first axis).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 _CTX: Optional[ParallelCtx] = None
 _LAYOUT: Optional[Dict[str, int]] = None
@@ -96,7 +96,7 @@ def _check_gloo_groups(config: Any) -> None:
             )
 
 
-def _seed_everything(ctx: ParallelCtx, seed: int) -> None:
+def _seed_everything(ctx: Topology, seed: int) -> None:
     import random
 
     import numpy as np

@@ -1,5 +1,5 @@
 """train_step: one optimizer step on a wrapped model, gradients reduced through
-``ParallelContext.wrap_optimizer`` (see the package docstring for the loss convention)."""
+``ParallelContext.wrapping.wrap_optimizer`` (see the package docstring for the loss convention)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _optimizer_for(ctx: ParallelCtx, model: Any, optimizer: Any) -> Any:
             "train_step: ClipGradByNorm clips each tensor by its own norm, which under tensor parallel is a "
             "shard's norm; use paddle.nn.ClipGradByGlobalNorm (exact under every layout)"
         )
-    wrapped = ctx.wrap_optimizer(optimizer)
+    wrapped = ctx.wrapping.wrap_optimizer(optimizer)
     setattr(optimizer, WRAPPED_ATTR, wrapped)
     return wrapped
 
@@ -66,16 +66,16 @@ def train_step(
         raise UserError("train_step: no loss_fn (pass one here or to PipelineParallel)")
     inputs, labels = (to_tensor(x) for x in batch)
     rows = int(labels.shape[0])
-    total_rows = ctx.all_reduce_sum(float(rows))
+    total_rows = ctx.collectives.all_reduce_sum(float(rows))
     wrapped = _optimizer_for(ctx, model, optimizer)
-    ctx.mark_progress()
+    ctx.collectives.mark_progress()
     if spec.pipeline is not None:
         return _pipeline_step(ctx, model, spec.pipeline, inputs, labels, loss_fn, wrapped, total_rows)
     loss = scalar_loss(loss_fn(model(inputs), labels))
     (loss * (rows / total_rows)).backward()
     wrapped.step()
     wrapped.clear_grad()
-    return ctx.all_reduce_sum(float(loss) * rows) / total_rows
+    return ctx.collectives.all_reduce_sum(float(loss) * rows) / total_rows
 
 
 def _pipeline_step(
@@ -105,4 +105,4 @@ def _pipeline_step(
     inner = wrapped._inner if isinstance(wrapped, GradSumOptimizer) else wrapped
     model.train_batch([inputs, labels], inner)
     local = sum(hook.row_sums)
-    return ctx.all_reduce_sum(from_last_stage(ctx, local)) / total_rows
+    return ctx.collectives.all_reduce_sum(from_last_stage(ctx, local)) / total_rows

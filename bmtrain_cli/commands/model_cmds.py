@@ -75,9 +75,9 @@ def _exact_match(
     model: Any, tok: Any, data_path: Path, template: str, data_format: str, max_new_tokens: int
 ) -> Dict[str, Any]:
     """Exact-match accuracy of greedy answers over the records that carry a reference answer
-    (train/evaluate.answer_accuracy, as the quickstart's held-out accuracy); nothing without such records."""
+    (train/evaluation/answer_accuracy.answer_accuracy, as the quickstart's held-out accuracy); nothing without such records."""
     from bmtrain_cli.data.readers import read_values
-    from bmtrain_cli.train.evaluate import answer_accuracy
+    from bmtrain_cli.train.evaluation.answer_accuracy import answer_accuracy
 
     acc = answer_accuracy(
         model,

@@ -48,7 +48,7 @@ def stop_on_signals() -> None:
     """Right after Paddle is imported (it installs C++ handlers that print a fatal-signal dump and end the
     process without flushing what was printed): SIGINT/SIGTERM end setup as a clean exit 130/143 through
     the usual paths (the output_dir lock released, printed lines flushed). The training loop replaces
-    these with its own (save, then stop: train/stopping.py) and puts them back after; train_main puts
+    these with its own (save, then stop: train/loop/stopping.py) and puts them back after; train_main puts
     back the caller's when it returns (restored_signals)."""
     import signal
 
@@ -56,7 +56,7 @@ def stop_on_signals() -> None:
         return
 
     def stop(signum: int, frame: object) -> None:
-        from bmtrain_cli.train.stopping import TrainingStopped
+        from bmtrain_cli.train.loop.stopping import TrainingStopped
 
         name = signal.Signals(signum).name
         raise TrainingStopped(

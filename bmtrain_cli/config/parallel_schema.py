@@ -10,7 +10,7 @@ from bmtrain_cli.config.section import _Section
 
 
 class PipelineRebalanceConfig(_Section):
-    """Dynamic pipeline load balancing (parallel/rebalance.py, docs/parallel.md)."""
+    """Dynamic pipeline load balancing (train/loop/pipeline_rebalance.py, docs/parallel.md)."""
 
     enabled: bool = Field(
         False, description="Move the pipeline stage boundaries at a checkpoint when the stages are unequal."

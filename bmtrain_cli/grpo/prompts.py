@@ -50,7 +50,7 @@ def conversation_of(value: Any) -> Conversation:
 
 @dataclass
 class PromptSet:
-    """The prompts of one split, with what reading them came to (train/report.py data_report)."""
+    """The prompts of one split, with what reading them came to (train/monitoring/report.py data_report)."""
 
     prompts: List[Prompt]
     records: int

@@ -2,7 +2,7 @@
 generator (models/generate.py), scored by the reward functions, turned into advantages and cut into the
 micro-batches the shared step trains on.
 
-``RolloutSource`` is the run's training "loader": the shared loop (recipes/sft.py loop, train/step.py
+``RolloutSource`` is the run's training "loader": the shared loop (recipes/sft.py loop, train/loop/step.py
 MicroBatches) draws ``grad_accum_steps`` micro-batches per optimizer step from it. One rollout batch is a
 step's prompts (global_batch_size / num_generations of them) x num_generations completions; it is sampled
 when the previous one has served ``num_iterations`` steps, with the old policy's per-token log-probs kept

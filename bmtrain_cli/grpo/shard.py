@@ -21,7 +21,9 @@ import numpy as np
 class DataShard:
     rank: int = 0  # this rank's index among the data ranks
     world: int = 1  # data ranks (data_parallel x sharding_parallel)
-    reduce_sum: Optional[Callable[[Any], Any]] = None  # ParallelCtx.all_reduce_sum (None: one data rank)
+    reduce_sum: Optional[Callable[[Any], Any]] = (
+        None  # ParallelCtx.collectives.all_reduce_sum (None: one data rank)
+    )
 
     def block(self, rows: int) -> slice:
         """This rank's rows of a batch of ``rows`` (rows / world of them, in rank order)."""

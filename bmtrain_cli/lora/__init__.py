@@ -2,7 +2,6 @@
 checkpoints that name and hash their base model. See docs/lora.md."""
 
 from bmtrain_cli.lora.adapter_store import (
-    LoRARun,
     find_base,
     hash_base,
     load_lora_checkpoint,
@@ -14,7 +13,6 @@ from bmtrain_cli.lora.merge import merge_lora, save_adapters, strip_lora, unmerg
 
 __all__ = [
     "LoRALinear",
-    "LoRARun",
     "LoRASettings",
     "apply_lora",
     "available_targets",

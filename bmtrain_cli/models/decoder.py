@@ -411,7 +411,7 @@ class CausalLM(nn.Layer):
 
 
 class LossSum(paddle.nn.Layer):
-    """A layer whose forward is ``model.loss_sum``: what paddle.jit.to_static compiles (train/static.py) and
+    """A layer whose forward is ``model.loss_sum``: what paddle.jit.to_static compiles (train/loop/to_static.py) and
     what the group-sharded wrapper runs (its buffers are prepared in forward())."""
 
     def __init__(self, model: paddle.nn.Layer) -> None:

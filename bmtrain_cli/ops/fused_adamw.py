@@ -4,7 +4,7 @@ Layers: the launcher ``bmt_cpu_adamw_multi`` (C ABI: one OpenMP region over chun
 list, the gradient read times a scale factor, each tensor's bias corrections from its own beta powers, which
 it advances) <- the Paddle operator ``bmt_adamw_multi_`` (kernels/paddle/adamw_op.cc: list lengths, place,
 dtype, size and contiguity checks, in place) <- :func:`adamw_multi_` here (Python-side checks with a clear
-ValueError). train/cpu_adamw.CpuAdamW calls it once per group of parameters that share learning rate,
+ValueError). train/optimizer/cpu_adamw.CpuAdamW calls it once per group of parameters that share learning rate,
 weight decay and dtype, and falls back to the same formula in Paddle's elementwise ops when
 :func:`unavailable_reason` says the kernel cannot be built.
 """

@@ -4,7 +4,7 @@ gradient norm.
 Layers: the launcher ``bmt_cpu_sum_squares`` (C ABI: one OpenMP region over chunks of all the tensors,
 accumulated in double, no squared copy) <- the Paddle operator ``bmt_sum_squares`` (kernels/paddle/
 grad_norm_op.cc: CPU place, one dtype, contiguity) <- :func:`sum_squares` here, which takes the tensors the
-kernel can (CPU, float32/float64) and leaves the rest to the caller. train/optim.grad_norm_tensor uses it.
+kernel can (CPU, float32/float64) and leaves the rest to the caller. train/optimizer/adamw.grad_norm_tensor uses it.
 """
 
 from __future__ import annotations

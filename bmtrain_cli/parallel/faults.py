@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import Topology
 
 RUN_ID_ENV = "BMTRAIN_RUN_ID"
 LOG_DIR_ENV = "BMTRAIN_LAUNCH_LOG_DIR"
@@ -306,7 +306,7 @@ def data_fingerprint(config: Config) -> str:
     return h.hexdigest()[:16]
 
 
-def check_agreement(ctx: ParallelCtx, config: Config) -> None:
+def check_agreement(ctx: Topology, config: Config) -> None:
     """All ranks must run the same config on the same data; raise naming the ranks that differ."""
     if ctx.world_size == 1:
         return

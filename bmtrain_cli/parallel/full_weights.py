@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 NAME_MAP_ATTR = "_bmtrain_full_names"
 
@@ -67,7 +67,7 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
     return full
 
 
-def load_full_state_dict(ctx: ParallelCtx, model: Any, state: Dict[str, Any]) -> None:
+def load_full_state_dict(ctx: Topology, model: Any, state: Dict[str, Any]) -> None:
     """Copy whole tensors into this rank's parameters, slicing tensor-parallel shards."""
     import paddle
 

@@ -25,7 +25,7 @@ import numpy as np
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.parallel.full_weights import NAME_MAP_ATTR
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 # --------------------------------------------------------------------------- partition (plain maths)
 
@@ -364,8 +364,8 @@ class _PipelineLoss:
             loss_sum = self.objective.loss_sum(logits, target)
         else:
             flat, labels = logits.reshape([-1, logits.shape[-1]]), target.reshape([-1])
-            if self.ctx.factory.tp_degree > 1:
-                loss_sum, _ = self.ctx.factory.vocab_cross_entropy_sum(flat, labels)
+            if self.ctx.wrapping.factory.tp_degree > 1:
+                loss_sum, _ = self.ctx.wrapping.factory.vocab_cross_entropy_sum(flat, labels)
             else:
                 from bmtrain_cli.ops import reference
 
@@ -430,7 +430,7 @@ def _token_data(
     import paddle
 
     data = stack_micro_batches(micro_batches, length)
-    count = ctx.all_reduce_sum(float((data["target"] != IGNORE_INDEX).sum()))
+    count = ctx.collectives.all_reduce_sum(float((data["target"] != IGNORE_INDEX).sum()))
     if count <= 0:
         raise UserError("a training step has no target tokens (all labels are -100)")
     inputs = tuple(paddle.to_tensor(data[k]) for k in ("input_ids", "attention_mask", "position_ids"))
@@ -448,7 +448,7 @@ def pipeline_train_step(
 ) -> Tuple[float, float]:
     """Forward+backward of all micro-batches (1F1B) and one optimizer step (the token loss, or
     ``objective``'s; ``scaler``: the fp16 loss scaler). Returns (loss_sum, denominator) summed over micro-batches and data ranks, on every rank."""
-    ctx.mark_progress()
+    ctx.collectives.mark_progress()
     length = ctx.config.model.max_seq_len if ctx.config is not None else None
     if objective is None:
         inputs, target, count = _token_data(ctx, micro_batches, length)
@@ -469,12 +469,12 @@ def pipeline_train_step(
     # is fleet.distributed_scaler's, so found_inf is decided over all ranks)
     model.train_batch([inputs, target], optimizer, lr_scheduler, scaler=scaler)
     local = float(sum(float(s) for s in loss_fn.sums)) if loss_fn.sums else 0.0
-    total = ctx.all_reduce_sum(from_last_stage(ctx, local))
-    ctx.mark_progress()
+    total = ctx.collectives.all_reduce_sum(from_last_stage(ctx, local))
+    ctx.collectives.mark_progress()
     return total, count
 
 
-def last_stage_values(ctx: ParallelCtx, values: np.ndarray) -> np.ndarray:
+def last_stage_values(ctx: Topology, values: np.ndarray) -> np.ndarray:
     """The last pipeline stage's float64 ``values`` (where the loss is computed), on every stage."""
     import paddle
     import paddle.distributed as dist

@@ -1,9 +1,12 @@
-"""What the rest of bmtrain-cli may ask of the parallel context, as a typed Protocol.
+"""What the rest of bmtrain-cli may ask of the parallel context, as typed Protocols, one per concern.
 
-``parallel/context.py`` holds the one implementation (:class:`~bmtrain_cli.parallel.context.ParallelContext`);
-the modules it calls into (full weights, pipeline, sharding, faults) and the trainer, checkpoints, LoRA and
-evaluation are typed against this Protocol instead, so none of them imports the context back (no cycle)
-and none probes an untyped ``ctx: Any``.
+``parallel/context.py`` holds the one implementation (:class:`~bmtrain_cli.parallel.context.ParallelContext`):
+its own fields and properties are the :class:`Topology` (ranks, degrees, groups), ``ctx.collectives`` the
+:class:`Collectives` (parallel/collectives.py) and ``ctx.wrapping`` the :class:`ModelWrapping`
+(parallel/wrapping.py). The modules it calls into (full weights, pipeline, sharding, faults) and the
+trainer, checkpoints, LoRA and evaluation are typed against these Protocols instead, so none of them
+imports the context back (no cycle) and none probes an untyped ``ctx: Any``; a part that needs one concern
+only takes that one.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from bmtrain_cli.config.schema import Config
 from bmtrain_cli.models.layers import LayerFactory
 
 
-class ParallelCtx(Protocol):
-    """This rank's place in the layout (dp x tp x pp x sharding) and the collectives over it."""
+class Topology(Protocol):
+    """This rank's place in the layout (dp x tp x pp x sharding x context) and the groups over it."""
 
     world_size: int
     rank: int
@@ -27,9 +30,8 @@ class ParallelCtx(Protocol):
     pp_degree: int
     context_ring: Any  # parallel.ring_attention.Ring when context_parallel > 1, else None
     hcg: Any  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
-    config: Optional[Config]
     on_cpu: bool
-    pipeline_info: Dict[str, Any]
+    pipeline_info: Dict[str, Any]  # the pipeline cut the wrapping chose (pp > 1)
 
     @property
     def is_distributed(self) -> bool: ...
@@ -56,25 +58,34 @@ class ParallelCtx(Protocol):
     def uses_fleet_model(self) -> bool: ...
 
     @property
-    def factory(self) -> LayerFactory: ...
-
-    @property
     def optimizer_state_portable(self) -> bool: ...
 
-    @property
-    def compression_stats(self) -> Dict[str, Any]: ...
+    def data_groups(self) -> List[Any]: ...
 
-    def context_share(self, batch: Dict[str, Any]) -> Dict[str, Any]: ...
+
+class Collectives(Protocol):
+    """Sums, barriers and broadcasts over the layout (each the identity in one process)."""
 
     def all_reduce_sum(self, value: Any) -> Any: ...
-
-    def data_groups(self) -> List[Any]: ...
 
     def barrier(self) -> None: ...
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
     def mark_progress(self) -> None: ...
+
+    def context_share(self, batch: Dict[str, Any]) -> Dict[str, Any]: ...
+
+
+class ModelWrapping(Protocol):
+    """The layer factory, the model / optimizer / scaler wrapped for the layout, the pipeline step and the
+    whole weights gathered from or split into this rank's pieces."""
+
+    @property
+    def factory(self) -> LayerFactory: ...
+
+    @property
+    def compression_stats(self) -> Dict[str, Any]: ...
 
     def wrap_model(
         self,
@@ -100,3 +111,15 @@ class ParallelCtx(Protocol):
     def checkpoint_weights_writer(self, model: Any) -> Optional[Callable[[Any, str], None]]: ...
 
     def gather_full_model(self, model: Any, kernels: str = "auto") -> Any: ...
+
+
+class ParallelCtx(Topology, Protocol):
+    """The whole context: the topology, the run's config, and the other two concerns as members."""
+
+    config: Optional[Config]
+
+    @property
+    def collectives(self) -> Collectives: ...
+
+    @property
+    def wrapping(self) -> ModelWrapping: ...

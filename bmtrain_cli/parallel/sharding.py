@@ -148,7 +148,7 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
 
     if ctx.config is not None and uses_group_sharded(ctx.config):
         raise UserError(
-            "sharding stage 2/3 wraps model and optimizer together: use ctx.wrap_model_and_optimizer"
+            "sharding stage 2/3 wraps model and optimizer together: use ctx.wrapping.wrap_model_and_optimizer"
         )
     fleet_optimizer = fleet.distributed_optimizer(optimizer)
     recorder = None

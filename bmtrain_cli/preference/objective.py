@@ -18,11 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import paddle
 
-from bmtrain_cli.methods import REFERENCE_FREE
+from bmtrain_cli.methods import PREFERENCE_KEYS, REFERENCE_FREE
 from bmtrain_cli.preference.logps import model_inputs, sequence_logps
 from bmtrain_cli.preference.losses import PairLogps, pair_terms
 from bmtrain_cli.preference.reference import Reference
-from bmtrain_cli.train.metrics import PREFERENCE_KEYS
 
 METRIC_KEYS = PREFERENCE_KEYS  # order of the metric sums after the pair count
 N_STATS = 1 + len(METRIC_KEYS)
@@ -41,7 +40,9 @@ class PreferenceObjective:
         if reference is None and self.kind not in REFERENCE_FREE:
             raise ValueError(f"the {self.kind} loss needs a reference")
         self.reference = reference
-        self._all_reduce = all_reduce  # sums a tensor over the data ranks (ParallelContext.all_reduce_sum)
+        self._all_reduce = (
+            all_reduce  # sums a tensor over the data ranks (ParallelContext.collectives.all_reduce_sum)
+        )
         self._nll_scale = 0.0
         self._stats: List[paddle.Tensor] = []
         self.last_metrics: Dict[str, float] = {}  # the last step's (summary.json)

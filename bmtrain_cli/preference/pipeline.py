@@ -94,7 +94,7 @@ class PairPipeline:
         flat = paddle.to_tensor((r * index.shape[1] + c).astype(np.int64))
         picked = paddle.gather(logits.reshape([-1, logits.shape[-1]]), flat)
         targets = paddle.gather(following.reshape([-1]), flat)
-        token = token_logps(picked, targets, self.ctx.factory)
+        token = token_logps(picked, targets, self.ctx.wrapping.factory)
         logps, counts = per_sequence(token, index[r, c], n)
         loss, stats = self.objective.pair_loss(
             logps, counts, ref if self.objective.reference is not None else None

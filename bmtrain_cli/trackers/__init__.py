@@ -1,6 +1,6 @@
 """Experiment trackers a training run reports to (``train_config.report_to``).
 
-One small protocol, one module per backend, one registry: the metrics writer (train/metrics.py) opens the
+One small protocol, one module per backend, one registry: the metrics writer (train/monitoring/metrics.py) opens the
 configured trackers on the main rank and hands each the same scalars, and config validation asks the
 registry which backends' packages are missing. A backend's module is imported only when it is opened, so
 a missing optional package never breaks anything else.

@@ -3,7 +3,7 @@
 ``Parts`` is frozen: the recipe (recipes/sft.py, recipes/dpo.py) reads it, never re-assigns it.
 ``TrainState`` is what changes from step to step and what a checkpoint restores (step, counters, history).
 ``Objective`` is what a training method's loss gives the shared step, evaluation and report; each recipe
-builds its own (SFT: train/token_loss.py; DPO: recipes/dpo.py over preference/objective.py).
+builds its own (SFT: train/loop/token_loss.py; DPO: recipes/dpo.py over preference/objective.py).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     import paddle
 
     from bmtrain_cli.data.tokenizers import Tokenizer
-    from bmtrain_cli.lora.adapter_store import LoRARun
     from bmtrain_cli.models.decoder import CausalLM
-    from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
-    from bmtrain_cli.train.optim import Precision
-    from bmtrain_cli.train.schedule import Schedule
+    from bmtrain_cli.train.lora_run import LoRARun
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter, MetricsWriter
+    from bmtrain_cli.train.optimizer.adamw import Precision
+    from bmtrain_cli.train.optimizer.lr_schedule import Schedule
 
 Batch = Dict[str, np.ndarray]
 Count = Union[float, "paddle.Tensor"]  # what a loss sum is divided by: tokens, pairs or sequences
@@ -146,7 +146,7 @@ class PipelineLoss(Protocol):
 
 
 class Objective(Protocol):
-    """A training method's loss, as the shared step (train/step.py), evaluation (train/holdout.py) and
+    """A training method's loss, as the shared step (train/loop/step.py), evaluation (train/evaluation/holdout.py) and
     report call it. Per optimizer step: ``begin_step(micro)`` gives (the step's loss denominator, its
     non-padding tokens), both summed over the data ranks; ``loss_sum(model, batch)`` one micro-batch's
     summed loss (divided by that denominator before backward) and its count; ``step_metrics()`` the

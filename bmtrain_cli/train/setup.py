@@ -6,7 +6,7 @@ objective -> schedule -> resume -> claim the output directory -> metrics. A fail
 claim leaves the previous run's files as they were.
 
 What differs between training methods comes from the recipe (recipes/<stage>.py): its demo task, its
-data builder and its objective builder. The SFT ones live here and in train/token_loss.py (token_data,
+data builder and its objective builder. The SFT ones live here and in train/loop/token_loss.py (token_data,
 TOKEN_DEMO, token_loss); the DPO ones in recipes/dpo.py.
 """
 
@@ -27,7 +27,8 @@ from bmtrain_cli.checkpoint_layout import write_text_atomic
 from bmtrain_cli.config.load import LoadedConfig
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
+from bmtrain_cli.train.monitoring.report import data_report
 from bmtrain_cli.train.parts import (
     Console,
     ModelParts,
@@ -37,7 +38,6 @@ from bmtrain_cli.train.parts import (
     TrainData,
     TrainState,
 )
-from bmtrain_cli.train.report import data_report
 from bmtrain_cli.train.runtime import Runtime, clear_output_dir, make_runtime
 
 
@@ -84,7 +84,7 @@ def prepare_data(rt: Runtime, ctx: ParallelCtx, demo: DemoData) -> Dict[str, Any
         data_dir = rt.output_dir / "data"
         if ctx.is_main:
             demo.write(str(data_dir), t.demo_data)
-        ctx.barrier()
+        ctx.collectives.barrier()
         paths["train"] = str(data_dir / demo.files["train"])
         paths["heldout"] = str(data_dir / demo.files["heldout"])
         if paths["eval"] is None:
@@ -151,7 +151,7 @@ def load_tokenizer(rt: Runtime, paths: Dict[str, Any], ctx: ParallelCtx) -> Any:
             texts = collect_texts(paths["train"])
             vocab = m.vocab_size or min(8000, max(300, len(set("".join(texts[:20000]))) * 4))
             train_sentencepiece(texts, str(tok_dir), vocab_size=vocab)
-    ctx.barrier()
+    ctx.collectives.barrier()
     return load(str(tok_dir))
 
 
@@ -170,7 +170,7 @@ def train_data(rt: Runtime, paths: Dict[str, Any], loader: Any, eval_loader: Opt
     return TrainData(paths=paths, loader=loader, eval_loader=eval_loader, report=report)
 
 
-def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelCtx) -> TrainData:
+def token_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Topology) -> TrainData:
     """SFT records: this data rank's training loader and the eval loader (rejected records are written
     later, by claim_output_dir, once every check has passed)."""
     from bmtrain_cli.data.loader import build_loader
@@ -206,9 +206,13 @@ def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
 
         alternatives = [m.model_name_or_path] if m.model_name_or_path else []
         base = find_base(rt.resume_from, alternatives)
-        return load_pretrained(str(base), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
+        return load_pretrained(
+            str(base), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
+        )
     path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
-    return load_pretrained(str(path), kernels=m.kernels, factory=ctx.factory, quantization=m.quantization)
+    return load_pretrained(
+        str(path), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
+    )
 
 
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
@@ -229,7 +233,7 @@ def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
-    return build(arch, factory=ctx.factory, kernels=m.kernels, quantization=m.quantization)
+    return build(arch, factory=ctx.wrapping.factory, kernels=m.kernels, quantization=m.quantization)
 
 
 def build_model_and_optimizer(
@@ -237,14 +241,14 @@ def build_model_and_optimizer(
 ) -> Tuple[ModelParts, OptimParts]:
     """Model (LoRA, recompute), optimizer and precision, wrapped for the parallel layout."""
     from bmtrain_cli.models.param_count import count_parameters
-    from bmtrain_cli.parallel.rebalance import resumed_cut
-    from bmtrain_cli.train.optim import Precision, build_optimizer
+    from bmtrain_cli.train.loop.pipeline_rebalance import resumed_cut
+    from bmtrain_cli.train.optimizer.adamw import Precision, build_optimizer
 
     t, p = rt.config.train, rt.config.parallel
     model = build_model(rt, tokenizer, ctx)
     lora = None
     if t.finetuning == "lora":  # freeze the base, only the adapters train (bmtrain_cli/lora)
-        from bmtrain_cli.lora.adapter_store import LoRARun
+        from bmtrain_cli.train.lora_run import LoRARun
 
         lora = LoRARun.start(model, t, resume_from=rt.resume_from)
     if t.gradient_checkpointing and t.recompute_granularity != "none":
@@ -272,19 +276,23 @@ def build_model_and_optimizer(
     raw, base = precision.decorate(model, base)
     # pipeline_rebalance: a resume keeps the cut its checkpoint was saved under
     wrapped = (
-        ctx.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from)) if distributed else raw
+        ctx.wrapping.wrap_model(raw, pipeline_bounds=resumed_cut(rt.config, rt.resume_from))
+        if distributed
+        else raw
     )
     sharded = None
     if group_sharded:
         from bmtrain_cli.models.decoder import LossSum
 
         # the group-sharded wrapper prepares its buffers in forward(): make loss_sum that forward
-        sharded, stepper, scaler = ctx.wrap_model_and_optimizer(LossSum(wrapped), base, precision.scaler)
+        sharded, stepper, scaler = ctx.wrapping.wrap_model_and_optimizer(
+            LossSum(wrapped), base, precision.scaler
+        )
         precision.scaler = scaler  # Paddle's GroupShardedScaler (fp16), or None
     else:
-        stepper = ctx.wrap_optimizer(base) if distributed else base
+        stepper = ctx.wrapping.wrap_optimizer(base) if distributed else base
         if distributed:
-            precision.scaler = ctx.wrap_scaler(precision.scaler)
+            precision.scaler = ctx.wrapping.wrap_scaler(precision.scaler)
     from bmtrain_cli.parallel.sharding import backward_factor
 
     model_parts = ModelParts(
@@ -307,15 +315,15 @@ def build_model_and_optimizer(
     return model_parts, optim
 
 
-def loss_function(config: Config, wrapped: Any, ctx: ParallelCtx, console: Console) -> Optional[Any]:
+def loss_function(config: Config, wrapped: Any, ctx: Topology, console: Console) -> Optional[Any]:
     """loss_sum of the training model; compiled with paddle.jit.to_static when train_config.to_static
     (the forward and its backward become one static program; the optimizer step stays eager)."""
     t = config.train
     if ctx.pp_degree > 1:
-        return None  # fleet's pipeline schedule computes the loss (ctx.pipeline_step)
+        return None  # fleet's pipeline schedule computes the loss (ctx.wrapping.pipeline_step)
     if not t.to_static:
         return wrapped.loss_sum
-    from bmtrain_cli.train.static import compile_loss_sum
+    from bmtrain_cli.train.loop.to_static import compile_loss_sum
 
     if t.batching == "longest":
         console.say(
@@ -365,14 +373,14 @@ def claim_output_dir(
         clear_output_dir(rt.config, resuming=rt.resume_from is not None)
         text = yaml.safe_dump(rt.config.to_dict(), sort_keys=False)
         write_text_atomic(rt.output_dir / "config.yaml", text)  # a full disk leaves no empty config.yaml
-    ctx.barrier()
+    ctx.collectives.barrier()
     data.loader.start_rejected_log(rt.output_dir, ctx.is_main)  # streaming: every rank, as it reads
     if model.lora is not None:  # a fresh base is written to output_dir/base_model (collective)
         model.lora.record_base(rt.config, rt.output_dir, model.wrapped, ctx)
         console.say(model.lora.describe(model.raw, model.n_params))
 
 
-def _set_host_memory(policy: str, plan: Any, ctx: ParallelCtx, console: Console) -> None:
+def _set_host_memory(policy: str, plan: Any, ctx: Topology, console: Console) -> None:
     """CPU training: keep freed tensor memory for reuse or return it to the OS (plan/host_memory.py)."""
     from bmtrain_cli.plan import host_memory
     from bmtrain_cli.plan.devices import format_bytes, host_memory_bytes
@@ -425,10 +433,10 @@ def setup(
     import paddle
 
     from bmtrain_cli.parallel.topology import init_parallel
-    from bmtrain_cli.train.metrics import MemoryMeter, MetricsWriter
-    from bmtrain_cli.train.optim import check_precision_supported
-    from bmtrain_cli.train.saving import restore
-    from bmtrain_cli.train.schedule import build_schedule
+    from bmtrain_cli.train.checkpoint.saving import restore
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter, MetricsWriter
+    from bmtrain_cli.train.optimizer.adamw import check_precision_supported
+    from bmtrain_cli.train.optimizer.lr_schedule import build_schedule
 
     started = time.time()
     config = loaded.config

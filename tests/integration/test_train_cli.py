@@ -225,7 +225,7 @@ def test_failed_save_keeps_earlier_checkpoint(tmp_path, monkeypatch):
 
     import safetensors.numpy as stn
 
-    from bmtrain_cli.train import training_state as ckmod
+    from bmtrain_cli.train.checkpoint import training_state as ckmod
 
     real = ckmod.save_checkpoint
 
@@ -380,8 +380,8 @@ def test_configured_vocab_size_is_honoured(tmp_path):
 def test_non_finite_weights_are_never_saved_nor_reported_as_success(tmp_path):
     """learning_rate .inf trained, wrote a checkpoint of all-NaN weights and exited 0."""
     from bmtrain_cli.config import load_config
+    from bmtrain_cli.train.loop.stopping import TrainingStopped
     from bmtrain_cli.train.run import load_recipe
-    from bmtrain_cli.train.stopping import TrainingStopped
 
     sft = load_recipe("sft")
     parts, state = sft.setup(load_config(_config(tmp_path, steps=4), mode="train"))

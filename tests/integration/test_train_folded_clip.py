@@ -1,4 +1,4 @@
-"""`bmtrain train` on the CPU folds the global-norm clip into CpuAdamW's fused update (train/optim.clip_for_step):
+"""`bmtrain train` on the CPU folds the global-norm clip into CpuAdamW's fused update (train/optimizer/adamw.clip_for_step):
 per-step losses and norms equal a run that scales the gradients first (clip_grads_), with the clip firing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
-from bmtrain_cli.train import optim
-from bmtrain_cli.train.cpu_adamw import CpuAdamW
+from bmtrain_cli.train.optimizer import adamw as optim
+from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 from tests.tiny import model_yaml
 
 CONFIG = (

@@ -93,7 +93,7 @@ def test_tp2_resume_reuses_per_rank_optimizer_state_and_tp1_restarts_moments(tmp
 
 @pytest.mark.parametrize("stage,offload", [(2, False), (3, True)], ids=["stage2", "stage3-offload"])
 def test_group_sharded_stages_refuse_cpu_with_a_clear_message(tmp_path, stage, offload):
-    """Sharding stage 2/3 go through ctx.wrap_model_and_optimizer (group_sharded_parallel), which the CPU
+    """Sharding stage 2/3 go through ctx.wrapping.wrap_model_and_optimizer (group_sharded_parallel), which the CPU
     build of Paddle cannot run: `bmtrain run` refuses before launching, with exit code 2 (the ranks' config
     check and the parallel layer refuse the same way when launched directly)."""
     cfg = tmp_path / "sharded.yaml"

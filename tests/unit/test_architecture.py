@@ -166,16 +166,6 @@ def folder_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else module
 
 
-# Folder pairs that still import each other, each with what is left to move; the list only shrinks.
-FOLDER_CYCLE_ALLOWANCE = {
-    (
-        "lora",
-        "parallel",
-    ): "parallel.full_weights and parallel.context wrap LoRA layers; adapter_store gathers",
-    ("parallel", "train"): "parallel.launch runs train.run; parallel.rebalance moves training state",
-}
-
-
 def folder_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     """Cycles between folders: the module graph collapsed to one node per folder."""
     folders: Dict[str, Set[str]] = {}
@@ -196,23 +186,20 @@ def test_the_folder_cycle_finder_sees_an_importlib_loop(tmp_path):
     assert folder_cycles(import_graph(pkg)) == [["x", "y"]]
 
 
-def test_no_new_folder_cycles():
+def test_no_folder_cycles():
     graph = import_graph()
-    edges = {(folder_of(m), folder_of(d)) for m, deps in graph.items() for d in deps}
-    pairs = {tuple(sorted(e)) for e in edges if e[0] != e[1] and e[::-1] in edges}
-    new = pairs - set(FOLDER_CYCLE_ALLOWANCE)
-    assert not new, f"folders importing each other (move the shared piece below both): {sorted(new)}"
-    stale = set(FOLDER_CYCLE_ALLOWANCE) - pairs
-    assert not stale, f"allowed folder cycles that are gone (drop them from the allowance): {sorted(stale)}"
-    # the folders the allowed cycles tie together (through longer loops such as config -> preference ->
-    # train -> parallel -> lora -> ... -> config); no other folder may join them
-    tied = set().union(*folder_cycles(graph))
-    assert tied <= CYCLE_TIED_FOLDERS, (
-        f"folders newly tied into an import cycle: {sorted(tied - CYCLE_TIED_FOLDERS)}"
+    found = folder_cycles(graph)
+    assert not found, "folders importing each other (move the shared piece below them):\n" + "\n".join(
+        " <-> ".join(c)
+        + "\n    "
+        + "\n    ".join(
+            f"{m} -> {d}"
+            for m, deps in sorted(graph.items())
+            for d in sorted(deps)
+            if folder_of(m) in c and folder_of(d) in c and folder_of(d) != folder_of(m)
+        )
+        for c in found
     )
-
-
-CYCLE_TIED_FOLDERS = {"config", "lora", "parallel", "plan", "preference", "train"}
 
 
 def test_no_module_over_the_line_budget():

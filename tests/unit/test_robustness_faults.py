@@ -275,8 +275,8 @@ def test_a_full_disk_at_every_write_of_a_save(tmp_path, monkeypatch):
     import paddle
 
     from bmtrain_cli.config.schema import TrainConfig
-    from bmtrain_cli.train.optim import build_optimizer
-    from bmtrain_cli.train.training_state import CheckpointError, save_checkpoint
+    from bmtrain_cli.train.checkpoint.training_state import CheckpointError, save_checkpoint
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     paddle.seed(0)
     model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))

@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import paddle
 
 from bmtrain_cli.config.schema import Config
-from bmtrain_cli.lora.adapter_store import whole_adapter_arrays
 from bmtrain_cli.lora.inject import apply_lora
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.layers import PlainFactory
+from bmtrain_cli.train.lora_run import whole_adapter_arrays
 from tests.tiny import ARCH
 
 LORA = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
@@ -60,7 +60,7 @@ def train(model, opt, micro, ctx=None):
         count = float(sum(float(c) for _, c in parts))
         total = float(sum(float(s) for s, _ in parts))
         if ctx is not None:
-            count, total = ctx.all_reduce_sum(count), ctx.all_reduce_sum(total)
+            count, total = ctx.collectives.all_reduce_sum(count), ctx.collectives.all_reduce_sum(total)
         for s, _ in parts:
             (s / count).backward()
         opt.step()
@@ -88,8 +88,8 @@ def run(out: Path, par: dict) -> None:
             }
         )
         ctx = init_parallel(cfg)
-        model = CausalLM(ARCH, ctx.factory, kernels="reference")
-        ctx.load_full_state_dict(model, base)
+        model = CausalLM(ARCH, ctx.wrapping.factory, kernels="reference")
+        ctx.wrapping.load_full_state_dict(model, base)
     else:
         model = CausalLM(ARCH, PlainFactory(), kernels="reference")
         model.set_state_dict({k: paddle.to_tensor(v) for k, v in base.items()})
@@ -97,11 +97,11 @@ def run(out: Path, par: dict) -> None:
     load_adapter_weights(model, adapters)
     model.train()
     if ctx is not None:
-        model = ctx.wrap_model(model)
+        model = ctx.wrapping.wrap_model(model)
     params = [p for p in model.parameters() if not p.stop_gradient]
     opt = paddle.optimizer.AdamW(learning_rate=1e-2, parameters=params, weight_decay=0.0)
     if ctx is not None:
-        opt = ctx.wrap_optimizer(opt)
+        opt = ctx.wrapping.wrap_optimizer(opt)
     data_rank, data_world = (ctx.data_rank, ctx.data_world) if ctx is not None else (0, 1)
     per = ROWS // data_world
     losses = train(model, opt, micro_batches(range(data_rank * per, (data_rank + 1) * per)), ctx)

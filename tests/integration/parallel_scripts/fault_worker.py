@@ -51,6 +51,6 @@ for step in range(8):
         if a.mode == "hang":
             while True:  # stuck without communicating (e.g. a deadlock in user code)
                 time.sleep(0.5)
-    ctx.all_reduce_sum(1.0)
+    ctx.collectives.all_reduce_sum(1.0)
     time.sleep(0.2)
 print("rank", ctx.rank, "finished", flush=True)

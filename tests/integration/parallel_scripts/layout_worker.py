@@ -90,13 +90,13 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
     if load_dir:
         from bmtrain_cli.models import load_pretrained
 
-        model = load_pretrained(load_dir, kernels="reference", factory=ctx.factory)
+        model = load_pretrained(load_dir, kernels="reference", factory=ctx.wrapping.factory)
         model.train()
     else:
-        model = CausalLM(ARCH, ctx.factory, kernels="reference")
-        ctx.load_full_state_dict(model, initial_weights())
-    model = ctx.wrap_model(model)
-    opt = ctx.wrap_optimizer(optimizer(model.parameters()))
+        model = CausalLM(ARCH, ctx.wrapping.factory, kernels="reference")
+        ctx.wrapping.load_full_state_dict(model, initial_weights())
+    model = ctx.wrapping.wrap_model(model)
+    opt = ctx.wrapping.wrap_optimizer(optimizer(model.parameters()))
     per_rank = GLOBAL_BATCH // ctx.data_world
     rows = range(ctx.data_rank * per_rank, (ctx.data_rank + 1) * per_rank)
     micro = [
@@ -111,7 +111,7 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
     losses = []
     for _ in range(STEPS):
         if ctx.pp_degree > 1:
-            total, count = ctx.pipeline_step(model, micro, opt)
+            total, count = ctx.wrapping.pipeline_step(model, micro, opt)
         else:
             parts = [
                 model.loss_sum(
@@ -122,18 +122,20 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
                 )
                 for b in micro
             ]
-            count = ctx.all_reduce_sum(float(sum(float(c) for _, c in parts)))
+            count = ctx.collectives.all_reduce_sum(float(sum(float(c) for _, c in parts)))
             for s, _ in parts:
                 (s / count).backward()
-            total = ctx.all_reduce_sum(float(sum(float(s) for s, _ in parts)))
+            total = ctx.collectives.all_reduce_sum(float(sum(float(s) for s, _ in parts)))
             opt.step()
             opt.clear_grad()
         losses.append(total / count)
-    full = ctx.full_state_dict(model)
-    plain = ctx.gather_full_model(model, kernels="reference")  # collective; a whole single-process model
+    full = ctx.wrapping.full_state_dict(model)
+    plain = ctx.wrapping.gather_full_model(
+        model, kernels="reference"
+    )  # collective; a whole single-process model
     plain_ok = all(np.array_equal(v.numpy(), full[k]) for k, v in plain.state_dict().items())
     if save_dir:
-        writer = ctx.checkpoint_weights_writer(model)
+        writer = ctx.wrapping.checkpoint_weights_writer(model)
         if ctx.rank == 0:
             if writer is None:
                 from bmtrain_cli.models import save_pretrained
@@ -141,13 +143,13 @@ def run_parallel(out: Path, par: dict, save_dir: str = "", load_dir: str = "") -
                 save_pretrained(model, save_dir)
             else:
                 writer(model, save_dir)
-        ctx.barrier()
+        ctx.collectives.barrier()
     if ctx.rank == 0:
         out.write_text(
             json.dumps(
                 {
                     "losses": losses,
-                    "compression": ctx.compression_stats,
+                    "compression": ctx.wrapping.compression_stats,
                     "pipeline": ctx.pipeline_info,
                     "gathered_model_ok": plain_ok,
                 }

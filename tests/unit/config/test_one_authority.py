@@ -53,7 +53,7 @@ CASES = list(
 
 @pytest.mark.parametrize("lr,min_lr,scale,batch,kind", CASES)
 def test_schedule_refuses_exactly_what_validation_refuses(write_yaml, lr, min_lr, scale, batch, kind):
-    from bmtrain_cli.train.schedule import build_schedule
+    from bmtrain_cli.train.optimizer.lr_schedule import build_schedule
 
     text = (
         f"train_config:\n  learning_rate: {lr}\n  min_lr: {min_lr}\n  scale_lr: {str(scale).lower()}\n"

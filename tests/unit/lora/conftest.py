@@ -42,7 +42,7 @@ def write_lora_ckpt(model, cfg, tmp_path):
     """LoRA on ``model`` (random adapters), its base recorded from ``cfg`` and the checkpoint the trainer's
     writer makes of it in tmp_path/step-3, with a demo tokenizer; returns (run, checkpoint directory)."""
     from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
-    from bmtrain_cli.lora import LoRARun
+    from bmtrain_cli.train.lora_run import LoRARun
 
     run = LoRARun.start(model, cfg.train)
     randomize_adapters(model)

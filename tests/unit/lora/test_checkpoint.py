@@ -13,7 +13,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.lora import LoRARun, load_lora_checkpoint
+from bmtrain_cli.lora import load_lora_checkpoint
+from bmtrain_cli.train.lora_run import LoRARun
 from tests.unit.lora.conftest import lora_cfg, tiny_model, write_lora_ckpt
 
 

@@ -44,8 +44,8 @@ def test_names_stay_hugging_face_and_adapters_use_peft_names():
 
 
 def test_only_adapters_get_gradients_and_optimizer_state(batch):
-    from bmtrain_cli.train.optim import build_optimizer
-    from bmtrain_cli.train.optimizer_state import optimizer_state
+    from bmtrain_cli.train.checkpoint.optimizer_state import optimizer_state
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     model = tiny_model()
     apply_lora(model, lora_cfg("all-linear"))
@@ -72,7 +72,7 @@ def test_only_adapters_get_gradients_and_optimizer_state(batch):
 
 
 def test_frozen_base_is_unchanged_by_training(batch):
-    from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     model = tiny_model()
     before = {n: p.numpy().copy() for n, p in model.named_parameters()}

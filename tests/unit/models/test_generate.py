@@ -128,7 +128,7 @@ def test_cached_logits_equal_full_forward():
 def test_decoding_stops_where_the_positions_end():
     """A huge max_new_tokens (eval --max_new_tokens 10**22) ends where the longest prompt fills
     max_position_embeddings, in generate and in the evaluation's greedy completion (which drops the eos)."""
-    from bmtrain_cli.train.evaluate import greedy_complete
+    from bmtrain_cli.train.evaluation.answer_accuracy import greedy_complete
 
     m = _model(replace(TINY, max_position_embeddings=12))
     prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
@@ -227,7 +227,7 @@ def test_eval_command(model_dir, tmp_path):
         total -= sum(logp[t - 1, ids[t]] for t in range(start, len(ids)))
     assert math.isclose(out["loss"], total / out["tokens"], rel_tol=1e-4)
     # exact match over the one record with a reference answer: the greedy answer, decoded, equals " 3"?
-    from bmtrain_cli.train.evaluate import greedy_complete
+    from bmtrain_cli.train.evaluation.answer_accuracy import greedy_complete
 
     (got,) = greedy_complete(m, [[tok.bos_id, *tok.encode("1 + 2 =")]], max_new_tokens=32, eos_id=tok.eos_id)
     assert out["exact_match_records"] == 1
@@ -275,7 +275,7 @@ def test_exact_match_stops_hopeless_answers_early_with_the_same_accuracy(model_d
     equals the one from decoding every record to the end."""
     from bmtrain_cli.data.encode import encode_prompt
     from bmtrain_cli.data.tokenizers import load_tokenizer
-    from bmtrain_cli.train.evaluate import answer_accuracy, greedy_complete
+    from bmtrain_cli.train.evaluation.answer_accuracy import answer_accuracy, greedy_complete
 
     tok, m = load_tokenizer(str(model_dir)), load_pretrained(model_dir)
     inputs = [f"{a} + {a} =" for a in range(8)]

@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.ops import grad_norm as gn
-from bmtrain_cli.train.optim import clip_grads_, grad_norm_tensor
+from bmtrain_cli.train.optimizer.adamw import clip_grads_, grad_norm_tensor
 
 # odd sizes, an empty-ish one, and one above the kernel's 4Mi-element threading threshold
 SIZES = [(1,), (7, 13), (257, 129), (5 << 20,)]

@@ -74,7 +74,7 @@ def test_no_compiler_is_one_line_for_ops_and_adamw(monkeypatch):
     """Without a compiler the ops and the CPU AdamW fall back for the same reason: the user reads one
     line, `warning: custom kernels unavailable (no C++ compiler found: install g++ ...)`."""
     from bmtrain_cli.cli import _one_line_notices
-    from bmtrain_cli.train import cpu_adamw
+    from bmtrain_cli.train.optimizer import cpu_adamw
 
     monkeypatch.setattr(build, "find_cxx", lambda: None)
     monkeypatch.setattr(build, "_loaded", {})

@@ -15,9 +15,9 @@ import pytest
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.parallel import sharding
 from bmtrain_cli.parallel.context import ParallelContext
-from bmtrain_cli.train import step as step_mod
-from bmtrain_cli.train.optim import Precision, found_inf
-from bmtrain_cli.train.stopping import TrainingStopped
+from bmtrain_cli.train.loop import step as step_mod
+from bmtrain_cli.train.loop.stopping import TrainingStopped
+from bmtrain_cli.train.optimizer.adamw import Precision, found_inf
 
 
 def _cfg(par) -> Config:
@@ -47,12 +47,14 @@ def test_distributed_scaler_applied_for_tensor_parallel_and_stage1(monkeypatch):
     monkeypatch.setattr(fleet, "distributed_scaler", lambda s: wrapped.append(s) or ("fleet", s))
     scaler = object()
     tp = ParallelContext(world_size=2, tp_degree=2, config=_cfg({"tensor_parallel": 2}))
-    assert tp.wrap_scaler(scaler) == ("fleet", scaler)
+    assert tp.wrapping.wrap_scaler(scaler) == ("fleet", scaler)
     st1 = ParallelContext(world_size=2, config=_cfg({"sharding_parallel": 2, "sharding_stage": 1}))
-    assert st1.wrap_scaler(scaler) == ("fleet", scaler)
+    assert st1.wrapping.wrap_scaler(scaler) == ("fleet", scaler)
     dp = ParallelContext(world_size=2, config=_cfg({"data_parallel": 2}))
-    assert dp.wrap_scaler(scaler) is scaler  # plain data parallel: gradients are summed before unscale
-    assert tp.wrap_scaler(None) is None  # no fp16, nothing to wrap
+    assert (
+        dp.wrapping.wrap_scaler(scaler) is scaler
+    )  # plain data parallel: gradients are summed before unscale
+    assert tp.wrapping.wrap_scaler(None) is None  # no fp16, nothing to wrap
     assert len(wrapped) == 2
 
 
@@ -70,7 +72,7 @@ def test_group_sharded_gets_the_scaler_and_returns_paddles(monkeypatch):
         world_size=2, data_world=2, config=_cfg({"sharding_parallel": 2, "sharding_stage": 2})
     )
     scaler = object()
-    model, opt, got = ctx.wrap_model_and_optimizer("model", "opt", scaler)
+    model, opt, got = ctx.wrapping.wrap_model_and_optimizer("model", "opt", scaler)
     assert seen["scaler"] is scaler and seen["level"] == "os_g"
     assert got == ("GroupShardedScaler", scaler)
     assert isinstance(opt, sharding.GradSumOptimizer)
@@ -101,7 +103,7 @@ def test_group_sharded_reduces_over_the_data_parallel_group_too(monkeypatch, dp)
     monkeypatch.setattr(pds, "group_sharded_parallel", lambda m, o, **kw: seen.update(kw) or (m, o, None))
     par = {"data_parallel": dp, "sharding_parallel": 2, "sharding_stage": 3}
     ctx = ParallelContext(world_size=2 * dp, data_world=2 * dp, hcg=_Hcg(dp), config=_cfg(par))
-    ctx.wrap_model_and_optimizer("model", "opt", None)
+    ctx.wrapping.wrap_model_and_optimizer("model", "opt", None)
     assert seen["group"] == "sharding-group"
     assert seen["dp_group"] == ("dp-group" if dp > 1 else None)
     assert sharding.backward_factor(ctx) == 2 * dp
@@ -127,18 +129,19 @@ def _pipeline_parts(overflow: bool, recorded_norm):
     precision = _RecordingPrecision(overflow)
     calls = {}
 
-    class Ctx:
+    class Wrapping:
         def pipeline_step(self, model, micro, optimizer, objective=None, scaler=None):
             calls["scaler"] = scaler
             calls["autocast"] = precision.inside
             return 6.0, 3.0
 
+    class Collectives:
         def all_reduce_sum(self, value):
             return value
 
     stepper = types.SimpleNamespace(set_lr=lambda lr: None, grad_norm=lambda: recorded_norm)
     parts = types.SimpleNamespace(
-        ctx=Ctx(),
+        ctx=types.SimpleNamespace(wrapping=Wrapping(), collectives=Collectives()),
         schedule=lambda step: 0.1,
         optim=types.SimpleNamespace(stepper=stepper, precision=precision),
         objective=types.SimpleNamespace(pipeline=lambda ctx, micro_batch_size: None),

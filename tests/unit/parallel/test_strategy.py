@@ -69,8 +69,8 @@ def test_config_and_data_fingerprints(tmp_path):
 
 def test_single_process_context_is_inert():
     ctx = ParallelContext()
-    assert ctx.all_reduce_sum(3.0) == 3.0
+    assert ctx.collectives.all_reduce_sum(3.0) == 3.0
     model = object()
-    assert ctx.wrap_model(model) is model
-    assert ctx.checkpoint_weights_writer(model) is None
+    assert ctx.wrapping.wrap_model(model) is model
+    assert ctx.wrapping.checkpoint_weights_writer(model) is None
     assert ctx.optimizer_state_portable

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.train.offload import OffloadOptimizer
+from bmtrain_cli.train.optimizer.offload import OffloadOptimizer
 
 
 class _Net(paddle.nn.Layer):

@@ -79,7 +79,7 @@ def test_search_proposes_only_offloads_training_applies(repo_root):
             if lay.offload_params:
                 assert group_sharded, lay  # Paddle's group-sharded stage 3 offloads the parameters
             if lay.offload_optimizer:
-                # one device: our OffloadOptimizer (train/offload.py); else group-sharded offload
+                # one device: our OffloadOptimizer (train/optimizer/offload.py); else group-sharded offload
                 assert world == 1 or group_sharded, lay
             seen.add((world, lay.offload_optimizer, lay.offload_params))
     assert (1, True, False) in seen and (8, True, True) in seen
@@ -89,7 +89,7 @@ def test_search_proposes_only_offloads_training_applies(repo_root):
 def test_one_device_optimizer_offload_trains(repo_root, tmp_path):
     """The offload plan counts on one device: training applies it (the optimizer is the host-state
     OffloadOptimizer) and the run trains."""
-    from bmtrain_cli.train.offload import OffloadOptimizer
+    from bmtrain_cli.train.optimizer.offload import OffloadOptimizer
     from bmtrain_cli.train.run import load_recipe
 
     data = tmp_path / "train.jsonl"

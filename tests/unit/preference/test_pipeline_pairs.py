@@ -36,7 +36,7 @@ def _run(kind: str, pipelined: bool, micro, tmp_path):
     model = tiny_model(VOCAB, seed=12)
     obj = PreferenceObjective(cfg.train, Precomputed() if kind == "sigmoid" else None, lambda v: v)
     if pipelined:
-        pipe = PairPipeline(obj, SimpleNamespace(factory=None), pipeline_rows(3))
+        pipe = PairPipeline(obj, SimpleNamespace(wrapping=SimpleNamespace(factory=None)), pipeline_rows(3))
         inputs, labels, pairs = pipe.pipeline_data(micro, WIDTH)
         total = 0.0
         for i in range(len(micro)):
@@ -74,4 +74,4 @@ def test_a_live_reference_is_refused(tmp_path):
     cfg = make_config(tmp_path, dpo_loss="sigmoid")
     obj = PreferenceObjective(cfg.train, FrozenCopy(tiny_model(VOCAB)), lambda v: v)
     with pytest.raises(ValueError, match="precomputed reference log-probs"):
-        PairPipeline(obj, SimpleNamespace(factory=None), 2)
+        PairPipeline(obj, SimpleNamespace(wrapping=SimpleNamespace(factory=None)), 2)

@@ -47,8 +47,8 @@ def lora_dirs(model_dir, tmp_path_factory):
     import shutil
 
     from bmtrain_cli.config.schema import Config
-    from bmtrain_cli.lora import LoRARun
     from bmtrain_cli.models import load_pretrained
+    from bmtrain_cli.train.lora_run import LoRARun
     from tests.unit.lora.conftest import lora_cfg, randomize_adapters
 
     tmp = tmp_path_factory.mktemp("serve_lora")

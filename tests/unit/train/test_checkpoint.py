@@ -12,10 +12,10 @@ import pytest
 
 from bmtrain_cli import checkpoint_layout as ckl
 from bmtrain_cli.config.schema import TrainConfig
-from bmtrain_cli.train import optimizer_state as optst
-from bmtrain_cli.train import rng_state as rngst
-from bmtrain_cli.train import training_state as ck
-from bmtrain_cli.train.optim import build_optimizer
+from bmtrain_cli.train.checkpoint import optimizer_state as optst
+from bmtrain_cli.train.checkpoint import rng_state as rngst
+from bmtrain_cli.train.checkpoint import training_state as ck
+from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
 
 def _model(seed=0):
@@ -225,7 +225,7 @@ def test_whole_state_is_not_reused_under_a_split_layout_and_missing_parts(tmp_pa
 
 def test_a_stage_part_is_not_reused_under_another_cut(tmp_path):
     """Under pipeline parallel a rank's optimizer part belongs to the layers of its stage: after a
-    rebalance (parallel/rebalance.py) a resume cut elsewhere must not take it for its own layers."""
+    rebalance (train/loop/pipeline_rebalance.py) a resume cut elsewhere must not take it for its own layers."""
 
     def pp2(bounds):
         ctx = _FakeCtx(tp=1)

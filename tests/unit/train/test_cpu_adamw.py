@@ -1,4 +1,4 @@
-"""train/cpu_adamw.CpuAdamW computes what paddle.optimizer.AdamW computes, with the same state."""
+"""train/optimizer/cpu_adamw.CpuAdamW computes what paddle.optimizer.AdamW computes, with the same state."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.train.cpu_adamw import CpuAdamW
+from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 
 CLIP = 0.1
 
@@ -84,7 +84,7 @@ def test_weight_decay_follows_the_decay_rule(fused):
 def test_build_optimizer_uses_it_on_the_cpu():
     from types import SimpleNamespace
 
-    from bmtrain_cli.train.optim import build_optimizer
+    from bmtrain_cli.train.optimizer.adamw import build_optimizer
 
     cfg = SimpleNamespace(adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0)
     opt = build_optimizer(paddle.nn.Linear(4, 4), cfg, 1e-3)
@@ -97,7 +97,7 @@ def test_fallback_when_the_kernel_cannot_be_built(monkeypatch):
     from bmtrain_cli import ops
     from bmtrain_cli.ops import KernelFallbackWarning, fused_adamw
     from bmtrain_cli.ops.build import KernelBuildError
-    from bmtrain_cli.train import cpu_adamw
+    from bmtrain_cli.train.optimizer import cpu_adamw
 
     monkeypatch.setattr(fused_adamw, "unavailable_reason", lambda: "no C++ compiler found")
     monkeypatch.setattr(cpu_adamw, "_warned", False)
@@ -123,9 +123,9 @@ def _net(dtype):
 
 
 def _train_trainer_clip(cls, dtype="float32", steps=5, fold=True, **kwargs):
-    """The trainer's order (train/step.py): global norm, clip (folded into a CpuAdamW's step by
+    """The trainer's order (train/loop/step.py): global norm, clip (folded into a CpuAdamW's step by
     clip_for_step, or clip_grads_), step; warm-up, decay on one weight only, a half-lr weight."""
-    from bmtrain_cli.train.optim import clip_for_step, clip_grads_, global_grad_norm
+    from bmtrain_cli.train.optimizer.adamw import clip_for_step, clip_grads_, global_grad_norm
 
     net = _net(dtype)
     decayed = {net[0].weight.name, net[2].weight.name}

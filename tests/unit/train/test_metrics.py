@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bmtrain_cli.train.metrics import (
+from bmtrain_cli.train.monitoring.metrics import (
     EVAL_TAGS,
     TRAIN_TAGS,
     MetricsWriter,
@@ -116,7 +116,7 @@ def test_tty_progress_bar_and_summary(tmp_path):
 
 def test_memory_meter_on_cpu_is_the_allocators_peak_since_it_was_made() -> None:
     paddle = pytest.importorskip("paddle")
-    from bmtrain_cli.train.metrics import MemoryMeter
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter
 
     paddle.set_device("cpu")
     before = paddle.ones([1024, 256])  # 1 MiB alive before the meter: not counted
@@ -134,7 +134,7 @@ def test_memory_meter_on_cpu_is_the_allocators_peak_since_it_was_made() -> None:
 
 def test_eta_is_measured_from_the_first_logged_step(tmp_path, monkeypatch):
     """A slow first step (set-up) does not inflate the ETA: 10 s of set-up, then 1 s per step."""
-    from bmtrain_cli.train import metrics as m
+    from bmtrain_cli.train.monitoring import metrics as m
 
     clock = [100.0]
     monkeypatch.setattr(m.time, "time", lambda: clock[0])
@@ -151,7 +151,7 @@ def test_eta_is_measured_from_the_first_logged_step(tmp_path, monkeypatch):
 
 def test_cpu_peak_is_a_measured_matmul_throughput() -> None:
     """MFU's CPU peak is measured (once per process): n^3 matmul FLOPs over the best time, cached."""
-    from bmtrain_cli.train import metrics
+    from bmtrain_cli.train.monitoring import metrics
 
     metrics._measured.pop(256, None)
     flops = metrics.measured_matmul_flops(n=256, repeats=2)
@@ -164,7 +164,7 @@ def test_gpu_peak_is_reset_when_training_starts(monkeypatch):
     """On a GPU the allocator's peak is reset after loading: the reported peak is the training peak."""
     import paddle
 
-    from bmtrain_cli.train.metrics import MemoryMeter
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter
 
     calls = []
     monkeypatch.setattr(paddle.device.cuda, "reset_max_memory_allocated", lambda *a: calls.append("reset"))

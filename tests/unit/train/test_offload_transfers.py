@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from bmtrain_cli.train.offload import OffloadOptimizer, Transfers, uses_pinned_staging
+from bmtrain_cli.train.optimizer.offload import OffloadOptimizer, Transfers, uses_pinned_staging
 
 
 class _GpuPlace:

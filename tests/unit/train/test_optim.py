@@ -8,7 +8,7 @@ import pytest
 
 from bmtrain_cli.config.schema import TrainConfig
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.train.optim import (
+from bmtrain_cli.train.optimizer.adamw import (
     Precision,
     build_optimizer,
     check_precision_supported,
@@ -62,7 +62,7 @@ def test_global_norm_in_fp32_and_clip():
 
 
 def test_clip_for_step_folds_into_cpu_adamw_and_scales_for_the_others():
-    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+    from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 
     paddle.seed(0)
     m = Tiny()
@@ -105,8 +105,8 @@ def test_o2_decorates_only_the_model_with_optimizer_offload(monkeypatch):
     """paddle.amp.decorate rejects the offload wrapper (it keeps fp32 masters on the host itself): with
     offload only the model is decorated; a stock optimizer is decorated with it (fp32 master weights)."""
     from bmtrain_cli.config.schema import TrainConfig
-    from bmtrain_cli.train.offload import OffloadOptimizer
-    from bmtrain_cli.train.optim import Precision, build_optimizer
+    from bmtrain_cli.train.optimizer.adamw import Precision, build_optimizer
+    from bmtrain_cli.train.optimizer.offload import OffloadOptimizer
 
     calls = []
 

@@ -1,5 +1,5 @@
 """What of mixed precision Paddle's CPU build really runs, measured rather than assumed: it is why training
-refuses bf16/fp16 on a CPU (config/checks.py, train/optim.check_precision_supported) and why the
+refuses bf16/fp16 on a CPU (config/checks.py, train/optimizer/adamw.check_precision_supported) and why the
 half-precision path is listed as GPU-only in docs/training.md. If a Paddle release starts running these on
 CPU, this test fails and the refusal should be revisited."""
 
@@ -10,7 +10,7 @@ import warnings
 import paddle
 import pytest
 
-from bmtrain_cli.train.optim import Precision
+from bmtrain_cli.train.optimizer.adamw import Precision
 
 pytestmark = pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="facts of Paddle's CPU build")
 

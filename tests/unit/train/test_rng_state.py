@@ -9,7 +9,7 @@ import random
 import numpy as np
 import paddle
 
-from bmtrain_cli.train.rng_state import fitting_states, rng_state, set_rng_state
+from bmtrain_cli.train.checkpoint.rng_state import fitting_states, rng_state, set_rng_state
 
 
 def _draws():

@@ -8,7 +8,7 @@ import pytest
 
 from bmtrain_cli.config.derived import derive
 from bmtrain_cli.config.schema import Config, TrainConfig
-from bmtrain_cli.train.schedule import Schedule, build_schedule, warmup_steps_for
+from bmtrain_cli.train.optimizer.lr_schedule import Schedule, build_schedule, warmup_steps_for
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -9,7 +9,7 @@ import time
 import paddle
 
 from bmtrain_cli.parallel.pipeline import partition
-from bmtrain_cli.parallel.rebalance import StageMonitor, slowest_over_fastest, stages_of, transfers
+from bmtrain_cli.train.loop.pipeline_rebalance import StageMonitor, slowest_over_fastest, stages_of, transfers
 
 # items: embedding (tied with the head), 4 decoder layers, norm, head
 NAMES = [["embed.weight"], ["l0.w"], ["l1.w"], ["l2.w"], ["l3.w"], ["norm.w"], ["embed.weight"]]

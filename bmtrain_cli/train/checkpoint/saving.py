@@ -9,9 +9,9 @@ import yaml
 
 from bmtrain_cli.checkpoint_layout import step_name
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.holdout import gather_sharded_parameters
+from bmtrain_cli.train.evaluation.holdout import gather_sharded_parameters
+from bmtrain_cli.train.loop.stopping import TrainingStopped
 from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
-from bmtrain_cli.train.stopping import TrainingStopped
 
 
 def check_weights_finite(parts: Parts, step: int) -> None:
@@ -56,8 +56,8 @@ def _run_state(parts: Parts, state: TrainState) -> Dict[str, Any]:
 
 def save(parts: Parts, state: TrainState) -> Path:
     """Checkpoint step-<state.step> (collective: every rank calls it)."""
-    from bmtrain_cli.train.optimizer_state import optimizer_layout, write_optimizer_shard
-    from bmtrain_cli.train.training_state import save_checkpoint
+    from bmtrain_cli.train.checkpoint.optimizer_state import optimizer_layout, write_optimizer_shard
+    from bmtrain_cli.train.checkpoint.training_state import save_checkpoint
 
     ctx, rt, optim, model = parts.ctx, parts.runtime, parts.optim, parts.model
     check_weights_finite(parts, state.step)
@@ -69,12 +69,12 @@ def save(parts: Parts, state: TrainState) -> Path:
         # the optimizer state is split over the ranks: every rank saves its part (reused by a resume
         # under the same layout only); rank 0 moves them into the checkpoint after the barrier
         write_optimizer_shard(rt.checkpoint_dir, state.step, ctx.rank, optim.base, model.raw)
-        ctx.barrier()
+        ctx.collectives.barrier()
     # LoRA: adapters only (+ base path and hash); gathering them is collective under tensor parallel
     writer = model.lora.weights_writer(model.wrapped, ctx) if model.lora is not None else None
     if writer is None:
         # collective: under tensor/pipeline parallel gather whole tensors (None: the default writer)
-        writer = ctx.checkpoint_weights_writer(model.wrapped)
+        writer = ctx.wrapping.checkpoint_weights_writer(model.wrapped)
     if ctx.is_main:
         path = save_checkpoint(
             rt.checkpoint_dir,
@@ -89,7 +89,7 @@ def save(parts: Parts, state: TrainState) -> Path:
             layout=layout,
         )
         parts.metrics.log_event(state.step, "checkpoint", path=str(path))
-    ctx.barrier()
+    ctx.collectives.barrier()
     state.last_saved_step = state.step
     state.last_checkpoint = path
     return path
@@ -107,8 +107,8 @@ def restore(
 ) -> TrainState:
     """Load checkpoint ``ckpt`` into the built parts (weights, optimizer, loss scale, data position) and
     return the state the run continues from."""
-    from bmtrain_cli.train.optimizer_state import optimizer_layout
-    from bmtrain_cli.train.training_state import load_training_state
+    from bmtrain_cli.train.checkpoint.optimizer_state import optimizer_layout
+    from bmtrain_cli.train.checkpoint.training_state import load_training_state
 
     saved = load_training_state(
         ckpt, model=model.raw, optimizer=optim.base, layout=optimizer_layout(ctx), rank=ctx.rank

@@ -91,7 +91,7 @@ class StepMeter:
 
     def __init__(self, parts: Parts) -> None:
         from bmtrain_cli.models.param_count import count_active_parameters, count_parameters
-        from bmtrain_cli.train.metrics import flops_per_token, peak_flops
+        from bmtrain_cli.train.monitoring.metrics import flops_per_token, peak_flops
 
         arch = parts.model.raw.arch
         self.parts = parts
@@ -127,7 +127,7 @@ class StepMeter:
         precision = self.parts.optim.precision
         if precision.loss_scale is not None:
             values["loss_scale"] = precision.loss_scale
-        compression = self.parts.ctx.compression_stats
+        compression = self.parts.ctx.wrapping.compression_stats
         if compression:  # gradient compression: dense / sent bytes so far, and bytes sent
             values["compression_ratio"] = compression["ratio"]
             values["compression_bytes_sent"] = compression["bytes_sent"]

@@ -91,7 +91,7 @@ class OffloadOptimizer:
     """A Paddle optimizer whose state and update live in host memory.
 
     parameters: the model's parameters (frozen ones, ``stop_gradient=True``, are skipped).
-    optimizer_cls: the optimizer to run on the host copies (train/cpu_adamw.CpuAdamW from build_optimizer).
+    optimizer_cls: the optimizer to run on the host copies (train/optimizer/cpu_adamw.CpuAdamW from build_optimizer).
     master_on_host: keep the fp32 master weights on the host (True, the default) or on the device
         (False: the device keeps an fp32 master copy next to low-precision weights; each step stages
         it to the host for the update and back).

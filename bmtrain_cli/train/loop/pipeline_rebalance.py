@@ -12,7 +12,7 @@ checkpoint (the step the recipe has just saved) the stages are re-cut:
 1. the weights and the optimizer state (moments, beta powers, master weights) of the parameters whose
    stage changes are sent, keyed by their single-process names, from the rank that trained them to the
    rank that will (one broadcast per tensor over the pipeline group);
-2. the PipelineLayer is rebuilt from the same decoder with the new boundaries (``ctx.wrap_model``),
+2. the PipelineLayer is rebuilt from the same decoder with the new boundaries (``ctx.wrapping.wrap_model``),
    and fleet's optimizer wrapper, which holds no reference to the model, keeps stepping the same
    optimizer.
 
@@ -188,7 +188,7 @@ def repartition(parts: Parts, move: Move, step: int) -> Parts:
     moved = carry_moved_state(parts, move.old, move.new)
     for p in model.raw.parameters():  # the new stage starts without gradients (none left on moved ones)
         p.clear_gradient(False)
-    wrapped = ctx.wrap_model(model.raw, pipeline_costs=move.costs)
+    wrapped = ctx.wrapping.wrap_model(model.raw, pipeline_costs=move.costs)
     layers = model.raw.arch.num_hidden_layers
     per_before = stage_costs(move.costs, move.old)
     per_after = stage_costs(move.costs, move.new)
@@ -225,7 +225,7 @@ def resumed_cut(config: Config, checkpoint: Optional[Path]) -> Optional[List[int
         or not config.parallel.pipeline_rebalance.enabled
     ):
         return None
-    from bmtrain_cli.train.training_state import read_state
+    from bmtrain_cli.train.checkpoint.training_state import read_state
 
     bounds = (read_state(Path(checkpoint)).get("optimizer_layout") or {}).get("pipeline_bounds")
     return [int(b) for b in bounds] if bounds else None
@@ -255,7 +255,7 @@ def carry_moved_state(parts: Parts, old: Sequence[int], new: Sequence[int]) -> i
     import paddle
     import paddle.distributed as dist
 
-    from bmtrain_cli.train.optimizer_state import internal_optimizer_state, optimizer_tensors
+    from bmtrain_cli.train.checkpoint.optimizer_state import internal_optimizer_state, optimizer_tensors
 
     ctx, raw, base = parts.ctx, parts.model.raw, parts.optim.base
     group = ctx.hcg.get_pipe_parallel_group()

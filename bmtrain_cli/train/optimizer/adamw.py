@@ -53,8 +53,8 @@ def build_optimizer(
     """AdamW over the trainable parameters. ``grad_clip`` attaches Paddle's global-norm clip to the
     optimizer (used under tensor/pipeline parallel, where fleet turns it into a cross-rank clip);
     otherwise the trainer clips with :func:`clip_for_step` before ``step()``. ``offload`` keeps the
-    optimizer state in host memory (train/offload.py). On the CPU (and for offloaded states) the update is
-    train/cpu_adamw.CpuAdamW: Paddle's CPU adamw kernel slows every later matmul 3-4x with 2+ threads."""
+    optimizer state in host memory (train/optimizer/offload.py). On the CPU (and for offloaded states) the update is
+    train/optimizer/cpu_adamw.CpuAdamW: Paddle's CPU adamw kernel slows every later matmul 3-4x with 2+ threads."""
     params = [p for _, p in trainable_parameters(model)]
     if not params:
         raise UserError("the model has no trainable parameters")
@@ -69,10 +69,10 @@ def build_optimizer(
         grad_clip=paddle.nn.ClipGradByGlobalNorm(grad_clip) if grad_clip else None,
         multi_precision=multi_precision,
     )
-    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+    from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 
     if offload:  # the update runs on the host copies: the CPU AdamW
-        from bmtrain_cli.train.offload import OffloadOptimizer
+        from bmtrain_cli.train.optimizer.offload import OffloadOptimizer
 
         return OffloadOptimizer(params, CpuAdamW, **kwargs)
     on_cpu = paddle.get_device() == "cpu"
@@ -134,11 +134,11 @@ def clip_for_step(
     optimizer: Any, params: Sequence[paddle.Tensor], max_norm: float, total_norm: float
 ) -> float:
     """Clip the gradients that ``optimizer.step()`` is about to use; returns the factor. A CpuAdamW takes the
-    factor for its next step (train/cpu_adamw.py: the fused kernel folds it into its read of the gradient,
+    factor for its next step (train/optimizer/cpu_adamw.py: the fused kernel folds it into its read of the gradient,
     which saves a pass over every gradient); any other optimizer (Paddle's AdamW on a GPU, the offload
     wrapper, fleet's wrappers) gets its gradients scaled in place by :func:`clip_grads_`. The gradients
     must not be read again before that step."""
-    from bmtrain_cli.train.cpu_adamw import CpuAdamW
+    from bmtrain_cli.train.optimizer.cpu_adamw import CpuAdamW
 
     if type(optimizer) is CpuAdamW:  # exactly ours: a wrapper that forwards attributes does not step it
         factor = clip_factor(max_norm, total_norm)
@@ -172,7 +172,7 @@ def _bf16_supported() -> bool:
 
 
 def is_offload_optimizer(optimizer: Any) -> bool:
-    from bmtrain_cli.train.offload import OffloadOptimizer
+    from bmtrain_cli.train.optimizer.offload import OffloadOptimizer
 
     return isinstance(optimizer, OffloadOptimizer)
 
@@ -198,7 +198,7 @@ class Precision:
     def decorate(self, model: LayerT, optimizer: Any) -> Tuple[LayerT, Any]:
         """Cast the model for O2 (fp32 master weights stay in the optimizer).
 
-        The optimizer-offload wrapper (train/offload.py) is not a Paddle optimizer that paddle.amp.decorate
+        The optimizer-offload wrapper (train/optimizer/offload.py) is not a Paddle optimizer that paddle.amp.decorate
         accepts, and it keeps fp32 master copies on the host itself: only the model is decorated then.
         Paddle casts the model's parameters in place and hands back the same object."""
         if not self.master_weights:

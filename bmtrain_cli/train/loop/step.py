@@ -12,9 +12,9 @@ import math
 from typing import Any, Iterator, List
 
 from bmtrain_cli.errors import UserError
+from bmtrain_cli.train.loop.stopping import TrainingStopped
+from bmtrain_cli.train.loop.token_loss import count_tokens
 from bmtrain_cli.train.parts import Batch, ClipMeasuringStepper, Parts, StepOutput
-from bmtrain_cli.train.stopping import TrainingStopped
-from bmtrain_cli.train.token_loss import count_tokens
 
 
 class MicroBatches:
@@ -43,12 +43,14 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     """Forward and backward over ``micro``, gradient reduction, clipping, update (``step`` counts from 0)."""
     import paddle
 
-    from bmtrain_cli.train.optim import clip_for_step, grad_norm_tensor
+    from bmtrain_cli.train.optimizer.adamw import clip_for_step, grad_norm_tensor
 
     ctx, optim = parts.ctx, parts.optim
     if ctx.pp_degree > 1:
         return pipeline_step(parts, step, micro)
-    micro = [ctx.context_share(b) for b in micro]  # context parallel: this rank's share of each row
+    micro = [
+        ctx.collectives.context_share(b) for b in micro
+    ]  # context parallel: this rank's share of each row
     precision = optim.precision
     distributed = ctx.data_world > 1
     objective = parts.objective
@@ -79,7 +81,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     if norm_t is not None:
         host_parts.append(norm_t.reshape([1]))
     host = paddle.concat(host_parts).numpy() if len(host_parts) > 1 else host_parts[0].numpy()
-    loss = float(ctx.all_reduce_sum(float(host[0]))) / denom
+    loss = float(ctx.collectives.all_reduce_sum(float(host[0]))) / denom
     grad_norm = float(host[1]) if norm_t is not None else 0.0
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     max_norm = parts.config.train.max_grad_norm
@@ -119,10 +121,10 @@ def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     # step with autocast off itself); fp16 gives the scaler to train_batch, which scales each
     # micro-batch's loss and calls scaler.step/update
     with precision.autocast():
-        loss_total, count = parts.ctx.pipeline_step(
+        loss_total, count = parts.ctx.wrapping.pipeline_step(
             parts.model.wrapped, micro, parts.optim.stepper, objective=loss_on_last, scaler=precision.scaler
         )
-    tokens = float(parts.ctx.all_reduce_sum(count_tokens(micro)))
+    tokens = float(parts.ctx.collectives.all_reduce_sum(count_tokens(micro)))
     loss = loss_total / max(count, 1.0)
     overflow = precision.overflowed()
     grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside train_batch

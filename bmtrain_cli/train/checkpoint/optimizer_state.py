@@ -103,7 +103,7 @@ def optimizer_layout(ctx: Optional[ParallelCtx] = None) -> Dict[str, Any]:
     }
     bounds = ctx.pipeline_info.get("boundaries")
     if layout["pipeline_parallel"] > 1 and bounds:
-        # a stage's optimizer part fits only the same cut (a rebalance moves it: parallel/rebalance.py)
+        # a stage's optimizer part fits only the same cut (a rebalance moves it: train/loop/pipeline_rebalance.py)
         layout["pipeline_bounds"] = [int(b) for b in bounds]
     return layout
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 from bmtrain_cli.checkpoint_layout import write_atomic, write_text_atomic
+from bmtrain_cli.methods import PREFERENCE_KEYS
 from bmtrain_cli.models.scoring import perplexity
 
 EVAL_TAGS = ("eval/loss", "eval/ppl")
@@ -27,16 +28,6 @@ TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
 COMPRESSION_KEYS = ("compression_ratio", "compression_bytes_sent")
 # mixture-of-experts models with output_router_logits: the load-balancing loss (models/moe.py)
 MOE_KEYS = ("aux_loss",)
-# preference tuning (stage: dpo), named as TRL logs them (bmtrain_cli/preference/objective.py)
-PREFERENCE_KEYS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "preference_accuracy",
-)
 # stage grpo, named as TRL logs them (bmtrain_cli/grpo/objective.py), with each reward function's
 # rewards/<name>/mean and /std (GRPO_REWARD_SUFFIXES), and the seconds of the rollout and of the update
 GRPO_KEYS = (

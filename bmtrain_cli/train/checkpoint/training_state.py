@@ -31,7 +31,7 @@ from bmtrain_cli.checkpoint_layout import (
     step_name,
 )
 from bmtrain_cli.errors import write_error_line
-from bmtrain_cli.train.optimizer_state import (
+from bmtrain_cli.train.checkpoint.optimizer_state import (
     describe_layout,
     optimizer_layout,
     optimizer_state,
@@ -39,7 +39,7 @@ from bmtrain_cli.train.optimizer_state import (
     same_layout,
     to_numpy,
 )
-from bmtrain_cli.train.rng_state import rng_state, set_rng_state
+from bmtrain_cli.train.checkpoint.rng_state import rng_state, set_rng_state
 
 NOT_CARRIED = "optimizer state is not carried over; moments restart"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.train.holdout import whole_model
+from bmtrain_cli.train.evaluation.holdout import whole_model
 from bmtrain_cli.train.parts import (
     Batch,
     Console,
@@ -40,8 +40,8 @@ class TokenLoss:
         """(predicted tokens, non-padding tokens) of the whole step, summed over the data ranks."""
         from bmtrain_cli.models.scoring import count_targets
 
-        count = float(self.ctx.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
-        return count, float(self.ctx.all_reduce_sum(count_tokens(micro)))
+        count = float(self.ctx.collectives.all_reduce_sum(float(sum(count_targets(b) for b in micro))))
+        return count, float(self.ctx.collectives.all_reduce_sum(count_tokens(micro)))
 
     def loss_sum(self, model: Any, batch: Batch) -> Any:
         from bmtrain_cli.models.scoring import to_tensors
@@ -59,13 +59,15 @@ class TokenLoss:
         """Mean token loss over the eval set (collective; whole weights under tensor/pipeline parallel)."""
         from bmtrain_cli.models.scoring import eval_loss
 
-        assert parts.data.eval_loader is not None  # train/holdout.evaluate runs only with an eval set
+        assert (
+            parts.data.eval_loader is not None
+        )  # train/evaluation/holdout.evaluate runs only with an eval set
         ctx = parts.ctx
         loss, _ = eval_loss(
             whole_model(parts),
             parts.data.eval_loader,
             parts.optim.precision.autocast,
-            ctx.all_reduce_sum if ctx.data_world > 1 else None,
+            ctx.collectives.all_reduce_sum if ctx.data_world > 1 else None,
         )
         return loss, {}
 

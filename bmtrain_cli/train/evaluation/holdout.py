@@ -20,7 +20,7 @@ def whole_model(parts: Parts) -> Any:
     """The model with whole weights: the raw model, or (collective) a gathered copy under tp/pp > 1."""
     gather_sharded_parameters(parts)
     if parts.ctx.tp_degree > 1 or parts.ctx.pp_degree > 1:
-        return parts.ctx.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
+        return parts.ctx.wrapping.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
     return parts.model.raw
 
 
@@ -44,7 +44,7 @@ def demo_accuracy(parts: Parts) -> Optional[Dict[str, Any]]:
     if not parts.ctx.is_main:
         return None
     from bmtrain_cli.data.readers import read_values
-    from bmtrain_cli.train.evaluate import answer_accuracy
+    from bmtrain_cli.train.evaluation.answer_accuracy import answer_accuracy
 
     t = parts.config.train
     return answer_accuracy(

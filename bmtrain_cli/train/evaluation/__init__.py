@@ -1,0 +1,1 @@
+"""Evaluation during training: the eval loss and the held-out answer accuracy."""

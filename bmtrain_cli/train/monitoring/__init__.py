@@ -1,0 +1,1 @@
+"""What a training run reports: metrics.jsonl, trackers, summary.json, the console report."""

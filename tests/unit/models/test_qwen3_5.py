@@ -101,8 +101,8 @@ def test_lora_wraps_the_linear_attention_projections():
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
-        ("parallel_config.pipeline_parallel=2", "parallel_config.pipeline_parallel"),
+        ("parallel_config.tensor_parallel=32", "parallel_config.tensor_parallel"),  # 16 key heads
+        ("parallel_config.tensor_parallel=2,train_config.finetuning=lora", "train_config.finetuning"),
         ("train_config.to_static=true", "train_config.to_static"),
         ("train_config.batching=packed", "train_config.batching"),
     ],
@@ -113,7 +113,7 @@ def test_validate_config_refuses_what_the_linear_attention_does_not_run(override
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
     with pytest.raises(ConfigError) as exc:
-        load_config(quickstart, ["model_config.family=qwen3_5_text", override], mode="validate")
+        load_config(quickstart, ["model_config.family=qwen3_5_text", *override.split(",")], mode="validate")
     ours = [p for p in exc.value.problems if "Gated DeltaNet" in p.format()]
     assert ours and any(p.path == where for p in ours), [p.format() for p in exc.value.problems]
 
@@ -137,6 +137,11 @@ def test_plan_counts_the_linear_attention_layers():
     shape = w.arch.linear_attention
     wider = replace(w, arch=replace(w.arch, linear_attention=replace(shape, num_value_heads=64)))
     assert estimate_layout(wider, layout, device).activations > est.activations
+    # tensor parallel splits the linear layers' heads and projections: each rank holds half of every
+    # matrix (the norms' vectors, a few hundred numbers, stay whole) and about half the activations
+    split = estimate_layout(w, replace(layout, tp=2), device)
+    assert est.parameters // 2 < split.parameters <= est.parameters // 2 + 4 * 1024
+    assert split.activations < 0.55 * est.activations
 
 
 def test_the_kernel_delta_rule_in_the_model_equals_the_reference_rule():

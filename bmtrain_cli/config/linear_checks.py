@@ -1,6 +1,6 @@
 """validate-config checks of models with Gated DeltaNet linear-attention layers (Qwen3.5,
 models/linear_attention.py): tensor parallel splits their key and value heads, pipeline and data
-parallel take them as any layer; they run in dygraph, on rows that each hold one sample."""
+parallel take them as any layer, packed rows run one sample per row there; they train in dygraph."""
 
 from __future__ import annotations
 
@@ -26,13 +26,6 @@ def check_linear_attention(config: Any, arch: Any, err: Callable[..., None]) -> 
             f"LoRA on {what} under tensor_parallel > 1 is not supported yet (its fused [q; k; v] projection "
             "is held as three split parts there)",
             "use tensor_parallel: 1 with LoRA (data_parallel and pipeline_parallel work)",
-        )
-    if t.batching == "packed":
-        err(
-            "train_config.batching",
-            f"{what} carries a recurrent state along the row; packed rows would leak it from one sample "
-            "into the next",
-            "use batching: longest or max_length",
         )
     if t.to_static:
         err(

@@ -8,7 +8,8 @@ the gated delta rule (ops/reference.py, or the op set's kernel) gives o; then o 
 scaled by the norm's weight and by SiLU(in_proj_z x), and projected back by out_proj.
 
 Padding: the layer's input is zeroed where the mask says padding (as transformers does), so a pad token
-writes nothing into the state or the convolution. Generation carries, per layer, the convolution's last
+writes nothing into the state or the convolution. Packed rows (segment ids above 1) run each sample as
+its own row, from a zero state (``segment_rows``). Generation carries, per layer, the convolution's last
 inputs and the recurrent state in the KV cache (models/blocks.KVCache.linear).
 
 Tensor parallel (the factory's ``tp_degree`` > 1): each rank holds its share of the key heads and of the
@@ -22,8 +23,9 @@ column-parallel, out_proj row-parallel, dt_bias and A_log split per value head, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
@@ -77,6 +79,34 @@ def causal_conv(x: paddle.Tensor, weight: paddle.Tensor, previous: Optional[padd
     for j in range(1, kernel):
         out = out + full[:, j : j + s] * w[j]
     return out, full[:, full.shape[1] - (kernel - 1) :]
+
+
+def segment_rows(segments: paddle.Tensor) -> Optional[Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]]:
+    """For rows that pack several samples (segment ids [b, s] above 1): each run of one id as its own row
+    of a [runs, longest] batch, so every sample starts from a zero state and an empty convolution window,
+    exactly as it would alone. Returns (the flat token index [b * s] of every slot, b * s for the empty
+    ones; the slots' mask, 0 for empty slots and padding runs; the slot of every token), or None where
+    every row holds one sample (nothing to reset)."""
+    ids = segments.numpy()
+    if ids.size == 0 or ids.max() <= 1:
+        return None
+    b, s = ids.shape
+    starts, lengths, real = [], [], []
+    for r in range(b):
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(ids[r])) + 1, [s]])
+        for a, e in zip(cuts[:-1], cuts[1:]):
+            starts.append(r * s + int(a))
+            lengths.append(int(e - a))
+            real.append(ids[r, a] > 0)
+    start, length = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
+    pos = np.arange(length.max(), dtype=np.int64)
+    inside = pos[None, :] < length[:, None]
+    source = np.where(inside, start[:, None] + pos[None, :], b * s)
+    slot = np.empty(b * s, dtype=np.int64)
+    for i, (a, n) in enumerate(zip(start, length)):
+        slot[a : a + n] = i * len(pos) + np.arange(n)
+    mask = (inside & np.array(real)[:, None]).astype(np.int64)
+    return paddle.to_tensor(source), paddle.to_tensor(mask), paddle.to_tensor(slot)
 
 
 def _l2norm(x: paddle.Tensor) -> paddle.Tensor:
@@ -133,7 +163,19 @@ class GatedDeltaNet(nn.Layer):
         return causal_conv(mixed, weight, previous)
 
     def forward(self, x: paddle.Tensor, mask: Optional[paddle.Tensor], cache: Any = None) -> paddle.Tensor:
-        """x [b, s, hidden]; mask [b, s] (0 = padding) or None; cache: a KVCache or None."""
+        """x [b, s, hidden]; mask [b, s] (0 = padding, k > 0 = segment id) or None; cache: a KVCache or
+        None. Rows packing several samples run as one row per sample (:func:`segment_rows`)."""
+        rows = None if cache is not None or mask is None else segment_rows(mask)
+        if rows is None:
+            return self._mix(x, mask, cache)
+        b, s, h = x.shape
+        source, slot_mask, slot = rows
+        n, longest = slot_mask.shape
+        flat = paddle.concat([x.reshape([b * s, h]), paddle.zeros([1, h], dtype=x.dtype)])
+        out = self._mix(paddle.gather(flat, source.reshape([-1])).reshape([n, longest, h]), slot_mask, None)
+        return paddle.gather(out.reshape([n * longest, h]), slot).reshape([b, s, h])
+
+    def _mix(self, x: paddle.Tensor, mask: Optional[paddle.Tensor], cache: Any) -> paddle.Tensor:
         shape = self.shape
         b, s = x.shape[0], x.shape[1]
         if mask is not None:

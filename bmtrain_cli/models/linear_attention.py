@@ -32,6 +32,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.ops import OpSet, reference
+from bmtrain_cli.ops.custom import _traced as traced
 
 
 def _wide(x: paddle.Tensor) -> paddle.dtype:
@@ -86,7 +87,10 @@ def segment_rows(segments: paddle.Tensor) -> Optional[Tuple[paddle.Tensor, paddl
     of a [runs, longest] batch, so every sample starts from a zero state and an empty convolution window,
     exactly as it would alone. Returns (the flat token index [b * s] of every slot, b * s for the empty
     ones; the slots' mask, 0 for empty slots and padding runs; the slot of every token), or None where
-    every row holds one sample (nothing to reset)."""
+    every row holds one sample (nothing to reset), and in a static graph (the inference export, whose rows
+    are single prompts)."""
+    if traced():
+        return None
     ids = segments.numpy()
     if ids.size == 0 or ids.max() <= 1:
         return None

@@ -67,6 +67,11 @@ MODELS: Dict[str, List[str]] = {
     # Qwen3.5 dense: three Gated DeltaNet layers (2 key heads, 4 value heads: one key head and its two
     # value heads per tp rank) and one gated full-attention layer (4 heads, 2 KV heads), tied embeddings
     "qwen3_5-hybrid": ["model_config.model_name_or_path={qwen3_5_text}"],
+    # packed rows: the linear layers run each sample from a zero state, on split heads under tp2
+    "qwen3_5-hybrid-packed": [
+        "model_config.model_name_or_path={qwen3_5_text}",
+        "train_config.batching=packed",
+    ],
 }
 # Gemma 3 under tp2: step 1 agrees to 3e-7 (every gradient, the shared q/k norms included), then the
 # summation-order noise grows about tenfold a step in its grad_norm (1.6e-5 at step 4, loss 8e-7): its
@@ -101,6 +106,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_5-hybrid", "tp2", TP2),
     ("qwen3_5-hybrid", "pp2", PP2),
     ("qwen3_5-hybrid", "dp2", DP2),
+    ("qwen3_5-hybrid-packed", "tp2", TP2),
 ]
 _CHECKPOINTS: Dict[str, str] = {}
 
@@ -168,7 +174,7 @@ def single(tmp_path_factory):
 
 def test_the_clip_fires_in_the_reference_runs(single):
     """Otherwise the matrix would not exercise the clipping path it claims to check."""
-    for model in ("quickstart", "untied-gqa-recompute-packed", "qwen3_5-hybrid"):
+    for model in ("quickstart", "untied-gqa-recompute-packed", "qwen3_5-hybrid", "qwen3_5-hybrid-packed"):
         norms = single(model)["grad_norm"]
         assert np.all(norms > 1.0), (model, norms)  # max_grad_norm 1.0: every step is scaled
 
@@ -182,7 +188,9 @@ def test_layout_matches_one_process(tmp_path, single, model, name, layout):
         np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{model} {name} {key}")
         np.testing.assert_allclose(got[key][0], want[key][0], rtol=1e-5, err_msg=f"{model} {name} step 1")
     assert want["loss"][-1] < want["loss"][0]  # it trains
-    if model == "qwen3_5-hybrid":  # the split linear-attention parts are saved whole, under one-device names
+    if model.startswith(
+        "qwen3_5-hybrid"
+    ):  # the split linear-attention parts are saved whole, under one-device names
         from bmtrain_cli.models import load_pretrained
 
         load_pretrained(str(tmp_path / "run" / "checkpoints" / f"step-{STEPS}"), kernels="reference")

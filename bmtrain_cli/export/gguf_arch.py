@@ -35,6 +35,12 @@ def check_exportable(arch: Any) -> str:
     """The llama.cpp architecture name of ``arch``; UserError for what llama.cpp would run differently."""
     from bmtrain_cli.models.rope import rope_type
 
+    if arch.linear_attention is not None:
+        raise UserError(
+            f"--format gguf: the {arch.family} linear-attention (Gated DeltaNet) layers are not written to "
+            "GGUF (llama.cpp's layout of their convolution, gates and recurrent state is not checked against "
+            "a llama.cpp build here); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
     if arch.family not in GGUF_ARCHS:
         raise UserError(
             f"--format gguf: the {arch.family} family is not written to GGUF (written: "

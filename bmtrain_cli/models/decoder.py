@@ -250,6 +250,8 @@ class CausalLM(nn.Layer):
         tp_rank = self.factory.tp_rank
         for name, p in self.named_parameters():
             axis = getattr(p, "split_axis", None) if getattr(p, "is_distributed", False) else None
+            if ".linear_attn." in name:  # drawn by the layer below (its [q; k; v] is whole on one device)
+                continue
             if len(p.shape) >= 2 and tp > 1 and axis is not None:
                 shape = list(p.shape)
                 size = shape[int(axis)]
@@ -267,7 +269,7 @@ class CausalLM(nn.Layer):
                 zeros(p)
         for layer in self.layers:
             if layer.layer_type == "linear_attention":
-                layer.linear_attn.init_weights()
+                layer.linear_attn.init_weights(normal)
 
     def enable_recompute(self, granularity: str = "full", num_layers: Optional[int] = None) -> None:
         """Recompute activations in the backward pass for the first ``num_layers`` decoder layers

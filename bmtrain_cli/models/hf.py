@@ -2,7 +2,8 @@
 
 Names follow Hugging Face exactly. Paddle's Linear stores weights as [in, out] and Hugging Face as
 [out, in], so every matrix except the embedding is transposed on the way in and out. Fused projections
-(Baichuan's ``W_pack`` and Phi-3's ``qkv_proj`` holding q/k/v, Phi-3's and GLM-4's ``gate_up_proj``) are
+(Baichuan's ``W_pack`` and Phi-3's ``qkv_proj`` holding q/k/v, Phi-3's and GLM-4's ``gate_up_proj``,
+Qwen3.5's linear-attention ``in_proj_qkv`` and ``conv1d``) are
 kept fused on one device and split into their parts under tensor parallelism.
 Under tensor parallelism each rank takes its slice of the full tensor (the axis where the local
 parameter is smaller).
@@ -24,6 +25,7 @@ from bmtrain_cli.models.arch import ModelArch, arch_from_model_config, arch_to_h
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.families import family
 from bmtrain_cli.models.layers import LayerFactory
+from bmtrain_cli.models.linear_attention import QKV_PARTS
 from bmtrain_cli.models.safetensors_io import LazyTensors, checkpoint_files, write_safetensors
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -107,6 +109,11 @@ def _fused_parts(arch: ModelArch, every: bool = False) -> Dict[str, Tuple[Tuple[
             out[f"self_attn.{name}"] = qkv
     if every or arch.fused_gate_up:
         out["mlp.gate_up_proj"] = (("mlp.gate_proj", "mlp.up_proj"), [f, f])
+    la = arch.linear_attention  # Gated DeltaNet's [q; k; v] projection and convolution
+    if la is not None:
+        for fused, stem in (("in_proj_qkv", "in_proj"), ("conv1d", "conv1d")):
+            parts = tuple(f"linear_attn.{stem}_{p}" for p in QKV_PARTS)
+            out[f"linear_attn.{fused}"] = (parts, [la.key_dim, la.key_dim, la.value_dim])
     return out
 
 

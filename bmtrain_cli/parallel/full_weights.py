@@ -122,15 +122,18 @@ def full_weights_writer(ctx: ParallelCtx, model: Any) -> Any:
 
 def full_model(ctx: ParallelCtx, model: Any, kernels: str = "auto") -> Any:
     """A plain CausalLM with the whole weights (gathered collectively), in eval mode."""
-    import paddle
 
     from bmtrain_cli.lora.inject import is_lora_name, lora_settings
     from bmtrain_cli.models import build
+    from bmtrain_cli.models.hf import hf_state_dict, load_hf_state_dict
 
     full = full_state_dict(ctx, model)
     inner = unwrap(model)
     plain = build(inner.arch, kernels=kernels)
-    plain.set_state_dict({k: paddle.to_tensor(v) for k, v in full.items() if not is_lora_name(k)})
+    # through the Hugging Face layout: parts kept apart under tensor parallel (fused projections, the
+    # linear attention's [q; k; v]) are fused there as the one-device model holds them
+    base = FullWeights(inner.arch, {k: v for k, v in full.items() if not is_lora_name(k)})
+    load_hf_state_dict(plain, hf_state_dict(base), "gathered weights")  # type: ignore[arg-type]
     settings = lora_settings(inner)
     adapters = {k: v for k, v in full.items() if is_lora_name(k)}
     if settings is not None and adapters:

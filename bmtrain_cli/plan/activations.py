@@ -38,10 +38,10 @@ def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
         mats += (q + 2 * kv) // tp
     if arch.qk_norm:
         vecs += 2 * hd
-    if arch.linear_attention is not None:  # a hybrid (Qwen3.5, tp 1): the mean of its layers' mixers
+    if arch.linear_attention is not None:  # a hybrid (Qwen3.5): the mean of its layers' mixers per rank
         mlp = 3 * h * arch.intermediate_size // tp
         attention = mats - mlp + vecs - 2 * h  # projections, biases, q/k norms
-        mats = LinearAttention.mixer_parameters(arch, attention) // arch.num_hidden_layers + mlp
+        mats = LinearAttention.mixer_parameters(arch, attention, tp) // arch.num_hidden_layers + mlp
         vecs = 2 * h
     return mats, vecs
 
@@ -162,7 +162,9 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     if a.linear_attention is not None and mode != "full":  # a hybrid: the mean over its layers
         linear = sum(a.layer_type(i) == "linear_attention" for i in range(a.num_hidden_layers))
         mean = linear / a.num_hidden_layers
-        kept = (1 - mean) * kept + mean * (hidden_part + a.linear_attention.activation_elements() + mlp)
+        # tensor parallel splits its heads; our CPU kernel runs its delta rule where the fused attention runs
+        linear_kept = a.linear_attention.activation_elements(fused_cpu_attention(w, device)) / tp
+        kept = (1 - mean) * kept + mean * (hidden_part + linear_kept + mlp)
     return kept, float(hidden_part)
 
 

@@ -71,6 +71,19 @@ CASES: Dict[str, tuple] = {
     "h192-l3-s256-b4-reference": (192, 512, 3, 6, 2, 256, 4, "none", {"model": {"kernels": "reference"}}),
     "h128-l6-s512-b4-partial": (128, 344, 6, 4, 4, 512, 4, "full", {"train": {"recompute_num_layers": 3}}),
     "h128-l2-s1024-b2-attn-mqa": (128, 352, 2, 4, 1, 1024, 2, "attention", {}),
+    # Qwen3.5 dense, fresh: three Gated DeltaNet layers (the family's 16 key / 32 value heads of 128) and
+    # one gated full-attention layer; the linear layers' chunk matrices and states dominate the activations
+    "h128-l4-s128-b4-qwen3_5": (
+        128,
+        344,
+        4,
+        4,
+        2,
+        128,
+        4,
+        "none",
+        {"model": {"family": "qwen3_5_text", "head_dim": 32}},
+    ),
     # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
     # (num_iterations 2): the rollout phase beside the step
     "h256-l2-s256-b8-grpo": (256, 688, 2, 4, 2, 256, 8, "none", {"train": GRPO_CASE}),

@@ -6,6 +6,9 @@ grad_norm (1e-5 relative) on real settings.
   step (asserted): a layout whose norm or clip is off diverges from step 2.
 * An untied grouped-query model (4 heads, 2 KV heads) with full recompute and packed rows.
 * LoRA adapters under tensor parallel.
+* The 2026 dense families: ERNIE 4.5, Gemma 3 and the Qwen3.5 hybrid (Gated DeltaNet linear attention and
+  gated full attention, tied), the last from a fresh checkpoint written once per session (the linear
+  attention's sizes are a checkpoint's, not model_config's).
 
 docs/parallel.md carries the table with the measured maximum differences
 (``python -m tests.integration.test_parallel_matrix`` prints it).
@@ -13,9 +16,12 @@ docs/parallel.md carries the table with the measured maximum differences
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -58,6 +64,14 @@ MODELS: Dict[str, List[str]] = {
         "model_config.sliding_window=4",
         "model_config.num_key_value_heads=2",
     ],
+    # Qwen3.5 dense: three Gated DeltaNet layers (2 key heads, 4 value heads: one key head and its two
+    # value heads per tp rank) and one gated full-attention layer (4 heads, 2 KV heads), tied embeddings
+    "qwen3_5-hybrid": ["model_config.model_name_or_path={qwen3_5_text}"],
+    # packed rows: the linear layers run each sample from a zero state, on split heads under tp2
+    "qwen3_5-hybrid-packed": [
+        "model_config.model_name_or_path={qwen3_5_text}",
+        "train_config.batching=packed",
+    ],
 }
 # Gemma 3 under tp2: step 1 agrees to 3e-7 (every gradient, the shared q/k norms included), then the
 # summation-order noise grows about tenfold a step in its grad_norm (1.6e-5 at step 4, loss 8e-7): its
@@ -89,7 +103,39 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("gemma3-window", "tp2", TP2),
     ("gemma3-window", "pp2", PP2),
     ("gemma3-window", "dp2", DP2),
+    ("qwen3_5-hybrid", "tp2", TP2),
+    ("qwen3_5-hybrid", "pp2", PP2),
+    ("qwen3_5-hybrid", "dp2", DP2),
+    ("qwen3_5-hybrid-packed", "tp2", TP2),
 ]
+_CHECKPOINTS: Dict[str, str] = {}
+
+
+def _checkpoints() -> Dict[str, str]:
+    """{name: directory} of the fresh checkpoints the models load, written on first use: a tied
+    qwen3_5_text of the parity fixture's shape (tests/fixtures/hf/qwen3_5_text) with our initialisation,
+    and the quickstart's demo tokenizer."""
+    if not _CHECKPOINTS:
+        import dataclasses
+
+        import paddle
+
+        from bmtrain_cli.data.demo import train_demo_tokenizer, write_demo_data
+        from bmtrain_cli.models import build, save_pretrained
+        from bmtrain_cli.models.arch import read_hf_config
+
+        out = Path(tempfile.mkdtemp(prefix="bmtrain-qwen3_5-"))
+        atexit.register(shutil.rmtree, out, True)
+        write_demo_data(str(out / "data"), task="reverse", seed=0)
+        train_demo_tokenizer(
+            str(out / "model"), [str(out / "data" / f) for f in ("train.jsonl", "heldout.jsonl")]
+        )
+        fixture = REPO / "tests" / "fixtures" / "hf" / "qwen3_5_text"
+        arch = dataclasses.replace(read_hf_config(str(fixture)), tie_word_embeddings=True)
+        paddle.seed(0)
+        save_pretrained(build(arch, kernels="reference"), out / "model")
+        _CHECKPOINTS["qwen3_5_text"] = str(out / "model")
+    return _CHECKPOINTS
 
 
 def _bmtrain(*args: str) -> subprocess.CompletedProcess:
@@ -100,7 +146,8 @@ def _bmtrain(*args: str) -> subprocess.CompletedProcess:
 
 def run_layout(out: Path, model: str, layout: List[str]) -> Dict[str, np.ndarray]:
     """Train through `bmtrain train` (no layout) or `bmtrain run`; per-step loss and grad_norm."""
-    sets = [x for o in COMMON + MODELS[model] + layout for x in ("--set", o)]
+    overrides = [o.format(**_checkpoints()) if "{" in o else o for o in MODELS[model]]
+    sets = [x for o in COMMON + overrides + layout for x in ("--set", o)]
     res = _bmtrain("run" if layout else "train", "--config", str(QUICKSTART), *sets, "--output_dir", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -127,7 +174,7 @@ def single(tmp_path_factory):
 
 def test_the_clip_fires_in_the_reference_runs(single):
     """Otherwise the matrix would not exercise the clipping path it claims to check."""
-    for model in ("quickstart", "untied-gqa-recompute-packed"):
+    for model in ("quickstart", "untied-gqa-recompute-packed", "qwen3_5-hybrid", "qwen3_5-hybrid-packed"):
         norms = single(model)["grad_norm"]
         assert np.all(norms > 1.0), (model, norms)  # max_grad_norm 1.0: every step is scaled
 
@@ -141,6 +188,12 @@ def test_layout_matches_one_process(tmp_path, single, model, name, layout):
         np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{model} {name} {key}")
         np.testing.assert_allclose(got[key][0], want[key][0], rtol=1e-5, err_msg=f"{model} {name} step 1")
     assert want["loss"][-1] < want["loss"][0]  # it trains
+    if model.startswith(
+        "qwen3_5-hybrid"
+    ):  # the split linear-attention parts are saved whole, under one-device names
+        from bmtrain_cli.models import load_pretrained
+
+        load_pretrained(str(tmp_path / "run" / "checkpoints" / f"step-{STEPS}"), kernels="reference")
 
 
 def test_pipeline_checkpoint_of_a_tied_model_loads_in_one_process(tmp_path, single):

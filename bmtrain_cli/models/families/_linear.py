@@ -64,17 +64,18 @@ class LinearAttention:
         recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
         return recurrent + (self.conv_kernel - 1) * self.conv_dim
 
-    def activation_elements(self) -> float:
-        """Elements per token a linear-attention layer keeps for its backward (Paddle-op path, beside the
-        layer input and the MLP's): the projections' outputs, the convolution's padded input, output and
-        SiLU, q/k before and after the l2 norm (repeated per value head), the chunk's decay, system and
-        attention matrices, the solved right-hand sides, the decayed q/k, each chunk's state and update,
-        the gated norm's input and output."""
+    def activation_elements(self, kernel: bool = False) -> float:
+        """Elements per token a linear-attention layer keeps for its backward (beside the layer input and
+        the MLP's): the projections' outputs, the convolution's padded input, output and SiLU, q/k before
+        and after the l2 norm (repeated per value head), the state before each chunk of ``DELTA_CHUNK``
+        tokens and the rule's output, the gated norm's input and output; on the Paddle-op path
+        (``kernel`` False) also each chunk's decay, system and attention matrices, the solved right-hand
+        sides and the decayed q/k, which our CPU kernel (ops/delta_rule.py) recomputes in its backward."""
         nv, dk, dv = self.num_value_heads, self.key_head_dim, self.value_head_dim
         projections = self.conv_dim + self.value_dim + 2 * nv
         conv = 3 * self.conv_dim
         qk = 2 * self.key_dim + 2 * nv * dk
-        chunk = 3 * nv * DELTA_CHUNK + 2 * nv * (dk + dv) + 3 * nv * dk
+        chunk = 0 if kernel else 3 * nv * DELTA_CHUNK + 2 * nv * (dk + dv) + 3 * nv * dk
         state = nv * dk * dv / DELTA_CHUNK + nv * dv
         return projections + conv + qk + chunk + state + 3 * self.value_dim
 
@@ -84,11 +85,14 @@ class LinearAttention:
         return "full_attention" if (layer + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
 
     @staticmethod
-    def mixer_parameters(arch: Any, attention: int) -> int:
-        """Parameters of every layer's token mixer: ``attention`` for each attention layer, the Gated
-        DeltaNet's for each linear-attention layer (``arch``: a ModelArch)."""
+    def mixer_parameters(arch: Any, attention: int, tp: int = 1) -> int:
+        """Parameters of every layer's token mixer on one of ``tp`` tensor-parallel ranks: ``attention``
+        for each attention layer, the Gated DeltaNet's (split over the ranks) for each linear-attention
+        layer (``arch``: a ModelArch)."""
         shape = arch.linear_attention
         return sum(
-            shape.parameters(arch.hidden_size) if arch.layer_type(i) == "linear_attention" else attention
+            shape.parameters(arch.hidden_size) // tp
+            if arch.layer_type(i) == "linear_attention"
+            else attention
             for i in range(arch.num_hidden_layers)
         )

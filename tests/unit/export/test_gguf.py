@@ -264,6 +264,17 @@ def test_a_family_without_a_llama_cpp_architecture_is_refused_by_name(monkeypatc
         gguf_arch.check_exportable(_tiny("glm4").arch)
 
 
+def test_the_qwen3_5_linear_attention_is_refused_with_the_reason():
+    from pathlib import Path
+
+    from bmtrain_cli.export.gguf_arch import check_exportable
+    from bmtrain_cli.models.arch import read_hf_config
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "qwen3_5_text"
+    with pytest.raises(UserError, match="linear-attention .Gated DeltaNet. layers are not written to GGUF"):
+        check_exportable(read_hf_config(str(fixture)))
+
+
 def test_mixtral_and_ernie4_5_moe_experts_shared_experts_and_score_bias(tmp_path, sp_tokenizer):
     from bmtrain_cli.export.gguf_export import gguf_tensors, write_gguf
     from bmtrain_cli.models import hf_state_dict

@@ -98,13 +98,46 @@ def test_lora_wraps_the_linear_attention_projections():
     assert not any("conv1d" in n for n in wrapped)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_a_packed_row_equals_its_samples_run_alone(kernels):
+    """Rows packing samples (segment ids 1, 2, ... and padding 0, positions restarting per sample, as the
+    packed collate writes them): every sample's logits and its loss gradient equal its own run's, the
+    linear layers' state and convolution starting afresh at each sample (three samples, one longer than
+    a 64-token chunk, so the chunk boundaries move)."""
+    model = load_pretrained(FIXTURE, kernels=kernels)
+    rng = np.random.default_rng(0)
+    lengths = [[9, 70], [5, 17, 20]]
+    width = 83
+    ids = np.zeros((2, width), dtype=np.int64)
+    seg, pos = np.zeros_like(ids), np.zeros_like(ids)
+    samples = []
+    for r, row in enumerate(lengths):
+        at = 0
+        for i, n in enumerate(row):
+            tokens = rng.integers(3, 380, n)
+            ids[r, at : at + n], seg[r, at : at + n], pos[r, at : at + n] = tokens, i + 1, np.arange(n)
+            samples.append((r, at, tokens))
+            at += n
+    packed = model(paddle.to_tensor(ids), paddle.to_tensor(seg), paddle.to_tensor(pos))
+    for r, at, tokens in samples:
+        alone = model(paddle.to_tensor(tokens[None]))
+        got = packed[r, at : at + len(tokens)]
+        np.testing.assert_allclose(got.numpy(), alone[0].numpy(), rtol=1e-5, atol=2e-5)
+    # one sample's outputs of a linear layer take gradient from its own inputs only (no state leaks)
+    layer = model.model.layers[0].linear_attn
+    x = paddle.to_tensor(rng.standard_normal((2, width, 64)), dtype="float32", stop_gradient=False)
+    layer(x, paddle.to_tensor(seg))[1, 5:22].sum().backward()  # the second sample of row 1
+    reach = np.abs(x.grad.numpy()).sum(-1)
+    assert np.all(reach[1, 5:22] > 0)
+    assert not reach[0].any() and not reach[1, :5].any() and not reach[1, 22:].any()
+
+
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
-        ("parallel_config.pipeline_parallel=2", "parallel_config.pipeline_parallel"),
+        ("parallel_config.tensor_parallel=32", "parallel_config.tensor_parallel"),  # 16 key heads
+        ("parallel_config.tensor_parallel=2,train_config.finetuning=lora", "train_config.finetuning"),
         ("train_config.to_static=true", "train_config.to_static"),
-        ("train_config.batching=packed", "train_config.batching"),
     ],
 )
 def test_validate_config_refuses_what_the_linear_attention_does_not_run(override, where):
@@ -113,7 +146,7 @@ def test_validate_config_refuses_what_the_linear_attention_does_not_run(override
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
     with pytest.raises(ConfigError) as exc:
-        load_config(quickstart, ["model_config.family=qwen3_5_text", override], mode="validate")
+        load_config(quickstart, ["model_config.family=qwen3_5_text", *override.split(",")], mode="validate")
     ours = [p for p in exc.value.problems if "Gated DeltaNet" in p.format()]
     assert ours and any(p.path == where for p in ours), [p.format() for p in exc.value.problems]
 
@@ -137,6 +170,11 @@ def test_plan_counts_the_linear_attention_layers():
     shape = w.arch.linear_attention
     wider = replace(w, arch=replace(w.arch, linear_attention=replace(shape, num_value_heads=64)))
     assert estimate_layout(wider, layout, device).activations > est.activations
+    # tensor parallel splits the linear layers' heads and projections: each rank holds half of every
+    # matrix (the norms' vectors, a few hundred numbers, stay whole) and about half the activations
+    split = estimate_layout(w, replace(layout, tp=2), device)
+    assert est.parameters // 2 < split.parameters <= est.parameters // 2 + 4 * 1024
+    assert split.activations < 0.55 * est.activations
 
 
 def test_the_kernel_delta_rule_in_the_model_equals_the_reference_rule():

@@ -1,7 +1,7 @@
 """The CPU estimate against real `bmtrain train` runs: within 15% of summary.json's peak_memory_bytes on
-17 configurations (sizes, sequence lengths up to 1024, micro batches, recompute off / attention / full /
+18 configurations (sizes, sequence lengths up to 1024, micro batches, recompute off / attention / full /
 partial, batching max_length / longest / packed, accumulation, optimizer offload, LoRA, reference
-kernels, LLaMA and Qwen2, a stage grpo run). The estimate is the one `bmtrain plan --device cpu` prints for the case; the
+kernels, LLaMA, Qwen2 and the Qwen3.5 hybrid with its linear-attention layers, a stage grpo run). The estimate is the one `bmtrain plan --device cpu` prints for the case; the
 runs use the static kernel order the estimate models (BMTRAIN_KERNEL_CHOICE=static, docs/plan.md)."""
 
 from __future__ import annotations

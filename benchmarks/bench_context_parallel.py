@@ -45,6 +45,8 @@ train_config:
   warmup_steps: 0
   logging_steps: 1
   save_steps: 1000
+parallel_config:
+  fault_timeout_s: 3600  # a ring step at 32K tokens can take minutes on 2 shared cores
 """
 
 

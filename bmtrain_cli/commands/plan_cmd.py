@@ -73,7 +73,9 @@ def register(app: typer.Typer) -> None:
             "longest_seq_len": longest,
         }
         lines = current.lines()
-        lines.append(f"longest sequence this layout fits: {longest} tokens (max_seq_len {workload.seq_len})")
+        lines.append(
+            f"longest sequence this layout fits: {longest} tokens (the planned rows: {workload.seq_len})"
+        )
         if do_search:
             found = search(workload, dev, per_node, nodes, top=top)
             found_dict: Dict[str, Any] = {

@@ -4,14 +4,20 @@ boundary, and the shipped 32K config's header states what the plan prints for it
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.config import load_config
+from bmtrain_cli.plan import calibration
 from bmtrain_cli.plan.devices import format_bytes, get_device
 from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout
 from bmtrain_cli.plan.search import longest_sequence, search
@@ -84,3 +90,42 @@ def test_plan_prints_the_longest_sequence(repo_root) -> None:
     assert fits and int(fits.group(1)) > 32768
     assert re.search(r"best layout \(.*fits sequences up to \d+ tokens\)", res.output)
     assert "context_parallel: " in res.output.split("best layout")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.calibration
+def test_the_longest_sequence_runs_at_the_devices_budget(tmp_path) -> None:
+    """The plan's longest-sequence answer against a run: for a CPU "device" sized so that the answer is
+    about 8K tokens, `bmtrain run` (context parallel 2) at that length peaks at the device's memory less the
+    plan's reserves, within the calibration tolerance (15%)."""
+    data, tok = calibration.prepare(tmp_path)
+    name = "h192-l2-s4096-b1-cp2"
+    config = calibration.case_config(name, tmp_path, data, tok, steps=2)
+    path = tmp_path / "cp2.yaml"
+
+    def load(seq: int):
+        config["model_config"]["max_seq_len"] = seq
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        return load_config(str(path)).config
+
+    sized = estimate(load(8192), "cpu")
+    device = get_device("cpu").with_memory(sized.required + (1 << 20))
+    cfg = load(4096)
+    longest = longest_sequence(Workload.from_config(cfg), Layout.from_config(cfg), device)
+    assert 8192 <= longest < 9000
+    est = estimate(load(longest), device)
+    budget = device.memory_bytes - (est.required - est.peak)  # what the plan leaves for live tensors
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BMTRAIN_KERNEL_CHOICE": "static"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / name / "summary.json").read_text(encoding="utf-8"))
+    measured = int(summary["peak_memory_bytes"])
+    assert summary["peak_memory_source"] == "host_allocator"
+    assert abs(measured / budget - 1) <= 0.15, (longest, measured, budget)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import typer
 
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         from bmtrain_cli.errors import UserError
         from bmtrain_cli.plan.devices import format_bytes, get_device
         from bmtrain_cli.plan.estimator import Layout, Workload, default_device, estimate_layout
-        from bmtrain_cli.plan.search import search, yaml_block
+        from bmtrain_cli.plan.search import longest_sequence, search, yaml_block
 
         loaded = load_config(str(config), set_ or [], mode="validate")
         cfg = loaded.config
@@ -65,11 +65,20 @@ def register(app: typer.Typer) -> None:
                 f"{p.pipeline_parallel} x sharding {p.sharding_parallel}); give --gpus x --nodes = {world}, or "
                 f"add --search for the best layout on {per_node * nodes} devices"
             )
-        result = {"config": str(config), "device": dev.name, "estimate": current.to_dict()}
+        longest = longest_sequence(workload, layout, dev)
+        result = {
+            "config": str(config),
+            "device": dev.name,
+            "estimate": current.to_dict(),
+            "longest_seq_len": longest,
+        }
         lines = current.lines()
+        lines.append(
+            f"longest sequence this layout fits: {longest} tokens (the planned rows: {workload.seq_len})"
+        )
         if do_search:
             found = search(workload, dev, per_node, nodes, top=top)
-            result["search"] = {
+            found_dict: Dict[str, Any] = {
                 "gpus": per_node,
                 "nodes": nodes,
                 "tried": found["tried"],
@@ -77,6 +86,7 @@ def register(app: typer.Typer) -> None:
                 "ranked": [c.to_dict() for c in found["ranked"]],
                 "best_yaml": yaml_block(found["best"].layout) if found["best"] else None,
             }
+            result["search"] = found_dict
             lines.append("")
             lines.append(
                 f"search over {per_node * nodes} x {dev.name} ({nodes} node{'s' if nodes > 1 else ''}): "
@@ -95,7 +105,13 @@ def register(app: typer.Typer) -> None:
             else:
                 b = found["best"]
                 parts = ", ".join(f"{k} {v:.2f} s" for k, v in b.breakdown.items() if k != "total" and v > 0)
-                lines += ["", f"best layout ({parts}):", yaml_block(b.layout)]
+                best_longest = longest_sequence(workload, b.layout, dev)
+                found_dict["best_longest_seq_len"] = best_longest
+                lines += [
+                    "",
+                    f"best layout ({parts}; fits sequences up to {best_longest} tokens):",
+                    yaml_block(b.layout),
+                ]
         if as_json:
             typer.echo(json.dumps(result, indent=2))
             return

@@ -25,6 +25,10 @@ KERNELS = (
 LINEAR_KERNELS = ("flash", "flash_varlen", "cpu_fused", "blocked")
 # Queries per block of the blocked kernel: its transient score blocks are [b, heads, BLOCK, s].
 ATTENTION_BLOCK = 128
+# query and key tokens per block of context parallel's ring attention (parallel/ring_attention.py): a
+# block pair's scores [b, kv_heads, rep * RING_BLOCK, RING_BLOCK] are its transient memory, whatever the
+# sequence length
+RING_BLOCK = 512
 # On a CPU in fp32 without the fused CPU kernel (``cpu_fused``: the custom extension is not built, or
 # ``model_config.kernels`` is paddle/reference), sequences up to this length run Paddle's sdpa (one matmul
 # + softmax, keeping the [b, heads, s, s] probabilities) instead of the blocked kernel. The fused kernel

@@ -15,6 +15,8 @@ own number of heads (grouped-query attention): the query heads of a KV head are 
 Backward: the K/V travel round again, each with its own gradient accumulator (dK, dV in fp32) that every rank
 adds its share to; after N steps each accumulator comes home. Each rank keeps only its output and the
 per-query log-sum-exp from the forward (the FlashAttention recurrences), so nothing of size S x S exists.
+Queries and keys are both taken in blocks of ``block`` tokens, so the transient scores of one block pair
+(and their probabilities and gradients) do not grow with the sequence or the chunk.
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.models.attention_choice import RING_BLOCK
 from bmtrain_cli.models.scoring import right_padded
 
 # a masked score: finite, so that a query that sees no key of a chunk pair gets a finite log-sum-exp whose
 # weight in the merge (and whose probabilities in the backward) underflow to exactly zero
 _MASKED = -1e30
-# query tokens per block: a block's scores [b, kv_heads, rep * QUERY_BLOCK, chunk] are the attention's
-# transient memory, whatever the sequence length
-QUERY_BLOCK = 512
 
 
 def local_indices(seq_len: int, degree: int, rank: int) -> np.ndarray:
@@ -121,6 +121,7 @@ class _Layout:
         self.c = s2 // 2
         self.seg = seg
         self.scale = float(self.d) ** -0.5
+        self.block = block
         self.blocks = [(t, min(t + block, self.c)) for t in range(0, self.c, block)]
 
     def q_slot(self, x: paddle.Tensor, i: int) -> paddle.Tensor:
@@ -137,27 +138,29 @@ class _Layout:
     def rows(self, t0: int, t1: int) -> slice:
         return slice(t0 * self.rep, t1 * self.rep)
 
-    def keys(self, ki: int, t1: int, causal: bool) -> slice:
-        """The keys of key slot ``ki`` a query block ending at token t1 can see: all of a full pair, the
-        first t1 of a causal one."""
-        return slice(ki * self.c, ki * self.c + (t1 if causal else self.c))
+    def key_blocks(self, t1: int, causal: bool) -> List[Tuple[int, int]]:
+        """The key blocks (chunk-local token ranges) a query block ending at token t1 can see: all of a full
+        pair, those up to t1 of a causal one."""
+        end = t1 if causal else self.c
+        return [(k0, min(k0 + self.block, end)) for k0 in range(0, end, self.block)]
 
     def scores(
-        self, qb: paddle.Tensor, kc: paddle.Tensor, qc: int, kchunk: int, t0: int, causal: bool
+        self, qb: paddle.Tensor, kc: paddle.Tensor, qc: int, kchunk: int, t0: int, k0: int, causal: bool
     ) -> Any:
         """Masked fp32 scores [b, hk, n * rep, kl] of the query block starting at token t0 of chunk qc against
-        the first kl keys of chunk kchunk (kc [b, hk, kl, d])."""
+        the kl keys of chunk kchunk starting at token k0 (kc [b, hk, kl, d])."""
         s = paddle.matmul(qb, kc, transpose_y=True).astype("float32") * self.scale
         n, kl = qb.shape[2] // self.rep, kc.shape[2]
         allowed = None
-        if causal:
+        if causal and k0 + kl > t0 + 1:  # a block pair on the diagonal: some keys lie after some queries
             q_tok = paddle.arange(n * self.rep, dtype="int64") // self.rep + t0
-            allowed = (paddle.arange(kl, dtype="int64").unsqueeze(0) <= q_tok.unsqueeze(1)).unsqueeze(0)
+            k_tok = paddle.arange(k0, k0 + kl, dtype="int64")
+            allowed = (k_tok.unsqueeze(0) <= q_tok.unsqueeze(1)).unsqueeze(0)
         if self.seg is not None:
             sq = self.seg[:, qc * self.c + t0 : qc * self.c + t0 + n]
             if self.rep > 1:
                 sq = paddle.repeat_interleave(sq, self.rep, axis=1)
-            sk = self.seg[:, kchunk * self.c : kchunk * self.c + kl]
+            sk = self.seg[:, kchunk * self.c + k0 : kchunk * self.c + k0 + kl]
             same = sq.unsqueeze(-1) == sk.unsqueeze(1)  # [b, n * rep, kl]
             allowed = same if allowed is None else paddle.logical_and(allowed, same)
         if allowed is None:
@@ -201,16 +204,14 @@ class RingAttention(PyLayer):
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
             for qi, ki, causal in _pairs(q_chunks, k_chunks):
                 for bi, (t0, t1) in enumerate(lay.blocks):
-                    keys = lay.keys(ki, t1, causal)
-                    kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
-                    s = lay.scores(
-                        qgs[qi][:, :, lay.rows(t0, t1)], kc, q_chunks[qi], k_chunks[ki], t0, causal
-                    )
-                    lse = paddle.logsumexp(s, axis=-1)
-                    o = paddle.matmul(paddle.exp(s - lse.unsqueeze(-1)).astype(vc.dtype), vc).astype(
-                        "float32"
-                    )
-                    acc[(qi, bi)] = _merge(acc.get((qi, bi)), o, lse)
+                    qb = qgs[qi][:, :, lay.rows(t0, t1)]
+                    for k0, k1 in lay.key_blocks(t1, causal):
+                        keys = slice(ki * lay.c + k0, ki * lay.c + k1)
+                        kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
+                        s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
+                        lse = paddle.logsumexp(s, axis=-1)
+                        o = paddle.matmul(paddle.exp(s - lse.unsqueeze(-1)).astype(vc.dtype), vc)
+                        acc[(qi, bi)] = _merge(acc.get((qi, bi)), o.astype("float32"), lse)
             if incoming is not None:
                 kv = incoming[0]
         nb = len(lay.blocks)
@@ -247,18 +248,22 @@ class RingAttention(PyLayer):
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
             for qi, ki, causal in _pairs(q_chunks, k_chunks):
                 for t0, t1 in lay.blocks:
-                    keys, rows = lay.keys(ki, t1, causal), lay.rows(t0, t1)
-                    kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
+                    rows = lay.rows(t0, t1)
                     qb, dob = qgs[qi][:, :, rows], dos[qi][:, :, rows]
-                    s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, causal)
-                    p = paddle.exp(s - lse[qi][:, :, rows].unsqueeze(-1))
-                    dv[:, :, keys] += paddle.matmul(p.astype(vc.dtype), dob, transpose_x=True).astype(
-                        "float32"
-                    )
-                    dp = paddle.matmul(dob, vc, transpose_y=True).astype("float32")
-                    ds = (p * (dp - deltas[qi][:, :, rows]) * lay.scale).astype(q.dtype)
-                    dqs[qi][:, :, rows] += paddle.matmul(ds, kc).astype("float32")
-                    dk[:, :, keys] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
+                    for k0, k1 in lay.key_blocks(t1, causal):
+                        keys = slice(ki * lay.c + k0, ki * lay.c + k1)
+                        kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
+                        s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
+                        p = paddle.exp(s - lse[qi][:, :, rows].unsqueeze(-1))
+                        del s
+                        dv[:, :, keys] += paddle.matmul(p.astype(vc.dtype), dob, transpose_x=True).astype(
+                            "float32"
+                        )
+                        dp = paddle.matmul(dob, vc, transpose_y=True).astype("float32")
+                        ds = (p * (dp - deltas[qi][:, :, rows]) * lay.scale).astype(q.dtype)
+                        del p, dp
+                        dqs[qi][:, :, rows] += paddle.matmul(ds, kc).astype("float32")
+                        dk[:, :, keys] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
             # the accumulators go on with the K/V they belong to; after the last step, home to their owner
             dk, dv = ring.exchange([dk, dv])
             if incoming is not None:
@@ -273,7 +278,7 @@ class RingCore:
     """The attention core of one context group (models/attention.py ``ContextShard.core``): q [b, 2c, h, d],
     k/v [b, 2c, hk, d] of this rank's chunks, optional int segment ids [b, S] of the whole rows."""
 
-    def __init__(self, ring: Any, block: int = QUERY_BLOCK) -> None:
+    def __init__(self, ring: Any, block: int = RING_BLOCK) -> None:
         self.ring = ring
         self.block = int(block)
 

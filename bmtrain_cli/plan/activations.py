@@ -11,12 +11,12 @@ from bmtrain_cli.models.arch import (
     ModelArch,
     lora_parameters_per_layer,
 )
-from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, choose_kernel, training_mask_kind
+from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, RING_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.models.families import deepseek_v3 as mla
 from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan.devices import Device
-from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, Layout, Workload
+from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, RING_TEMPORARIES, Layout, Workload
 
 # ----------------------------------------------------------------------------------------------
 # parameter accounting
@@ -88,7 +88,10 @@ def fused_cpu_attention(w: Workload, device: Device) -> bool:
 
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
     """The kernel training runs (models/attention_choice.py): a flash, fused CPU or blocked one keeps no
-    score matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer."""
+    score matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer.
+    Under context parallel every layer runs the ring (parallel/ring_attention.py)."""
+    if layout.cp > 1:
+        return "ring"
     kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
     gpu = device.kind != "cpu"
     half = w.precision in ("bf16", "fp16")
@@ -218,6 +221,16 @@ def layer_activations(
             + 2 * kv_el * 4 / e
             + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, w.seq_len) * 4 / e
         )
+        work = max(work, (per_token - mlp_freed) * tokens * e)
+    elif kernel == "ring":
+        # its backward (parallel/ring_attention.py): grouped copies of q and of the output's gradient, the
+        # query gradients in fp32 and their cast, the stacked K/V with the block received from the ring,
+        # the travelling fp32 K/V gradient accumulators with the pair received, and one block pair's fp32
+        # temporaries [b, heads, block, block] (a fixed size, counted per token of the micro-batch)
+        q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
+        block = min(RING_BLOCK, w.seq_len // 2)
+        pair = RING_TEMPORARIES * heads * block * block * w.micro_sequences(layout) / tokens
+        per_token = (3 + 4 / e) * q_el + (4 + 4 * 4 / e) * kv_el + pair * 4 / e
         work = max(work, (per_token - mlp_freed) * tokens * e)
     elif kernel == "cpu_fused":
         # its gradients of q, k, v and the K/V gradient accumulators (kernels/cpu/attention_cpu.cc: one

@@ -1,8 +1,8 @@
 """Check the CPU memory estimate against real `bmtrain train` runs.
 
 Each case is a small config (sizes, sequence lengths, batch sizes, recompute off/attention/full/partial,
-batching modes, accumulation, offload, LoRA, reference kernels) trained for a few steps by `bmtrain train`
-in its own process; summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
+batching modes, accumulation, offload, LoRA, reference kernels, context parallel) trained for a few steps by
+`bmtrain train` in its own process (`bmtrain run` for context parallel: rank 0's summary); summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
 started to be built) is compared with :func:`bmtrain_cli.plan.estimator.estimate`, which is what
 `bmtrain plan --config <case> --device cpu` prints (tokenizer and data read as the trainer reads them).
 Used by tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir
@@ -87,6 +87,9 @@ CASES: Dict[str, tuple] = {
     # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
     # (num_iterations 2): the rollout phase beside the step
     "h256-l2-s256-b8-grpo": (256, 688, 2, 4, 2, 256, 8, "none", {"train": GRPO_CASE}),
+    # context parallel (`bmtrain run`, rank 0's peak): rows of 4096 tokens split over 2 and 4 ranks
+    "h192-l2-s4096-b1-cp2": (192, 512, 2, 6, 2, 4096, 1, "none", {"parallel": {"context_parallel": 2}}),
+    "h192-l2-s4096-b1-cp4-full": (192, 512, 2, 6, 2, 4096, 1, "full", {"parallel": {"context_parallel": 4}}),
 }
 
 
@@ -186,15 +189,16 @@ def run_case(
     # the estimate models the static kernel order; auto's timing on a CPU may take a reference composition
     # that keeps more activations (docs/plan.md), which is a choice, not an error of the memory model
     env.setdefault("BMTRAIN_KERNEL_CHOICE", "static")
+    launch = "run" if CASES[name][8].get("parallel", {}).get("context_parallel", 1) > 1 else "train"
     proc = subprocess.run(
-        [sys.executable, "-m", "bmtrain_cli", "train", "--config", str(cfg_path)],
+        [sys.executable, "-m", "bmtrain_cli", launch, "--config", str(cfg_path)],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: bmtrain train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{name}: bmtrain {launch} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((work / name / "summary.json").read_text(encoding="utf-8"))
     # the estimate `bmtrain plan --config <case> --device cpu` prints: tokenizer and data read as the trainer will
     est = estimate(load_config(str(cfg_path)).config, "cpu")

@@ -87,7 +87,7 @@ def _stage_estimate(  # noqa: C901
         w = replace(w, seq_len=-(-w.seq_len // (2 * layout.cp)) * 2)
         notes.append(
             f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
-            "(not calibrated against runs yet)"
+            "(the ring attention's; calibrated against `bmtrain run` on CPU)"
         )
 
     # --- parameters of this stage

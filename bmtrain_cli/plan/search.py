@@ -1,10 +1,11 @@
-"""Layout search: enumerate (dp, tp, pp, sharding stage, recompute, micro batch, offload) for a number of
-devices, keep the layouts that fit, and rank them by an estimated step time.
+"""Layout search: enumerate (dp, tp, pp, sharding stage, context parallel, recompute, micro batch, offload)
+for a number of devices, keep the layouts that fit, and rank them by an estimated step time; and the longest
+sequence a layout fits (:func:`longest_sequence`).
 
 Step time = compute (model FLOPs / (device peak x efficiency)), plus the pipeline bubble, plus the
 communication that does not overlap: the data-parallel gradient all-reduce (or the sharded
-reduce-scatter + all-gather), tensor-parallel all-reduces of every layer, pipeline sends, and host
-copies when offloading. Bandwidth is the intra-node link when a group fits in a node, else the
+reduce-scatter + all-gather), tensor-parallel all-reduces of every layer, pipeline sends, the context
+group's ring exchanges of K/V (and their gradients) in every layer, and host copies when offloading. Bandwidth is the intra-node link when a group fits in a node, else the
 inter-node one. It is a ranking model, not a stopwatch.
 """
 
@@ -76,7 +77,7 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
     low = w.precision in ("bf16", "fp16")
     peak = device.peak_flops if low else device.peak_flops_fp32
     eff = MATMUL_EFFICIENCY * (1 - TP_EFFICIENCY_LOSS * (layout.tp.bit_length() - 1))
-    small = layout.micro_batch * w.seq_len
+    small = layout.micro_batch * w.seq_len // layout.cp
     eff *= min(1.0, 0.75 + 0.25 * small / 4096)
     compute = model_flops_per_token(w, layout.recompute) * tokens / world / (peak * eff)
 
@@ -123,6 +124,7 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
         msg = layout.micro_batch * w.seq_len * a.hidden_size * e
         pp_comm = 2 * micro_per_rank * msg / bw(layout.pp, layout.tp * layout.data_ranks)
 
+    cp_comm = micro_per_rank * _ring_bytes(w, layout, e) / bw(layout.cp, layout.tp) if layout.cp > 1 else 0.0
     offload = 0.0
     if layout.offload_optimizer or layout.offload_params:
         n: float = (
@@ -140,10 +142,21 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
         "tensor_parallel_comm": tp_comm,
         "data_parallel_comm": dp_comm,
         "pipeline_comm": pp_comm,
+        "context_parallel_comm": cp_comm,
         "offload": offload,
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _ring_bytes(w: Workload, layout: Layout, e: int) -> float:
+    """Bytes one rank of a context group sends per micro-batch (parallel/ring_attention.py, blocking
+    send/recv, so none of it overlaps): each layer's forward passes this rank's K/V on cp - 1 times, its
+    backward the K/V again and their fp32 gradients cp times."""
+    a = w.arch
+    kv = layout.micro_batch * w.seq_len // layout.cp * 2 * a.num_key_value_heads * a.head_dim
+    forwards = 2 if layout.recompute == "full" else 1
+    return a.num_hidden_layers * ((forwards + 1) * (layout.cp - 1) * kv * e + layout.cp * kv * 4)
 
 
 def _complexity(layout: Layout) -> int:
@@ -155,7 +168,17 @@ def _complexity(layout: Layout) -> int:
         + 2 * layout.offload_optimizer
         + 3 * layout.offload_params
         + (layout.recompute != "none")
+        + (layout.cp > 1)
     )
+
+
+def context_degrees(w: Workload, tp: int, pp: int, ranks: int) -> List[int]:
+    """The context-parallel degrees validate-config accepts for ``ranks`` ranks per model replica
+    (config/context_checks.py): groups laid inside the data-parallel axis (no tensor or pipeline axis),
+    rows of single sequences, lengths divisible by 2 x the degree."""
+    if tp > 1 or pp > 1 or w.method.sample != "sequence":
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or w.seq_len % (2 * c) == 0]
 
 
 def enumerate_layouts(w: Workload, world: int, device: Device) -> List[Layout]:
@@ -169,40 +192,49 @@ def enumerate_layouts(w: Workload, world: int, device: Device) -> List[Layout]:
         for pp in _divisors(world // tp):
             if pp > a.num_hidden_layers:
                 continue
-            ranks = world // (tp * pp)
-            if w.global_batch % ranks:
+            for cp in context_degrees(w, tp, pp, world // (tp * pp)):
+                out += _data_layouts(w, world, tp, pp, cp)
+    return out
+
+
+def _data_layouts(w: Workload, world: int, tp: int, pp: int, cp: int) -> List[Layout]:
+    """The layouts of the data axes, micro batch, recompute and offload for one (tp, pp, cp)."""
+    out: List[Layout] = []
+    ranks = world // (tp * pp * cp)
+    if w.global_batch % ranks:
+        return out
+    per_rank = w.global_batch // ranks
+    shard_opts = (
+        [(ranks, 1, 1)]
+        if ranks == 1 or cp > 1  # context parallel composes with plain data parallel
+        else [(ranks, 1, 1)] + [(1, ranks, st) for st in (1, 2, 3) if not (st >= 2 and pp > 1)]
+    )
+    for dp, sharding, stage in shard_opts:
+        for mb in (1, 2, 4, 8, 16, 32):
+            if per_rank % mb:
                 continue
-            per_rank = w.global_batch // ranks
-            shard_opts = (
-                [(ranks, 1, 1)]
-                if ranks == 1
-                else [(ranks, 1, 1)] + [(1, ranks, st) for st in (1, 2, 3) if not (st >= 2 and pp > 1)]
-            )
-            for dp, sharding, stage in shard_opts:
-                for mb in (1, 2, 4, 8, 16, 32):
-                    if per_rank % mb:
-                        continue
-                    for rec in ("none", "attention", "full"):
-                        offloads = [(False, False)]
-                        if world == 1:
-                            offloads.append((True, False))
-                        if sharding > 1 and stage == 3:
-                            offloads += [(True, False), (True, True)]
-                        for off_opt, off_par in offloads:
-                            out.append(
-                                Layout(
-                                    dp=dp,
-                                    tp=tp,
-                                    pp=pp,
-                                    sharding=sharding,
-                                    stage=stage,
-                                    micro_batch=mb,
-                                    recompute=rec,
-                                    offload_optimizer=off_opt,
-                                    offload_params=off_par,
-                                    pipeline_micro_batches=(per_rank // mb) if pp > 1 else None,
-                                )
-                            )
+            for rec in ("none", "attention", "full"):
+                offloads = [(False, False)]
+                if world == 1:
+                    offloads.append((True, False))
+                if sharding > 1 and stage == 3:
+                    offloads += [(True, False), (True, True)]
+                for off_opt, off_par in offloads:
+                    out.append(
+                        Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            sharding=sharding,
+                            stage=stage,
+                            micro_batch=mb,
+                            recompute=rec,
+                            offload_optimizer=off_opt,
+                            offload_params=off_par,
+                            pipeline_micro_batches=(per_rank // mb) if pp > 1 else None,
+                            cp=cp,
+                        )
+                    )
     return out
 
 
@@ -234,6 +266,26 @@ def search(w: Workload, device: Device, gpus: int, nodes: int = 1, top: int = 10
     }
 
 
+def longest_sequence(w: Workload, layout: Layout, device: Device, limit: int = 1 << 22) -> int:
+    """The longest row (tokens, a multiple of 2 x the context degree) whose estimate fits ``device`` under
+    ``layout``; 0 when not even the shortest fits. The estimate grows with the row, so a bisection."""
+    step = 2 * layout.cp
+
+    def fits(n: int) -> bool:
+        return estimate_layout(replace(w, seq_len=n * step), layout, device).fits
+
+    lo, hi = 0, limit // step  # fits(lo) (or lo = 0), hi is the bound
+    if fits(hi):
+        return hi * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
 def yaml_block(layout: Layout) -> str:
     """The layout as ready-to-paste config sections."""
     lines = [
@@ -244,6 +296,8 @@ def yaml_block(layout: Layout) -> str:
         f"  sharding_parallel: {layout.sharding}",
         f"  sharding_stage: {layout.stage}",
     ]
+    if layout.cp > 1:
+        lines.append(f"  context_parallel: {layout.cp}")
     if layout.offload_optimizer:
         lines.append("  offload_optimizer: true")
     if layout.offload_params:

@@ -24,6 +24,9 @@ DP_BUCKET_BYTES = 25 << 20  # Paddle's fused gradient all-reduce bucket
 # the probabilities, the gradient of the probabilities and the intermediate products of the score gradient
 # (counted from models/attention.py; the calibration cases with long rows and few heads agree)
 BLOCKED_TEMPORARIES = 6
+# fp32 [b, heads, block, block] temporaries alive at once in the ring attention's backward: the scores,
+# their probabilities, the gradient of the probabilities and the products of the score gradient
+RING_TEMPORARIES = 5
 
 
 @dataclass(frozen=True)

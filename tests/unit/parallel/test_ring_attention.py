@@ -75,8 +75,8 @@ def test_a_ring_of_one_equals_blocked_attention(packed):
         out = fn(*ts, seg)
         (out * out.sin()).sum().backward()
         grads.append([out.numpy()] + [t.grad.numpy() for t in ts])
-    for got, want in zip(*grads):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(*grads):  # fp32 round-off of two different summation orders (blocks of 5 vs 8)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-6)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -252,7 +252,7 @@ def test_cli_plan_refuses_gpus_that_do_not_match_the_layout(repo_root) -> None:
 
 def test_context_parallel_splits_the_activations(seven_b) -> None:
     """Each rank of a context group holds 1/cp of every row: its activations fall with the degree (the
-    weights and optimizer states stay whole) and the plan says the figure is not calibrated yet."""
+    weights and optimizer states stay whole) and the plan says how many tokens each rank holds."""
     from dataclasses import replace
 
     w = replace(Workload.from_config(seven_b), seq_len=32768)
@@ -265,4 +265,4 @@ def test_context_parallel_splits_the_activations(seven_b) -> None:
     assert cp[4].activations < cp[2].activations < one.activations
     assert cp[2].activations < 0.6 * one.activations and cp[4].activations < 0.35 * one.activations
     assert cp[4].parameters == one.parameters and cp[4].optimizer_states == one.optimizer_states
-    assert any("not calibrated" in n for n in cp[2].notes)
+    assert any("activations of 16384 tokens per row on each rank" in n for n in cp[2].notes)

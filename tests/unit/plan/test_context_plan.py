@@ -1,0 +1,131 @@
+"""`bmtrain plan` and the layout search under context parallel (no Paddle needed): the search proposes
+context parallel when a sequence fits no other layout, the longest sequence a layout fits is the estimate's
+boundary, and the shipped 32K config's header states what the plan prints for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from bmtrain_cli.cli import app
+from bmtrain_cli.config import load_config
+from bmtrain_cli.plan import calibration
+from bmtrain_cli.plan.devices import format_bytes, get_device
+from bmtrain_cli.plan.estimator import Layout, Workload, estimate, estimate_layout
+from bmtrain_cli.plan.search import longest_sequence, search
+
+CP_CONFIG = "configs/qwen2.5-7b-32k-cp-8gpu.yaml"
+A100 = get_device("A100-80GB")
+
+
+@pytest.fixture
+def lora_7b(repo_root):
+    return Workload.from_config(load_config(str(repo_root / CP_CONFIG)).config)
+
+
+def test_search_proposes_context_parallel_when_nothing_else_fits(lora_7b) -> None:
+    """Rows of 256K tokens: no layout of 8 x 80 GiB without context parallel fits (LoRA on a 7B model, even
+    with full recompute), so every proposal splits the rows, and the best one fits rows of that length."""
+    w = replace(lora_7b, seq_len=262144)
+    one = Layout(dp=8, micro_batch=1, recompute="full")
+    assert not estimate_layout(w, one, A100).fits
+    found = search(w, A100, gpus=8)
+    assert found["best"] is not None and found["fitting"] > 0
+    assert all(c.layout.cp > 1 for c in found["ranked"])
+    assert found["best"].breakdown["context_parallel_comm"] > 0
+    assert longest_sequence(w, found["best"].layout, A100) >= 262144
+    assert longest_sequence(w, one, A100) < 262144
+
+
+@pytest.mark.parametrize("cp", [1, 4, 8])
+def test_the_longest_sequence_is_the_estimates_boundary(lora_7b, cp) -> None:
+    layout = Layout(dp=8 // cp, cp=cp, micro_batch=1, recompute="full")
+    n = longest_sequence(lora_7b, layout, A100)
+    assert n % (2 * cp) == 0 and n > 32768
+    assert estimate_layout(replace(lora_7b, seq_len=n), layout, A100).fits
+    assert not estimate_layout(replace(lora_7b, seq_len=n + 2 * cp), layout, A100).fits
+
+
+def test_longer_rows_fit_with_a_higher_context_degree(lora_7b) -> None:
+    """Each rank of a context group keeps the activations of 1/cp of every row: the longest row a layout
+    fits grows with the degree (weights and LoRA states are the same on every rank)."""
+    longest = [
+        longest_sequence(lora_7b, Layout(dp=8 // cp, cp=cp, micro_batch=1, recompute="none"), A100)
+        for cp in (1, 2, 4, 8)
+    ]
+    assert longest == sorted(longest) and longest[-1] > 6 * longest[0]
+
+
+def test_shipped_32k_config_states_its_plan(repo_root) -> None:
+    """configs/qwen2.5-7b-32k-cp-8gpu.yaml: 32K rows over data parallel 2 x context parallel 4 on 8 GPUs;
+    its header's peak, requirement and longest sequence are what `bmtrain plan` computes for it now."""
+    cfg = load_config(str(repo_root / CP_CONFIG)).config
+    assert (cfg.model.max_seq_len, cfg.parallel.context_parallel, cfg.parallel.world_size) == (32768, 4, 8)
+    est = estimate(cfg, "A100-80GB")
+    w, layout = Workload.from_config(cfg), Layout.from_config(cfg)
+    header = " ".join(line.lstrip("# ") for line in (repo_root / CP_CONFIG).read_text().splitlines()[:8])
+    assert est.fits
+    assert f"peak of {format_bytes(est.peak)}" in header
+    assert f"needs {format_bytes(est.required)}" in header
+    assert f"up to {longest_sequence(w, layout, A100)} tokens" in header
+    # one GPU per sequence needs recompute at this length: without it the same 8 GPUs do not fit
+    assert not estimate_layout(w, replace(layout, dp=8, cp=1), A100).fits
+
+
+def test_plan_prints_the_longest_sequence(repo_root) -> None:
+    res = CliRunner().invoke(
+        app,
+        ["plan", "--config", str(repo_root / CP_CONFIG), "--gpus", "8", "--device", "A100-80GB", "--search"],
+    )
+    assert res.exit_code == 0, res.output
+    fits = re.search(r"longest sequence this layout fits: (\d+) tokens", res.output)
+    assert fits and int(fits.group(1)) > 32768
+    assert re.search(r"best layout \(.*fits sequences up to \d+ tokens\)", res.output)
+    assert "context_parallel: " in res.output.split("best layout")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.calibration
+def test_the_longest_sequence_runs_at_the_devices_budget(tmp_path) -> None:
+    """The plan's longest-sequence answer against a run: for a CPU "device" sized so that the answer is
+    about 8K tokens, `bmtrain run` (context parallel 2) at that length peaks at the device's memory less the
+    plan's reserves, within the calibration tolerance (15%)."""
+    data, tok = calibration.prepare(tmp_path)
+    name = "h192-l2-s4096-b1-cp2"
+    config = calibration.case_config(name, tmp_path, data, tok, steps=2)
+    path = tmp_path / "cp2.yaml"
+
+    def load(seq: int):
+        config["model_config"]["max_seq_len"] = seq
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        return load_config(str(path)).config
+
+    sized = estimate(load(8192), "cpu")
+    device = get_device("cpu").with_memory(sized.required + (1 << 20))
+    cfg = load(4096)
+    longest = longest_sequence(Workload.from_config(cfg), Layout.from_config(cfg), device)
+    assert 8192 <= longest < 9000
+    est = estimate(load(longest), device)
+    budget = device.memory_bytes - (est.required - est.peak)  # what the plan leaves for live tensors
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BMTRAIN_KERNEL_CHOICE": "static"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / name / "summary.json").read_text(encoding="utf-8"))
+    measured = int(summary["peak_memory_bytes"])
+    assert summary["peak_memory_source"] == "host_allocator"
+    assert abs(measured / budget - 1) <= 0.15, (longest, measured, budget)

@@ -1,8 +1,10 @@
 """`bmtrain export --no-merge` on a LoRA checkpoint: the adapters alone, in the layout Hugging Face PEFT
-reads (adapter_config.json + adapter_model.safetensors), plus the tokenizer and the base record."""
+reads (adapter_config.json + adapter_model.safetensors), plus the tokenizer and the base record. Adapters on a mixture of experts' routed experts are refused
+(PEFT cannot load them onto transformers 5.x's stacked experts): the merged export carries them."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from bmtrain_cli.lora.merge import (
     settings_from_adapter_config,
 )
 
+EXPERT_ADAPTER = re.compile(r"\.experts\.\d+\.")
+
 
 def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
     """Write ``ckpt``'s adapters to ``out`` in PEFT layout (atomically); returns an ExportResult."""
@@ -30,6 +34,14 @@ def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
         )
     settings = settings_from_adapter_config(read_adapter_config(ckpt), str(ckpt / ADAPTER_CONFIG))
     arrays = load_adapter_arrays(ckpt)
+    experts = sorted({n.split(".experts.")[0] for n in arrays if EXPERT_ADAPTER.search(n)})
+    if experts:
+        raise UserError(
+            f"--no-merge: {ckpt} holds adapters on the routed experts ({experts[0]}.experts...), which PEFT "
+            "cannot load onto transformers 5.x's stacked experts (its conversion of gate_proj/up_proj "
+            "targets to the fused gate_up_proj drops the dense and shared MLPs' adapters): export the "
+            "merged model (drop --no-merge)"
+        )
     base = find_base(ckpt)  # PEFT needs the base too: name a verified one
     log(f"writing the LoRA adapters of {ckpt} (base {base}) in PEFT layout")
     with writes_to(out), atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:

@@ -438,13 +438,6 @@ def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
     return tuple(n for n in LORA_PROJECTIONS if n in (*mixer, *mlp, "down_proj"))
 
 
-def lora_expert_targets(targets: Any) -> Tuple[str, ...]:
-    """The requested LoRA targets that would reach a mixture of experts' projections (all-linear too):
-    refused for MoE models (validate-config and apply_lora)."""
-    names = [targets] if isinstance(targets, str) else list(targets)
-    return tuple(n for n in names if n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "all-linear"))
-
-
 def projection_shapes(arch: ModelArch) -> Dict[str, Tuple[int, int]]:
     """(in, out) of each projection a decoder layer may hold (arch_projections says which it has)."""
     h, hd = arch.hidden_size, arch.head_dim

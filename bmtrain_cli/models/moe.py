@@ -91,6 +91,7 @@ class SparseMoE(nn.Layer):
             Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
+        self.last_counts: List[int] = []  # tokens routed to each expert in the last forward (monitoring)
         self.grouped = resolve(ops.moe_experts, ops.name, paddle.get_device())
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -104,6 +105,7 @@ class SparseMoE(nn.Layer):
         pairs = chosen.reshape([-1])
         order = paddle.argsort(pairs, stable=True)
         counts: List[int] = [int(n) for n in paddle.bincount(pairs, minlength=self.num_experts).numpy()]
+        self.last_counts = counts
         token = order // self.top_k
         rows = paddle.gather(flat, token)
         done = self._experts(rows, counts) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)

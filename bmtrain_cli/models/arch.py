@@ -229,7 +229,21 @@ _ARCH_FIELDS = (
     "moe_intermediate_size",
     "output_router_logits",
     "router_aux_loss_coef",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
 )
+# model_config keys named as config.json names them -> the ModelArch field they set
+MODEL_CONFIG_RENAMES = {
+    "n_shared_experts": "moe_shared_experts",
+    "first_k_dense_replace": "moe_layer_start",
+    "n_group": "moe_groups",
+    "topk_group": "moe_topk_groups",
+    "qk_rope_head_dim": "head_dim",  # latent attention: head_dim is the rope part of q/k
+}
 
 
 def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelArch:
@@ -241,6 +255,13 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
     else:
         base = replace(ModelArch(family=model_cfg.family), **family(model_cfg.family).defaults)
     updates = {k: getattr(model_cfg, k) for k in _ARCH_FIELDS if getattr(model_cfg, k, None) is not None}
+    updates.update(
+        {
+            f: getattr(model_cfg, k)
+            for k, f in MODEL_CONFIG_RENAMES.items()
+            if getattr(model_cfg, k, None) is not None
+        }
+    )
     arch = replace(base, **updates)
     if (
         "num_attention_heads" in updates
@@ -248,7 +269,8 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
         and not model_cfg.model_name_or_path
     ):
         arch = replace(arch, num_key_value_heads=arch.num_attention_heads)
-    if "head_dim" not in updates and ("hidden_size" in updates or "num_attention_heads" in updates):
+    resized = "hidden_size" in updates or "num_attention_heads" in updates
+    if "head_dim" not in updates and resized and not arch.kv_lora_rank:  # latent attention: the rope part
         arch = replace(arch, head_dim=arch.hidden_size // arch.num_attention_heads)
     if arch.num_experts and not arch.moe_intermediate_size:  # a fresh MoE model: experts as wide as the MLP
         arch = replace(arch, moe_intermediate_size=arch.intermediate_size)

@@ -269,8 +269,7 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
         and not model_cfg.model_name_or_path
     ):
         arch = replace(arch, num_key_value_heads=arch.num_attention_heads)
-    resized = "hidden_size" in updates or "num_attention_heads" in updates
-    if "head_dim" not in updates and resized and not arch.kv_lora_rank:  # latent attention: the rope part
+    if "head_dim" not in updates and ("hidden_size" in updates or "num_attention_heads" in updates):
         arch = replace(arch, head_dim=arch.hidden_size // arch.num_attention_heads)
     if arch.num_experts and not arch.moe_intermediate_size:  # a fresh MoE model: experts as wide as the MLP
         arch = replace(arch, moe_intermediate_size=arch.intermediate_size)

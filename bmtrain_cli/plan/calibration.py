@@ -31,6 +31,9 @@ GRPO_CASE = {
     },
 }
 
+MOE_CASE = {"family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+MOE_LORA = {"finetuning": "lora", "lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"]}
+
 # name: (hidden, intermediate, layers, heads, kv_heads, max_seq_len, micro_batch, recompute granularity)
 # and overrides of model_config / train_config / parallel_config. The "varied" cases train on records of
 # 3-120 words (batching longest: the batch width follows the data, not max_seq_len).
@@ -71,6 +74,21 @@ CASES: Dict[str, tuple] = {
     "h192-l3-s256-b4-reference": (192, 512, 3, 6, 2, 256, 4, "none", {"model": {"kernels": "reference"}}),
     "h128-l6-s512-b4-partial": (128, 344, 6, 4, 4, 512, 4, "full", {"train": {"recompute_num_layers": 3}}),
     "h128-l2-s1024-b2-attn-mqa": (128, 352, 2, 4, 1, 1024, 2, "attention", {}),
+    # mixture of experts (qwen3_moe, every layer sparse): 8 experts top 2 on the grouped GEMM; the same with
+    # LoRA on the attention and with the reference composition (per-expert matmuls)
+    "h192-l3-s256-b4-moe": (192, 512, 3, 6, 2, 256, 4, "none", {"model": MOE_CASE}),
+    "h192-l3-s256-b4-moe-lora": (192, 512, 3, 6, 2, 256, 4, "none", {"model": MOE_CASE, "train": MOE_LORA}),
+    "h192-l3-s128-b8-moe-reference": (
+        192,
+        512,
+        3,
+        6,
+        2,
+        128,
+        8,
+        "none",
+        {"model": {**MOE_CASE, "kernels": "reference"}},
+    ),
     # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
     # (num_iterations 2): the rollout phase beside the step
     "h256-l2-s256-b8-grpo": (256, 688, 2, 4, 2, 256, 8, "none", {"train": GRPO_CASE}),

@@ -1,10 +1,12 @@
 """LoRA on the experts of a mixture of experts (lora_target_modules gate_proj / up_proj / down_proj or
 all-linear): every routed expert gets its own adapters, the grouped GEMM keeps running (each wrapped
 projection as base + scaling * A @ B) and the adapters' gradients equal those of the per-expert reference
-composition; the merged export reproduces the adapted model in ours and in transformers."""
+composition; the merged export reproduces the adapted model in ours and in transformers, and the adapters
+alone (`export --no-merge`) load in PEFT onto transformers 5.x's stacked experts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import replace
@@ -157,18 +159,17 @@ def _reference_logits(tmp_path, ids, *dirs):
     return np.load(tmp_path / "ids.npy.logits.npy")
 
 
-@pytest.fixture
-def expert_ckpt(tmp_path):
-    """A LoRA checkpoint (the trainer's writer) with random adapters on q_proj and every expert's
-    gate/up/down of the qwen3_moe fixture, and the adapted model's logits on some ids."""
+def _expert_ckpt(tmp_path, name="qwen3_moe", targets=("q_proj", *EXPERT_PROJS)):
+    """A LoRA checkpoint (the trainer's writer) with random adapters on ``targets`` of the ``name``
+    fixture, and the adapted model's logits on some ids."""
     from bmtrain_cli.config.schema import Config
     from tests.unit.lora.conftest import lora_cfg, write_lora_ckpt
 
-    model = load_pretrained(FIXTURES / "qwen3_moe", kernels="reference")
+    model = load_pretrained(FIXTURES / name, kernels="reference")
     cfg = Config.model_validate(
         {
-            "model_config": {"model_name_or_path": str(FIXTURES / "qwen3_moe")},
-            "train_config": lora_cfg(["q_proj", *EXPERT_PROJS]).model_dump(),
+            "model_config": {"model_name_or_path": str(FIXTURES / name)},
+            "train_config": lora_cfg(list(targets)).model_dump(),
         }
     )
     _, ckpt = write_lora_ckpt(model, cfg, tmp_path)
@@ -176,11 +177,17 @@ def expert_ckpt(tmp_path):
     ids = np.random.default_rng(5).integers(0, 384, (2, 12))
     with paddle.no_grad():
         adapted = model(paddle.to_tensor(ids)).numpy()
-        base = load_pretrained(FIXTURES / "qwen3_moe", kernels="reference")(paddle.to_tensor(ids)).numpy()
-    assert np.abs(adapted - base).max() > 1e-2  # the expert adapters change the output
+        base = load_pretrained(FIXTURES / name, kernels="reference")(paddle.to_tensor(ids)).numpy()
+    assert np.abs(adapted - base).max() > 1e-2  # the adapters change the output
     return ckpt, ids, adapted
 
 
+@pytest.fixture
+def expert_ckpt(tmp_path):
+    return _expert_ckpt(tmp_path)
+
+
+@pytest.mark.slow
 def test_merged_export_of_expert_adapters_matches_in_transformers(expert_ckpt, tmp_path):
     """`bmtrain export --format hf` merges the expert adapters: ours reloads the export with the adapted
     model's logits, and so does transformers (reference venv)."""
@@ -198,15 +205,30 @@ def test_merged_export_of_expert_adapters_matches_in_transformers(expert_ckpt, t
     np.testing.assert_allclose(_reference_logits(tmp_path, ids, out), adapted, atol=1e-4, rtol=0)
 
 
-def test_no_merge_export_of_expert_adapters_is_refused(expert_ckpt, tmp_path):
-    """PEFT 0.21 on transformers 5.x folds gate_proj/up_proj targets into the stacked experts' gate_up_proj
-    and drops the dense MLPs' adapters: `--no-merge` refuses and names the merged export."""
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, targets",
+    [
+        ("qwen3_moe", ("q_proj", "gate_proj", "up_proj", "down_proj")),  # and layer 0's dense MLP
+        ("qwen3_moe", ("v_proj", "down_proj")),
+        ("qwen3_moe", ("up_proj",)),
+        ("ernie4_5_moe", ("q_proj", "gate_proj", "up_proj", "down_proj")),  # shared experts too
+    ],
+)
+def test_no_merge_export_of_expert_adapters_loads_in_peft(name, targets, tmp_path):
+    """`bmtrain export --no-merge` writes the expert adapters as PEFT adapts transformers 5.x's stacked
+    experts (target_parameters, gate and up as one rank-2r adapter on gate_up_proj): PEFT loads them onto
+    the base with the adapted model's logits (reference venv)."""
     from typer.testing import CliRunner
 
     from bmtrain_cli.cli import app
 
-    ckpt, _, _ = expert_ckpt
+    ckpt, ids, adapted = _expert_ckpt(tmp_path, name, targets)
     out = tmp_path / "adapters"
     res = CliRunner().invoke(app, ["export", "-c", str(ckpt), "-o", str(out), "--no-merge"])
-    assert res.exit_code == 2 and "drop --no-merge" in res.output and "Traceback" not in res.output
-    assert not out.exists()
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert "mlp.experts.down_proj" in cfg["target_parameters"] or "down_proj" not in targets
+    assert not {"gate_proj", "up_proj", "down_proj"} & set(cfg["target_modules"] or [])
+    got = _reference_logits(tmp_path, ids, FIXTURES / name, out)
+    np.testing.assert_allclose(got, adapted, atol=1e-4, rtol=0)

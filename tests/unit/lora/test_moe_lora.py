@@ -213,6 +213,9 @@ def test_merged_export_of_expert_adapters_matches_in_transformers(expert_ckpt, t
         ("qwen3_moe", ("v_proj", "down_proj")),
         ("qwen3_moe", ("up_proj",)),
         ("ernie4_5_moe", ("q_proj", "gate_proj", "up_proj", "down_proj")),  # shared experts too
+        ("mixtral", ("q_proj", "gate_proj", "up_proj", "down_proj")),
+        ("glm4_moe", ("q_proj", "gate_proj", "up_proj", "down_proj")),
+        ("deepseek_v3", ("kv_b_proj", "gate_proj", "up_proj", "down_proj")),
     ],
 )
 def test_no_merge_export_of_expert_adapters_loads_in_peft(name, targets, tmp_path):

@@ -93,3 +93,42 @@ def peft_expert_layout(
         "alpha_pattern": {"mlp.experts.gate_up_proj": 2 * settings.alpha} if gate_up else {},
     }
     return tensors, config
+
+
+def mlp_targets(cfg: Dict[str, Any]) -> List[str]:
+    """The MLP projections an adapter_config.json written by :func:`peft_expert_layout` adapts."""
+    return [p for p in MLP if f"{p}.weight" in (cfg.get("target_parameters") or [])]
+
+
+def split_expert_layout(tensors: Dict[str, np.ndarray], cfg: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """The inverse of :func:`peft_expert_layout` on PEFT tensors (keys and [out, in] orientation kept):
+    each stacked adapter back into per-expert ``mlp.experts.{e}.{proj}.lora_A/B.weight``."""
+    mlp = mlp_targets(cfg)
+    stacks = [p for p in (["gate_proj", "up_proj"], ["down_proj"]) if set(p) & set(mlp)]
+    rank = int(cfg["r"])
+    out: Dict[str, np.ndarray] = {}
+    fused = re.compile(r"^(?P<layer>.+\.mlp\.experts)(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$")
+    for key, arr in tensors.items():
+        m = fused.match(key)
+        if m is None:
+            out[key] = arr
+            continue
+        projs = stacks[0] if m["inner"] or len(stacks) == 1 else stacks[1]
+        r2 = rank * len(projs)
+        if m["ab"] == "A":
+            a = arr.reshape(-1, r2, arr.shape[1])  # [E, r2, in]
+            pieces = {
+                (e, i): a[e, i * rank : (i + 1) * rank] for e in range(a.shape[0]) for i in range(len(projs))
+            }
+        else:
+            b = arr.reshape(arr.shape[0], r2, -1)  # [out, r2, E]
+            width = arr.shape[0] // len(projs)
+            pieces = {
+                (e, i): b[i * width : (i + 1) * width, i * rank : (i + 1) * rank, e]
+                for e in range(b.shape[2])
+                for i in range(len(projs))
+            }
+        for (e, i), piece in pieces.items():
+            if projs[i] in mlp:
+                out[f"{m['layer']}.{e}.{projs[i]}.lora_{m['ab']}.weight"] = np.ascontiguousarray(piece)
+    return out

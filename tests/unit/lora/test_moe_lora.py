@@ -220,8 +220,8 @@ def test_merged_export_of_expert_adapters_matches_in_transformers(expert_ckpt, t
 )
 def test_no_merge_export_of_expert_adapters_loads_in_peft(name, targets, tmp_path):
     """`bmtrain export --no-merge` writes the expert adapters as PEFT adapts transformers 5.x's stacked
-    experts (target_parameters, gate and up as one rank-2r adapter on gate_up_proj): PEFT loads them onto
-    the base with the adapted model's logits (reference venv)."""
+    experts (target_parameters, gate and up as one rank-2r adapter on gate_up_proj): ours reads them back,
+    and PEFT loads them onto the base, with the adapted model's logits (reference venv)."""
     from typer.testing import CliRunner
 
     from bmtrain_cli.cli import app
@@ -233,5 +233,10 @@ def test_no_merge_export_of_expert_adapters_loads_in_peft(name, targets, tmp_pat
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert "mlp.experts.down_proj" in cfg["target_parameters"] or "down_proj" not in targets
     assert not {"gate_proj", "up_proj", "down_proj"} & set(cfg["target_modules"] or [])
+    from bmtrain_cli.lora import load_lora_checkpoint
+
+    again = load_lora_checkpoint(out, kernels="reference")  # ours reads the stacked layout back
+    with paddle.no_grad():
+        np.testing.assert_allclose(again(paddle.to_tensor(ids)).numpy(), adapted, atol=1e-5, rtol=0)
     got = _reference_logits(tmp_path, ids, FIXTURES / name, out)
     np.testing.assert_allclose(got, adapted, atol=1e-4, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,23 @@ def test_seed_layout_in_llama2_config():
         2,
         1,
     )
+
+
+PLAN_HEADER = re.compile(
+    r"--device (\S+) estimates a peak of\s*#?\s*([\d.]+) GiB[^(]*\(needs ([\d.]+) GiB of ([\d.]+) GiB"
+)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_plan_figures_in_the_header_are_the_plans(path):
+    """A header quoting `bmtrain plan --device D` (peak, needs, device memory) quotes what the plan says
+    now, within 2% (rounding and small refinements of the estimate; not a model left out)."""
+    from bmtrain_cli.plan.estimator import estimate
+
+    found = PLAN_HEADER.search(path.read_text().split("model_config")[0])
+    if found is None:
+        pytest.skip("no plan figures in the header")
+    device, peak, needs, memory = found.group(1), *(float(x) * 2**30 for x in found.groups()[1:])
+    est = estimate(load_config(str(path)).config, device)
+    assert est.peak == pytest.approx(peak, rel=0.02) and est.required == pytest.approx(needs, rel=0.02)
+    assert est.device.memory_bytes == memory and est.fits

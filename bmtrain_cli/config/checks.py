@@ -14,6 +14,7 @@ from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
 from bmtrain_cli.config.grpo_checks import check_grpo
 from bmtrain_cli.config.linear_checks import check_linear_attention
 from bmtrain_cli.config.moe_checks import check_moe
+from bmtrain_cli.config.moe_size_checks import check_family_keys
 from bmtrain_cli.config.preference_checks import check_preference
 from bmtrain_cli.config.quant_checks import check_quantization
 from bmtrain_cli.config.recipe_checks import check_recipe
@@ -426,6 +427,7 @@ def check_config(  # noqa: C901
                     )
 
     check_moe(config, arch, err)
+    check_family_keys(m, arch, err)
     check_linear_attention(config, arch, err)
     check_quantization(config, arch, err)
     check_preference(config, err, warn)

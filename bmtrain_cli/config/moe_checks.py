@@ -1,13 +1,12 @@
 """validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral): what this first slice runs.
 The experts are plain per-expert layers on one device (models/moe.py): no tensor, pipeline or expert
-parallelism, no static graph, no LoRA on the experts."""
+parallelism, no static graph."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from bmtrain_cli.config.refusals import refuse_model_parallel
-from bmtrain_cli.models.arch import arch_projections, lora_expert_targets
 
 
 def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -27,14 +26,6 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
             "train_config.to_static",
             f"{what} cannot run as a static graph: its dispatch reads the per-expert token counts",
             "set to_static: false",
-        )
-    if t.finetuning == "lora" and lora_expert_targets(t.lora_target_modules):
-        attention = ", ".join(n for n in arch_projections(arch) if not lora_expert_targets(n))
-        err(
-            "train_config.lora_target_modules",
-            f"LoRA on the MLP projections ({', '.join(lora_expert_targets(t.lora_target_modules))}) is not "
-            f"supported for {what}",
-            f"target the attention projections ({attention})",
         )
     if t.gradient_checkpointing and t.recompute_granularity == "full" and arch.output_router_logits:
         err(

@@ -66,6 +66,19 @@ class ModelConfig(_Section):
         None, description="Add router_aux_loss_coef x the load-balancing loss to the training loss."
     )
     router_aux_loss_coef: Optional[float] = Field(None, ge=0)
+    # the sigmoid group-limited router (glm4_moe, deepseek_v3) and DeepSeek-V3's multi-head latent
+    # attention, as config.json names them; each only for the families whose config.json has it
+    norm_topk_prob: Optional[bool] = Field(None, description="Renormalise the top-k routing weights.")
+    n_shared_experts: Optional[int] = Field(None, ge=0, description="Always-on experts beside the routed.")
+    first_k_dense_replace: Optional[int] = Field(None, ge=0, description="Leading dense (non-MoE) layers.")
+    n_group: Optional[int] = Field(None, gt=0, description="Expert groups of group-limited routing.")
+    topk_group: Optional[int] = Field(None, gt=0, description="Best groups a token's experts come from.")
+    routed_scaling_factor: Optional[float] = Field(None, gt=0, description="Routing weights times this.")
+    q_lora_rank: Optional[int] = Field(None, ge=0, description="Query latent width (0: one q_proj).")
+    kv_lora_rank: Optional[int] = Field(None, gt=0, description="Key/value latent width.")
+    qk_nope_head_dim: Optional[int] = Field(None, gt=0, description="Per-head q/k part without rope.")
+    qk_rope_head_dim: Optional[int] = Field(None, gt=0, description="Per-head q/k part with rope.")
+    v_head_dim: Optional[int] = Field(None, gt=0, description="Per-head value width.")
 
     dtype: Dtype = "float32"
     attention_implementation: Literal["auto", "sdpa", "flash", "eager"] = "auto"

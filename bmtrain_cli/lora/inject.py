@@ -1,7 +1,9 @@
 """Put LoRA adapters on a built model: ``apply_lora(model, train_config) -> names``.
 
 Targets are projection names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, W_pack) or
-``all-linear`` (every projection of the decoder layers; like PEFT, not the LM head). Every other
+``all-linear`` (every projection of the decoder layers; like PEFT, not the LM head). In a mixture of
+experts ``gate_proj`` / ``up_proj`` / ``down_proj`` (and ``all-linear``) reach every routed expert's
+projection too, each expert with its own adapters, as well as the shared experts and the dense layers. Every other
 parameter is frozen (``stop_gradient = True``), so the optimizer, which takes the trainable parameters,
 holds no state for them.
 """
@@ -17,7 +19,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
-from bmtrain_cli.models.arch import LORA_PROJECTIONS, lora_expert_targets
+from bmtrain_cli.models.arch import LORA_PROJECTIONS
 from bmtrain_cli.quant.layer import QuantLinear
 
 PROJECTIONS = LORA_PROJECTIONS
@@ -107,13 +109,6 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
     alpha = float(train_config.lora_alpha)
     if getattr(model, SETTINGS_ATTR, None) is not None:
         raise UserError("LoRA adapters are already applied to this model")
-    if getattr(getattr(model, "arch", None), "num_experts", 0):
-        if lora_expert_targets(train_config.lora_target_modules):
-            attention = ", ".join(t for t in available_targets(model) if not lora_expert_targets(t))
-            raise UserError(
-                "train_config.lora_target_modules: LoRA on the MLP projections of a mixture-of-experts model "
-                f"is not supported; target the attention projections ({attention})"
-            )
     targets = resolve_targets(train_config.lora_target_modules, model)
     for p in model.parameters():
         p.stop_gradient = True

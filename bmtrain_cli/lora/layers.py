@@ -157,6 +157,19 @@ class LoRALinear(nn.Layer):
         b = self.lora_B.weight.astype("float32")
         return paddle.matmul(a, b) * self.scaling
 
+    def grouped_weight(self) -> Optional[paddle.Tensor]:
+        """The weight this layer's function is, for the experts' grouped GEMM (models/moe.py): the base
+        weight plus ``scaling * A @ B`` (differentiable in A and B), the base weight alone with the adapter
+        off or merged; None where no single weight is the function (dropout while training, a quantised
+        base, a bias, tensor parallel)."""
+        if isinstance(self.base_layer, QuantLinear) or self.tp_kind is not None or "bias" in self._parameters:
+            return None
+        if self.merged or not self.adapter_enabled:
+            return self.weight
+        if self.lora_dropout is not None and self.training:
+            return None
+        return self.weight + self.delta_weight().astype(self.weight.dtype)
+
     def merge(self) -> None:
         """Fold the adapter into the base weight (idempotent); forward then skips the adapter."""
         if self.merged:

@@ -18,6 +18,7 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.inject import HOOK_ATTR, LoRASettings, is_lora_name, lora_layers, lora_settings
 from bmtrain_cli.lora.layers import LoRALinear
+from bmtrain_cli.lora.peft_experts import mlp_targets, split_expert_layout
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -141,7 +142,9 @@ def read_adapter_config(path: Any) -> Dict[str, Any]:
 
 def settings_from_adapter_config(cfg: Dict[str, Any], source: str = "adapter_config.json") -> LoRASettings:
     try:
-        targets = cfg["target_modules"]
+        targets = cfg["target_modules"] or []
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        targets += mlp_targets(cfg)  # the MLP projections of a mixture of experts (lora/peft_experts.py)
         return LoRASettings(
             rank=int(cfg["r"]),
             alpha=float(cfg["lora_alpha"]),
@@ -163,7 +166,13 @@ def load_adapter_arrays(path: Any) -> Dict[str, np.ndarray]:
     if not f.is_file():
         raise UserError(f"{Path(path)}: LoRA adapters only, but {ADAPTER_WEIGHTS} is missing")
     try:
-        return from_peft_tensors(load_file(str(f)))
+        tensors = load_file(str(f))
+        cfg = read_adapter_config(path)
+        if cfg.get(
+            "target_parameters"
+        ):  # stacked experts' adapters (export --no-merge, lora/peft_experts.py)
+            tensors = split_expert_layout(tensors, cfg)
+        return from_peft_tensors(tensors)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{f}: unreadable or truncated adapter weights ({exc})") from None
 

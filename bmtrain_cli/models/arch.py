@@ -229,7 +229,21 @@ _ARCH_FIELDS = (
     "moe_intermediate_size",
     "output_router_logits",
     "router_aux_loss_coef",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
 )
+# model_config keys named as config.json names them -> the ModelArch field they set
+MODEL_CONFIG_RENAMES = {
+    "n_shared_experts": "moe_shared_experts",
+    "first_k_dense_replace": "moe_layer_start",
+    "n_group": "moe_groups",
+    "topk_group": "moe_topk_groups",
+    "qk_rope_head_dim": "head_dim",  # latent attention: head_dim is the rope part of q/k
+}
 
 
 def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelArch:
@@ -241,6 +255,13 @@ def arch_from_model_config(model_cfg: Any, allow_known: bool = False) -> ModelAr
     else:
         base = replace(ModelArch(family=model_cfg.family), **family(model_cfg.family).defaults)
     updates = {k: getattr(model_cfg, k) for k in _ARCH_FIELDS if getattr(model_cfg, k, None) is not None}
+    updates.update(
+        {
+            f: getattr(model_cfg, k)
+            for k, f in MODEL_CONFIG_RENAMES.items()
+            if getattr(model_cfg, k, None) is not None
+        }
+    )
     arch = replace(base, **updates)
     if (
         "num_attention_heads" in updates
@@ -436,13 +457,6 @@ def arch_projections(arch: ModelArch) -> Tuple[str, ...]:
     mlp = ("gate_up_proj",) if arch.fused_gate_up else ("gate_proj", "up_proj")
     mixer = (*qkv, "o_proj", *(LinearAttention.PROJECTIONS if arch.linear_attention else ()))
     return tuple(n for n in LORA_PROJECTIONS if n in (*mixer, *mlp, "down_proj"))
-
-
-def lora_expert_targets(targets: Any) -> Tuple[str, ...]:
-    """The requested LoRA targets that would reach a mixture of experts' projections (all-linear too):
-    refused for MoE models (validate-config and apply_lora)."""
-    names = [targets] if isinstance(targets, str) else list(targets)
-    return tuple(n for n in names if n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "all-linear"))
 
 
 def projection_shapes(arch: ModelArch) -> Dict[str, Tuple[int, int]]:

@@ -8,8 +8,10 @@ always-on shared experts.
 Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids), runs the
 experts over their contiguous rows, then adds the weighted rows back per token. Where our kernels run on a
 CPU (``OpSet.moe_experts``) all the experts run as one grouped GEMM call (ops/moe_experts.py); elsewhere,
-for other dtypes than float32, and while an expert's projection is wrapped (LoRA), one matmul chain per
-expert (the reference composition). No expert parallelism here.
+for other dtypes than float32, one matmul chain per expert (the reference composition). LoRA on the
+experts' projections keeps the grouped GEMM: each wrapped projection runs as its base weight plus
+``scaling * A @ B`` (the adapters' gradients through that sum); only LoRA dropout while training falls
+back to the reference composition. No expert parallelism here.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
 excluded through the attention mask as transformers does.
@@ -89,6 +91,7 @@ class SparseMoE(nn.Layer):
             Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
+        self.last_counts: List[int] = []  # tokens routed to each expert in the last forward (monitoring)
         self.grouped = resolve(ops.moe_experts, ops.name, paddle.get_device())
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -102,6 +105,7 @@ class SparseMoE(nn.Layer):
         pairs = chosen.reshape([-1])
         order = paddle.argsort(pairs, stable=True)
         counts: List[int] = [int(n) for n in paddle.bincount(pairs, minlength=self.num_experts).numpy()]
+        self.last_counts = counts
         token = order // self.top_k
         rows = paddle.gather(flat, token)
         done = self._experts(rows, counts) * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
@@ -113,11 +117,10 @@ class SparseMoE(nn.Layer):
     def _experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
         """Every expert over its rows (sorted by expert, ``counts`` each); an expert without rows gets zero
         gradients, not missing ones, so every rank reduces the same gradients under data parallel."""
-        projs = [(x.gate_proj, x.up_proj, x.down_proj) for x in self.experts]
-        plain = all(type(p) is nn.Linear and p.bias is None for ps in projs for p in ps)
-        if self.grouped is not None and plain and rows.dtype == paddle.float32:
-            weights = tuple([ps[i].weight for ps in projs] for i in range(3))
-            return self.grouped(rows, counts, weights)
+        if self.grouped is not None and rows.dtype == paddle.float32:
+            weights = [[_grouped_weight(getattr(x, n)) for x in self.experts] for n in _PROJS]
+            if all(w is not None for ws in weights for w in ws):
+                return self.grouped(rows, counts, tuple(weights))
         return reference_experts(rows, counts, [x.__call__ for x in self.experts])
 
     def _route(self, logits: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -141,6 +144,18 @@ class SparseMoE(nn.Layer):
         if self.scaling != 1.0:
             weights = weights * self.scaling
         return weights, chosen
+
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:
+    """The [in, out] weight a projection is (a LoRA-wrapped one: base + its update, differentiable in the
+    adapters, lora/layers.py); None where it is no bias-free single weight."""
+    if type(proj) is nn.Linear:
+        return proj.weight if proj.bias is None else None
+    as_weight = getattr(proj, "grouped_weight", None)
+    return as_weight() if as_weight is not None else None
 
 
 def load_balancing_loss(

@@ -6,15 +6,12 @@ from __future__ import annotations
 from typing import List, Tuple
 
 from bmtrain_cli.machine import find_cxx
-from bmtrain_cli.models.arch import (
-    LORA_PROJECTIONS,
-    ModelArch,
-    lora_parameters_per_layer,
-)
+from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, RING_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.models.families import deepseek_v3 as mla
 from bmtrain_cli.models.families._linear import LinearAttention
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
+from bmtrain_cli.plan import moe_memory
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, RING_TEMPORARIES, Layout, Workload
 
@@ -28,11 +25,11 @@ def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
         shapes = mla.mla_shapes(arch)
         attn = sum(i * o for name, (i, o) in shapes.items() if name in mla.mla_projections(arch))
-        return attn + 3 * h * arch.intermediate_size, mla.mla_parameters(arch) - attn + 2 * h
+        return attn + moe_memory.mlp_params(arch, 1), mla.mla_parameters(arch) - attn + 2 * h
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
     mixer = (h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h) // tp
-    mats = mixer + 3 * h * arch.intermediate_size // tp
+    mats = mixer + moe_memory.mlp_params(arch, tp)
     vecs = 2 * h
     if arch.attention_bias:
         mats += (q + 2 * kv) // tp
@@ -67,7 +64,7 @@ def quantized_layer(w: Workload) -> Tuple[int, int]:
 
 
 def lora_layer_params(w: Workload, tp: int) -> int:
-    return lora_parameters_per_layer(w.arch, w.lora_rank, w.lora_targets, tp)
+    return moe_memory.lora_params(w.arch, w.lora_rank, w.lora_targets, tp)
 
 
 def stage_layers(num_layers: int, pp: int) -> List[int]:
@@ -148,7 +145,8 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     attn_out = q / tp
     if a.kv_lora_rank:  # latent attention: the core's q, k, v at one width, and the latents before them
         core_in, attn_out = latent_attention_elems(a), a.num_attention_heads * a.v_head_dim
-    mlp = 3 * a.intermediate_size / tp  # gate, up (SwiGLU inputs), SwiGLU output
+    # gate, up (SwiGLU inputs), SwiGLU output; a mixture of experts' router and dispatched rows
+    mlp = moe_memory.mlp_kept_elems(a, fused_cpu_attention(w, device), tp)
     core = 0.0
     if mode == "none":
         if scores:
@@ -208,7 +206,7 @@ def layer_activations(
     # [b, heads, s, s] while the probabilities are still held (measured: +2 score matrices). The blocked
     # kernel's backward holds grouped copies of q, the output and its gradient, the query-gradient blocks,
     # fp32 K/V gradient accumulators, and one block's fp32 score-sized temporaries [b, heads, block, s].
-    work = (a.hidden_size + 1.5 * a.intermediate_size / layout.tp) * tokens * e
+    work = (a.hidden_size + moe_memory.mlp_backward_elems(a, layout.tp)) * tokens * e
     kernel = attention_kernel(w, device, layout)
     heads = a.num_attention_heads / layout.tp
     mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size

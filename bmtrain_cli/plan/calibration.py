@@ -31,6 +31,9 @@ GRPO_CASE = {
     },
 }
 
+MOE_CASE = {"family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+MOE_LORA = {"finetuning": "lora", "lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"]}
+
 # name: (hidden, intermediate, layers, heads, kv_heads, max_seq_len, micro_batch, recompute granularity)
 # and overrides of model_config / train_config / parallel_config. The "varied" cases train on records of
 # 3-120 words (batching longest: the batch width follows the data, not max_seq_len).
@@ -83,6 +86,21 @@ CASES: Dict[str, tuple] = {
         4,
         "none",
         {"model": {"family": "qwen3_5_text", "head_dim": 32}},
+    ),
+    # mixture of experts (qwen3_moe, every layer sparse): 8 experts top 2 on the grouped GEMM; the same with
+    # LoRA on the attention and with the reference composition (per-expert matmuls)
+    "h192-l3-s256-b4-moe": (192, 512, 3, 6, 2, 256, 4, "none", {"model": MOE_CASE}),
+    "h192-l3-s256-b4-moe-lora": (192, 512, 3, 6, 2, 256, 4, "none", {"model": MOE_CASE, "train": MOE_LORA}),
+    "h192-l3-s128-b8-moe-reference": (
+        192,
+        512,
+        3,
+        6,
+        2,
+        128,
+        8,
+        "none",
+        {"model": {**MOE_CASE, "kernels": "reference"}},
     ),
     # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
     # (num_iterations 2): the rollout phase beside the step

@@ -41,6 +41,7 @@ from bmtrain_cli.plan.activations import (
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
+from bmtrain_cli.plan.moe_memory import moe_note
 from bmtrain_cli.plan.rollout import rollout_memory
 from bmtrain_cli.plan.workload import (
     CPU_RUNTIME_BYTES,
@@ -156,6 +157,8 @@ def _stage_estimate(  # noqa: C901
     work = max((wk for _, wk in per_layer), default=0)  # the largest backward working set of a layer
     tokens = w.micro_sequences(layout) * w.seq_len
     e = act_bytes(w)
+    if a.num_experts:
+        notes.append(moe_note(a, tokens, e))
     if attention_kernel(w, device, layout) in ("grouped_mask", "sdpa_mask", "eager"):
         acts += tokens * w.seq_len * e  # the additive mask [b, 1, s, s]
     if first:

@@ -14,6 +14,7 @@ from typing import Any, Iterator, List
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.train.loop.stopping import TrainingStopped
 from bmtrain_cli.train.loop.token_loss import count_tokens
+from bmtrain_cli.train.monitoring.expert_load import add_loads, load_metrics
 from bmtrain_cli.train.parts import Batch, ClipMeasuringStepper, Parts, StepOutput
 
 
@@ -61,6 +62,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     optim.stepper.set_lr(lr)
     loss_acc = None
     aux_losses = []  # MoE with output_router_logits: each micro-batch's load-balancing loss (logged)
+    loads = None  # MoE: each sparse layer's tokens per expert over the step (train/monitoring/expert_load.py)
     for b in micro:
         with precision.autocast():
             loss_sum, _ = objective.loss_sum(parts.model.wrapped, b)
@@ -69,6 +71,7 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         aux = getattr(parts.model.raw, "last_aux_loss", None)
         if aux is not None:
             aux_losses.append(aux)
+        loads = add_loads(loads, parts.model.raw)
     step_opt = optim.stepper
     if optim.own_clip and distributed and hasattr(step_opt, "reduce_gradients"):
         step_opt.reduce_gradients()  # plain data parallel: sum gradients now, step the inner one
@@ -99,6 +102,8 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     metrics = objective.step_metrics()
     if aux_losses:  # the micro-batches' mean on this rank
         metrics = {**metrics, "aux_loss": float(paddle.add_n(aux_losses).numpy()) / len(aux_losses)}
+    if loads is not None:
+        metrics = {**metrics, **load_metrics(loads, parts.model.raw.arch.num_experts_per_tok)}
     return StepOutput(
         loss=loss,
         lr=lr,

@@ -15,11 +15,12 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Optional, Sequence, Set, TextIO
 
 from bmtrain_cli.checkpoint_layout import write_atomic, write_text_atomic
 from bmtrain_cli.methods import PREFERENCE_KEYS
 from bmtrain_cli.models.scoring import perplexity
+from bmtrain_cli.train.monitoring.expert_load import COLLAPSE_SHARE, TOP_SHARE, collapsed_layers
 
 EVAL_TAGS = ("eval/loss", "eval/ppl")
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory")
@@ -28,6 +29,9 @@ TRAIN_TAGS = tuple(f"train/{k}" for k in TRAIN_KEYS)
 COMPRESSION_KEYS = ("compression_ratio", "compression_bytes_sent")
 # mixture-of-experts models with output_router_logits: the load-balancing loss (models/moe.py)
 MOE_KEYS = ("aux_loss",)
+EXPERT_LOAD = (
+    "expert_load/"  # and each sparse layer's load, train/expert_load/... (train/monitoring/expert_load.py)
+)
 # stage grpo, named as TRL logs them (bmtrain_cli/grpo/objective.py), with each reward function's
 # rewards/<name>/mean and /std (GRPO_REWARD_SUFFIXES), and the seconds of the rollout and of the update
 GRPO_KEYS = (
@@ -225,6 +229,7 @@ class MetricsWriter:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.trackers: List[Any] = []
         self._bar_open = False
+        self._collapsed: Set[str] = set()  # the sparse layers already warned of (router collapse)
         # the ETA is measured from the first step this process logs: the first step (kernel set-up, the
         # allocator's first blocks) is several times slower than the rest and would inflate it
         self._eta_origin: Optional[tuple] = None
@@ -253,12 +258,30 @@ class MetricsWriter:
         self._write_record(record)
         if self._is_logging_step(step):
             per_reward = tuple(
-                k for k in values if k.startswith("rewards/") and k.endswith(GRPO_REWARD_SUFFIXES)
+                k
+                for k in values
+                if k.startswith("rewards/") and k.endswith(GRPO_REWARD_SUFFIXES) or k.startswith(EXPERT_LOAD)
             )
             keys = TRAIN_KEYS + COMPRESSION_KEYS + MOE_KEYS + PREFERENCE_KEYS + GRPO_KEYS + per_reward
             keys += ("loss_scale",)
             self._scalars({f"train/{k}": values.get(k) for k in keys}, step)
         self._progress(step, values)
+        self._warn_collapse(step, values)
+
+    def _warn_collapse(self, step: int, values: Dict[str, Any]) -> None:
+        """A warning (console and metrics.jsonl), once per layer and run, when a router sent more than
+        COLLAPSE_SHARE of a sparse layer's tokens to one expert this step."""
+        for layer in collapsed_layers(values):
+            if layer in self._collapsed:
+                continue
+            self._collapsed.add(layer)
+            share = values[f"{TOP_SHARE}{layer}"]
+            self.log_event(step, "router_collapse", layer=layer, top_share=share)
+            self.message(
+                f"warning: step {step}: the router of {layer.replace('_', ' ')} sent {100 * share:.1f}% of "
+                f"its tokens to one expert (over {100 * COLLAPSE_SHARE:.0f}%: a collapsed router; raise "
+                "router_aux_loss_coef or lower the learning rate)"
+            )
 
     def _scalars(self, values: Dict[str, Any], step: int) -> None:
         """The finite numbers of ``values`` to every tracker."""

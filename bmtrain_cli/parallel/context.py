@@ -34,6 +34,7 @@ class ParallelContext:
     context_ring: Any = (
         None  # parallel.ring_attention.Ring of this rank's context group (context_parallel > 1)
     )
+    expert_group: Any = None  # parallel.expert_parallel.ExpertGroup of this rank (expert_parallel > 1)
     hcg: Any = None  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config] = None
     strategy: Optional[Any] = None
@@ -79,6 +80,11 @@ class ParallelContext:
     def uses_fleet_model(self) -> bool:
         """True when the model is wrapped by fleet (tensor/pipeline parallel or sharding)."""
         return self.tp_degree > 1 or self.pp_degree > 1 or self.sharding_degree > 1
+
+    @property
+    def holds_whole_weights(self) -> bool:
+        """Whether this rank holds every weight whole (no tensor, pipeline or expert split)."""
+        return self.tp_degree == 1 and self.pp_degree == 1 and self.expert_group is None
 
     @property
     def factory(self) -> LayerFactory:
@@ -197,9 +203,27 @@ class ParallelContext:
             # in forward (switched off: the ranks of a tensor-parallel group load the same batches); return
             # the model itself so that its methods (loss_sum, hidden_states) stay callable.
             return model
+        from bmtrain_cli.parallel.expert_parallel import is_expert
+
+        for p in model.parameters():
+            if not is_expert(p):  # held experts: broadcast by shard_experts, before the split
+                dist.broadcast(p, src=0)
+        return model
+
+    def shard_experts(self, model: Any) -> str:
+        """Expert parallel (collective; call before the optimizer is built over ``model``'s parameters):
+        rank 0's whole weights to every rank, then only this rank's experts kept in each MoE layer (see
+        parallel/expert_parallel.py). Returns what this rank holds, for the log ("" without expert
+        parallel)."""
+        if self.expert_group is None:
+            return ""
+        import paddle.distributed as dist
+
+        from bmtrain_cli.parallel.expert_parallel import shard_experts
+
         for p in model.parameters():
             dist.broadcast(p, src=0)
-        return model
+        return shard_experts(model, self.expert_group)
 
     def _reinit_duplicated_shards(self, model: Any) -> None:
         """A fresh model's init draws the same numbers on every tensor-parallel rank, so each rank's
@@ -299,7 +323,7 @@ class ParallelContext:
         """Collective (call on every rank before saving): gathers the whole weights under tensor/pipeline
         parallel and returns a ``writer(model, dir)`` for train.training_state.save_checkpoint that writes them
         in Hugging Face layout. None when this rank already holds whole weights (use the default writer)."""
-        if self.tp_degree == 1 and self.pp_degree == 1:
+        if self.holds_whole_weights:
             return None
         from bmtrain_cli.parallel.full_weights import full_weights_writer
 
@@ -309,7 +333,7 @@ class ParallelContext:
         """Collective (call on every rank): a plain single-process CausalLM holding the whole weights, for
         work that runs on one rank only (demo accuracy, generation, export) under tensor/pipeline parallel.
         Returns the model itself when this rank already holds whole weights."""
-        if self.tp_degree == 1 and self.pp_degree == 1:
+        if self.holds_whole_weights:
             from bmtrain_cli.parallel.full_weights import unwrap
 
             return unwrap(model)
@@ -320,8 +344,9 @@ class ParallelContext:
     @property
     def optimizer_state_portable(self) -> bool:
         """Whether rank 0's optimizer state is the whole state (not split by tensor/pipeline parallel or
-        sharding). When False, checkpoints carry weights only and a resume restarts the moments."""
-        return self.tp_degree == 1 and self.pp_degree == 1 and self.sharding_degree == 1
+        sharding, or expert parallel). When False, checkpoints carry weights only and a resume restarts the
+        moments."""
+        return self.holds_whole_weights and self.sharding_degree == 1
 
     @property
     def compression_stats(self) -> Dict[str, Any]:
@@ -341,6 +366,8 @@ class DataParallelOptimizer:
         step() does it itself when it was not called)."""
         import paddle.distributed as dist
 
+        from bmtrain_cli.parallel.expert_parallel import is_expert
+
         if self._reduced:
             return
         self._reduced = True
@@ -350,7 +377,12 @@ class DataParallelOptimizer:
         if comp is not None:
             comp.all_reduce_sum(params, self._ctx.data_groups()[0])
             return
+        experts = self._ctx.expert_group
         for p in params:
+            if experts is not None and is_expert(p):  # summed over its group already: over its replicas
+                if experts.replicas is not None:
+                    dist.all_reduce(p.grad, group=experts.replicas)
+                continue
             for g in self._ctx.data_groups():
                 dist.all_reduce(p.grad, group=g)
 

@@ -26,6 +26,7 @@ class ParallelCtx(Protocol):
     pp_rank: int
     pp_degree: int
     context_ring: Any  # parallel.ring_attention.Ring when context_parallel > 1, else None
+    expert_group: Any  # parallel.expert_parallel.ExpertGroup when expert_parallel > 1, else None
     hcg: Any  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config]
     on_cpu: bool
@@ -56,6 +57,9 @@ class ParallelCtx(Protocol):
     def uses_fleet_model(self) -> bool: ...
 
     @property
+    def holds_whole_weights(self) -> bool: ...
+
+    @property
     def factory(self) -> LayerFactory: ...
 
     @property
@@ -82,6 +86,8 @@ class ParallelCtx(Protocol):
         pipeline_costs: Optional[List[float]] = None,
         pipeline_bounds: Optional[List[int]] = None,
     ) -> Any: ...
+
+    def shard_experts(self, model: Any) -> str: ...
 
     def wrap_optimizer(self, optimizer: Any) -> Any: ...
 

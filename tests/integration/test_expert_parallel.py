@@ -1,7 +1,7 @@
 """Expert parallel through `bmtrain run` logs the single process's per-step loss AND grad_norm (1e-5
 relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
 groups, sigmoid routing, a shared expert; no auxiliary loss) and ERNIE 4.5 MoE parity checkpoints
-(tests/fixtures/hf), the demo task's records, 4 optimizer steps of 4 rows with a max_grad_norm below every
+(tests/fixtures/hf), and the Qwen3-MoE with LoRA on its attention, the demo task's records, 4 optimizer steps of 4 rows with a max_grad_norm below every
 step's norm (asserted), so a layout whose norm or clip is off diverges from step 2. The eval loss (each rank
 evaluates its shard on a copy with every expert gathered) and the checkpoint each layout writes (the experts
 gathered from their ranks) equal the single process's.
@@ -11,6 +11,7 @@ docs/parallel.md carries the table (``python -m tests.integration.test_expert_pa
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import pytest
 
+from tests.integration.test_context_parallel import max_rel_diff
 from tests.integration.test_families_end_to_end import FIXTURES
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -44,11 +46,13 @@ train_config:
   num_workers: 0
 """
 AUX = ["model_config.output_router_logits=true"]
-# settings, max_grad_norm (below every step's norm: the clip scales every step)
-MODELS: Dict[str, Tuple[List[str], float]] = {
-    "qwen3_moe": (AUX, 0.5),
-    "deepseek_v3": ([], 0.5),
-    "ernie4_5_moe": (AUX, 0.5),
+LORA = ["train_config.finetuning=lora", "train_config.lora_target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+# checkpoint (tests/fixtures/hf), settings, max_grad_norm (below every step's norm: the clip scales every step)
+MODELS: Dict[str, Tuple[str, List[str], float]] = {
+    "qwen3_moe": ("qwen3_moe", AUX, 0.5),
+    "deepseek_v3": ("deepseek_v3", [], 0.5),
+    "ernie4_5_moe": ("ernie4_5_moe", AUX, 0.5),
+    "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
 }
 EP2 = ["parallel_config.expert_parallel=2"]
 LAYOUTS: List[Tuple[str, str, List[str]]] = [
@@ -57,6 +61,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("deepseek_v3", "ep2", EP2),
     ("deepseek_v3", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
     ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
+    ("qwen3_moe + LoRA", "ep2", EP2),
 ]
 
 
@@ -76,9 +81,9 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
     from safetensors.numpy import load_file
 
     out.mkdir(parents=True, exist_ok=True)
-    sets, norm = MODELS[model]
+    checkpoint, sets, norm = MODELS[model]
     cfg = out / "config.yaml"
-    cfg.write_text(CONFIG.format(model=FIXTURES / model, data=data, out=out / "run", steps=STEPS))
+    cfg.write_text(CONFIG.format(model=FIXTURES / checkpoint, data=data, out=out / "run", steps=STEPS))
     args = [x for o in [*sets, f"train_config.max_grad_norm={norm}", *layout] for x in ("--set", o)]
     cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -102,10 +107,6 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
     return got
 
 
-def max_rel_diff(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got - want) / np.abs(want)))
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("epdata"))
@@ -113,25 +114,25 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, data):
-    cache: Dict[str, Dict[str, np.ndarray]] = {}
+    """One process's run of each model, trained once for the module."""
 
-    def get(model: str) -> Dict[str, np.ndarray]:
-        if model not in cache:
-            cache[model] = run_layout(data, tmp_path_factory.mktemp("single"), model, [])
-        return cache[model]
+    @functools.cache
+    def run(model: str) -> Dict[str, np.ndarray]:
+        return run_layout(data, tmp_path_factory.mktemp("single"), model, [])
 
-    return get
+    return run
 
 
 @pytest.mark.parametrize("model,name,layout", LAYOUTS, ids=[f"{m}:{n}" for m, n, _ in LAYOUTS])
 def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name, layout):
     want = single(model)
-    assert np.all(want["grad_norm"] > MODELS[model][1]), want["grad_norm"]  # the clip scales every step
+    assert np.all(want["grad_norm"] > MODELS[model][2]), want["grad_norm"]  # the clip scales every step
     got = run_layout(data, tmp_path, model, layout)
     for key in ("loss", "grad_norm", "eval_loss"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
     weights = sorted(k for k in want if k.startswith("w:"))
-    assert any(".experts." in k for k in weights) and sorted(k for k in got if k.startswith("w:")) == weights
+    assert (".experts." in " ".join(weights)) != ("LoRA" in model)  # LoRA saves the adapters only
+    assert sorted(k for k in got if k.startswith("w:")) == weights
     for k in weights:  # every expert saved once, from the rank holding it, after 4 updates
         # AdamW's first steps move an entry by about lr whatever its gradient's size, so an entry whose
         # gradient is round-off may differ; a misplaced tensor differs almost everywhere
@@ -140,16 +141,20 @@ def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name
     assert want["loss"][-1] < want["loss"][0]  # it trains
 
 
-if __name__ == "__main__":  # the table for docs/parallel.md
+def table(root: Path) -> List[str]:
+    """docs/parallel.md's table: each layout's largest relative difference from one process over the steps."""
+    models = list(dict.fromkeys(m for m, _, _ in LAYOUTS))
+    refs = {m: run_layout(root, root / f"single-{i}", m, []) for i, m in enumerate(models)}
+    rows = ["| model | layout | loss | grad_norm |", "|---|---|---|---|"]
+    for i, (model, name, layout) in enumerate(LAYOUTS):
+        got = run_layout(root, root / f"run-{i}", model, layout)
+        diffs = [f"{max_rel_diff(got[k], refs[model][k]):.1e}" for k in ("loss", "grad_norm")]
+        rows.append(f"| {model} | {name} | {' | '.join(diffs)} |")
+    return rows
+
+
+if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = write_data(Path(tmp))
-        refs: Dict[str, Dict[str, np.ndarray]] = {}
-        print("| model | layout | max rel. diff loss | max rel. diff grad_norm |\n|---|---|---|---|")
-        for i, (model, name, layout) in enumerate(LAYOUTS):
-            if model not in refs:
-                refs[model] = run_layout(root, Path(tmp) / f"single-{model}", model, [])
-            got = run_layout(root, Path(tmp) / f"run-{i}", model, layout)
-            d = [max_rel_diff(got[k], refs[model][k]) for k in ("loss", "grad_norm")]
-            print(f"| {model} | {name} | {d[0]:.1e} | {d[1]:.1e} |", flush=True)
+        print("\n".join(table(write_data(Path(tmp)))))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,28 @@ def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name
         off = np.abs(got[k] - want[k]) > 1e-4
         assert got[k].shape == want[k].shape and off.mean() < 1e-3, (k, off.mean())
     assert want["loss"][-1] < want["loss"][0]  # it trains
+
+
+def test_an_expert_parallel_checkpoint_resumes_exactly(tmp_path, data, single):
+    """dp2 x ep2 saves the whole weights and each rank's optimizer part at step 2; resumed under the same
+    layout it logs the uninterrupted single-process run's steps 3 and 4."""
+    layout = EP2 + ["parallel_config.data_parallel=2", "train_config.save_steps=2"]
+    run_layout(data, tmp_path, "qwen3_moe", layout)
+    run = tmp_path / "run"
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
+    (run / "checkpoints" / "latest").write_text("step-2\n")
+    sets = [*MODELS["qwen3_moe"][1], f"train_config.max_grad_norm={MODELS['qwen3_moe'][2]}", *layout]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(tmp_path / "config.yaml"), "--resume"]
+    res = subprocess.run(
+        cmd + [x for o in sets for x in ("--set", o)], capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "not carried over" not in res.stdout + res.stderr  # each rank's moments were restored
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resumed = {r["step"]: r for r in rows if "grad_norm" in r}
+    want = single("qwen3_moe")
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
 
 
 def table(root: Path) -> List[str]:

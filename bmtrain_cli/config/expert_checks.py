@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from bmtrain_cli.methods import method_of
+
 KEY = "parallel_config.expert_parallel"
 
 
@@ -43,10 +45,11 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "expert parallel does not compress gradients yet (the experts' replica group is not the data group)",
             "set gradient_compression: none",
         )
-    if t.stage != "sft":
+    sample = method_of(t).sample
+    if sample != "sequence":
         err(
             "train_config.stage",
-            f"expert parallel runs the sft stage only yet; stage {t.stage!r} adds forwards (a reference model, "
-            "rollouts) whose dispatch the ranks would have to run in step",
+            f"expert parallel trains on single token sequences yet; stage {t.stage!r} trains on {sample}s, "
+            "whose extra forwards (a reference model, rollouts) the ranks would have to dispatch in step",
             "use data_parallel for this stage",
         )

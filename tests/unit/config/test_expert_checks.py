@@ -60,7 +60,7 @@ def test_expert_ranks_are_data_ranks(write_yaml):
             14,
             "does not compress gradients",
         ),
-        ({"train": "  stage: dpo\n"}, 12, "runs the sft stage only yet"),
+        ({"train": "  stage: dpo\n"}, 12, "trains on pairs"),
     ],
 )
 def test_refused_at_file_line(write_yaml, kwargs, line, message):

@@ -22,6 +22,8 @@ def summarize(config: Config) -> Dict[str, Any]:
         "pipeline_parallel": p.pipeline_parallel,
         "sharding_parallel": p.sharding_parallel,
         "sharding_stage": p.sharding_stage,
+        "expert_parallel": p.expert_parallel,
+        "data_ranks": d.data_ranks,
         "micro_batch_size": d.micro_batch_size,
         "grad_accum_steps": d.grad_accum_steps,
         "global_batch_size": d.global_batch_size,
@@ -100,10 +102,11 @@ def format_summary(config: Config, source: str) -> List[str]:
     lines.append(
         f"  layout     world size {s['world_size']} = data {s['data_parallel']} x tensor {s['tensor_parallel']} x "
         f"pipeline {s['pipeline_parallel']} x sharding {s['sharding_parallel']} (stage {s['sharding_stage']})"
+        + (f" x expert {s['expert_parallel']}" if s["expert_parallel"] > 1 else "")
     )
     lines.append(
         f"  batch      global {s['global_batch_size']} = micro {s['micro_batch_size']} x accumulation "
-        f"{s['grad_accum_steps']} x data ranks {s['data_parallel'] * s['sharding_parallel']}; "
+        f"{s['grad_accum_steps']} x data ranks {s['data_ranks']}; "
         f"up to {s['tokens_per_step']:,} tokens per optimizer step"
     )
     lines.append(

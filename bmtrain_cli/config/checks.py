@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 from bmtrain_cli.config.context_checks import check_context
 from bmtrain_cli.config.derived import peak_learning_rate, schedule_problems
+from bmtrain_cli.config.expert_checks import check_expert_parallel
 from bmtrain_cli.config.grpo_checks import check_grpo
 from bmtrain_cli.config.linear_checks import check_linear_attention
 from bmtrain_cli.config.moe_checks import check_moe
@@ -44,13 +45,16 @@ def cpu_gloo_subgroups(p: ParallelConfig) -> List[str]:
     gloo group fails in ProcessGroupGloo's connect ("address.cc:30 sizeof(impl_) == bytes.size()", seen
     for dp2 x pp3 and dp2 x tp2 x pp2)."""
     world = p.world_size
+    data = p.data_parallel * p.context_parallel * p.expert_parallel  # context and expert groups lie inside it
     sizes = {
-        "data": p.data_parallel * p.context_parallel,  # the context groups lie inside fleet's data axis
+        "data": data,
         "tensor": p.tensor_parallel,
         "pipeline": p.pipeline_parallel,
         "sharding": p.sharding_parallel,
-        "clip-check": world // (p.data_parallel * p.context_parallel),
+        "clip-check": world // data,
         "context": p.context_parallel,
+        "expert": p.expert_parallel,
+        "expert-replica": p.data_parallel if p.expert_parallel > 1 else 1,
     }
     if p.sharding_parallel > 1:
         sizes["sharding-check"] = world // p.sharding_parallel
@@ -235,7 +239,7 @@ def check_config(  # noqa: C901
             "train_config.global_batch_size",
             f"global_batch_size ({t.global_batch_size}) must equal micro_batch_size ({t.micro_batch_size}) x "
             f"gradient accumulation x data ranks (data_parallel {p.data_parallel} x sharding_parallel "
-            f"{p.sharding_parallel}), so it must be a multiple of {per_pass}",
+            f"{p.sharding_parallel}{f' x expert_parallel {p.expert_parallel}' if p.expert_parallel > 1 else ''}), so it must be a multiple of {per_pass}",
             f"try {_nearest_multiples(t.global_batch_size, per_pass)}",
         )
     if (
@@ -251,11 +255,12 @@ def check_config(  # noqa: C901
         )
 
     # --- world size
+    expert = f" x expert {p.expert_parallel}" if p.expert_parallel > 1 else ""
     if world_size is not None and world_size != p.world_size:
         err(
             "parallel_config",
             f"the product of the degrees (data {p.data_parallel} x tensor {p.tensor_parallel} x pipeline "
-            f"{p.pipeline_parallel} x sharding {p.sharding_parallel} x context {p.context_parallel} = "
+            f"{p.pipeline_parallel} x sharding {p.sharding_parallel} x context {p.context_parallel}{expert} = "
             f"{p.world_size}) does not match the "
             f"{world_size} launched processes",
             f"launch {p.world_size} processes (bmtrain run does) or change the degrees",
@@ -434,6 +439,7 @@ def check_config(  # noqa: C901
     check_grpo(config, err)
     check_recipe(config, err)
     check_context(config, arch, err, paddle_has_gpu() if has_gpu is None else has_gpu)
+    check_expert_parallel(config, arch, err)
 
     # --- data
     if "shuffle_buffer" in t.model_fields_set and t.streaming is False:

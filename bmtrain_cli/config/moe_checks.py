@@ -1,6 +1,6 @@
 """validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral): what this first slice runs.
-The experts are plain per-expert layers on one device (models/moe.py): no tensor, pipeline or expert
-parallelism, no static graph."""
+The experts are per-expert layers (models/moe.py), split between ranks by expert parallel only
+(config/expert_checks.py): no tensor or pipeline parallelism, no static graph."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
     refuse_model_parallel(
         p,
         what,
-        "no sharded experts, no expert parallelism",
-        "use data_parallel and/or sharding_parallel",
+        "the MoE block has no tensor-parallel experts or attention beside them, and the expert-parallel "
+        "dispatch no group per pipeline stage",
+        "use data_parallel, sharding_parallel or expert_parallel",
         err,
     )
     if t.to_static:

@@ -26,7 +26,7 @@ class PipelineRebalanceConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding x context."""
+    """Hybrid-parallel layout: world size = data x tensor x pipeline x sharding x context x expert."""
 
     data_parallel: int = Field(1, gt=0)
     tensor_parallel: int = Field(1, gt=0)
@@ -50,6 +50,11 @@ class ParallelConfig(_Section):
     fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
     context_parallel: int = Field(1, gt=0, description="Ranks that split every sequence (ring attention).")
     context_parallel_mode: Literal["ring", "ulysses"] = "ring"
+    expert_parallel: int = Field(
+        1,
+        gt=0,
+        description="Ranks that split the experts of every MoE layer (a data-parallel axis: each sees its own data).",
+    )
 
     @property
     def world_size(self) -> int:
@@ -57,5 +62,5 @@ class ParallelConfig(_Section):
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that see different data (data parallel x sharding)."""
-        return self.data_parallel * self.sharding_parallel
+        """Ranks that see different data (data parallel x sharding x expert parallel)."""
+        return self.data_parallel * self.sharding_parallel * self.expert_parallel

@@ -11,7 +11,8 @@ CPU (``OpSet.moe_experts``) all the experts run as one grouped GEMM call (ops/mo
 for other dtypes than float32, one matmul chain per expert (the reference composition). LoRA on the
 experts' projections keeps the grouped GEMM: each wrapped projection runs as its base weight plus
 ``scaling * A @ B`` (the adapters' gradients through that sum); only LoRA dropout while training falls
-back to the reference composition. No expert parallelism here.
+back to the reference composition. Under expert parallel a layer keeps only its rank's experts
+(:meth:`SparseMoE.shard_experts`) and hands its sorted rows to the dispatch of parallel/expert_parallel.py.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
 excluded through the attention mask as transformers does.
@@ -19,7 +20,7 @@ excluded through the attention mask as transformers does.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import paddle
 import paddle.nn.functional as F
@@ -71,6 +72,27 @@ class Router(nn.Layer):
         return paddle.matmul(x, self.weight)
 
 
+class HeldExperts(nn.Layer):
+    """The experts a rank holds under expert parallel, under their single-process indices (``experts.{e}``),
+    iterated in index order like the LayerList they replace."""
+
+    def __init__(self, experts: Sequence[Tuple[int, nn.Layer]]):
+        super().__init__()
+        for e, expert in experts:
+            self.add_sublayer(str(e), expert)
+
+    def __iter__(self) -> Iterator[nn.Layer]:
+        return iter(self._sub_layers.values())
+
+    def __len__(self) -> int:
+        return len(self._sub_layers)
+
+
+Dispatch = Callable[
+    [paddle.Tensor, List[int], Callable[[paddle.Tensor, List[int]], paddle.Tensor]], paddle.Tensor
+]
+
+
 class SparseMoE(nn.Layer):
     """The MLP of a sparse layer: ``gate`` [hidden -> num_experts] and ``experts.{e}``. The router logits
     of the last forward stay in ``router_logits`` [tokens, num_experts] for the auxiliary loss."""
@@ -86,13 +108,23 @@ class SparseMoE(nn.Layer):
         self.groups, self.topk_groups = arch.moe_groups, arch.moe_topk_groups
         self.scaling = arch.routed_scaling_factor
         self.gate = Router(h, arch.num_experts, arch.moe_score_bias)
-        self.experts = nn.LayerList([Expert(h, f, ops) for _ in range(arch.num_experts)])
+        self.experts: Union[nn.LayerList, HeldExperts] = nn.LayerList(
+            [Expert(h, f, ops) for _ in range(arch.num_experts)]
+        )
         self.shared_experts = (
             Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
         self.last_counts: List[int] = []  # tokens routed to each expert in the last forward (monitoring)
         self.grouped = resolve(ops.moe_experts, ops.name, paddle.get_device())
+        self.dispatch: Optional[Dispatch] = None  # expert parallel: runs the rows on the experts' owners
+
+    def shard_experts(self, owned: Sequence[int], dispatch: Dispatch) -> None:
+        """Keep only the experts ``owned`` (expert parallel); ``dispatch(rows, counts, run_held)`` then
+        computes every row's expert output, ``run_held`` running this layer's held experts."""
+        whole = list(self.experts)
+        self.experts = HeldExperts([(e, whole[e]) for e in owned])
+        self.dispatch = dispatch
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = x.shape
@@ -117,6 +149,11 @@ class SparseMoE(nn.Layer):
     def _experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
         """Every expert over its rows (sorted by expert, ``counts`` each); an expert without rows gets zero
         gradients, not missing ones, so every rank reduces the same gradients under data parallel."""
+        if self.dispatch is not None:
+            return self.dispatch(rows, counts, self._held_experts)
+        return self._held_experts(rows, counts)
+
+    def _held_experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
         if self.grouped is not None and rows.dtype == paddle.float32:
             weights = [[_grouped_weight(getattr(x, n)) for x in self.experts] for n in _PROJS]
             if all(w is not None for ws in weights for w in ws):

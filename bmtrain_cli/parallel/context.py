@@ -32,6 +32,7 @@ class ParallelContext:
     context_ring: Any = (
         None  # parallel.ring_attention.Ring of this rank's context group (context_parallel > 1)
     )
+    expert_group: Any = None  # parallel.expert_parallel.ExpertGroup of this rank (expert_parallel > 1)
     hcg: Any = None  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     config: Optional[Config] = None
     strategy: Optional[Any] = None
@@ -93,10 +94,16 @@ class ParallelContext:
         return groups
 
     @property
+    def holds_whole_weights(self) -> bool:
+        """Whether this rank holds every weight whole (no tensor, pipeline or expert split)."""
+        return self.tp_degree == 1 and self.pp_degree == 1 and self.expert_group is None
+
+    @property
     def optimizer_state_portable(self) -> bool:
         """Whether rank 0's optimizer state is the whole state (not split by tensor/pipeline parallel or
-        sharding). When False, checkpoints carry weights only and a resume restarts the moments."""
-        return self.tp_degree == 1 and self.pp_degree == 1 and self.sharding_degree == 1
+        sharding, or expert parallel). When False, checkpoints carry weights only and a resume restarts the
+        moments."""
+        return self.holds_whole_weights and self.sharding_degree == 1
 
 
 def launched_world_size() -> int:

@@ -25,7 +25,7 @@ schedule and optimizers run in the CPU tests as on GPUs:
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.machine import gpu_available
 
@@ -434,3 +434,58 @@ def _patch_tensor_parallel_inputs() -> None:
         return one(tuple(inputs)), one(dict(kwargs))
 
     tensor_parallel.broadcast_input_data = broadcast_input_data
+
+
+def pair_groups(ranks: Sequence[int]) -> Dict[Tuple[int, int], Any]:
+    """A process group for every pair (i < j) of members of ``ranks`` (collective: every rank creates every
+    group, in the same order, with a barrier after each), for :func:`all_to_all_rows`: gloo matches a send
+    to a receive by a counter of its group's operations, so the pairs of an exchange must not share one."""
+    import paddle.distributed as dist
+
+    groups: Dict[Tuple[int, int], Any] = {}
+    for i in range(len(ranks)):
+        for j in range(i + 1, len(ranks)):
+            groups[(i, j)] = dist.new_group([ranks[i], ranks[j]])
+            dist.barrier()
+    return groups
+
+
+def all_to_all_rows(
+    x: Any,
+    send: Sequence[int],
+    recv: Sequence[int],
+    ranks: Sequence[int],
+    me: int,
+    pairs: Dict[Tuple[int, int], Any],
+) -> Any:
+    """gloo's missing all-to-all of rows (``alltoall_single`` with split sizes), exactly: ``x`` holds
+    ``send[d]`` rows for group member d, one after the other; the result holds ``recv[s]`` rows from each
+    member s, in member order. Pairwise blocking send/recv, each pair in its own group (``pairs``, from
+    :func:`pair_groups`): every pair (i < j) exchanges in one global order, the lower rank sending first, so
+    the earliest unfinished pair always has both ranks waiting on it (no deadlock); empty pieces are not
+    sent (both sides know the sizes)."""
+    import paddle
+    import paddle.distributed as dist
+
+    starts = [sum(send[:d]) for d in range(len(send))]
+    pieces: List[Any] = []
+    for s, n in enumerate(recv):
+        if s == me:
+            pieces.append(x[starts[me] : starts[me] + n])
+        else:
+            pieces.append(paddle.empty([n, *x.shape[1:]], x.dtype))
+    for i in range(len(ranks)):
+        for j in range(i + 1, len(ranks)):
+            if me not in (i, j):
+                continue
+            peer, group = (j if me == i else i), pairs[(i, j)]
+            out = x[starts[peer] : starts[peer] + send[peer]]
+            steps = [("send", out, send[peer]), ("recv", pieces[peer], recv[peer])]
+            for kind, t, n in steps if me == i else steps[::-1]:
+                if n == 0:
+                    continue
+                if kind == "send":
+                    dist.send(t.contiguous(), dst=ranks[peer], group=group)
+                else:
+                    dist.recv(t, src=ranks[peer], group=group)
+    return paddle.concat(pieces) if pieces else x[:0]

@@ -56,6 +56,14 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         else:
             t = p.detach() if isinstance(p, paddle.Tensor) else p
             local[name] = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+    if ctx.expert_group is not None:  # expert parallel: every rank adds the experts it holds
+        from bmtrain_cli.parallel.expert_parallel import is_expert
+
+        held = {n: local[n] for n, p in local_parameters(model) if is_expert(p)}
+        shares: List[Any] = []
+        dist.all_gather_object(shares, held, group=ctx.expert_group.group)
+        for share in shares:
+            local.update(share)
     if ctx.pp_degree == 1:
         return local
     pieces: List[Any] = []

@@ -29,6 +29,7 @@ class Topology(Protocol):
     pp_rank: int
     pp_degree: int
     context_ring: Any  # parallel.ring_attention.Ring when context_parallel > 1, else None
+    expert_group: Any  # parallel.expert_parallel.ExpertGroup when expert_parallel > 1, else None
     hcg: Any  # fleet's HybridCommunicateGroup when distributed, else None (untyped: Paddle's object)
     on_cpu: bool
     pipeline_info: Dict[str, Any]  # the pipeline cut the wrapping chose (pp > 1)
@@ -56,6 +57,9 @@ class Topology(Protocol):
 
     @property
     def uses_fleet_model(self) -> bool: ...
+
+    @property
+    def holds_whole_weights(self) -> bool: ...
 
     @property
     def optimizer_state_portable(self) -> bool: ...
@@ -93,6 +97,8 @@ class ModelWrapping(Protocol):
         pipeline_costs: Optional[List[float]] = None,
         pipeline_bounds: Optional[List[int]] = None,
     ) -> Any: ...
+
+    def shard_experts(self, model: Any) -> str: ...
 
     def wrap_optimizer(self, optimizer: Any) -> Any: ...
 

@@ -24,7 +24,8 @@ def hybrid_configs(config: Config) -> Dict[str, Any]:
     out: Dict[str, Any] = {
         # context parallel lives inside fleet's data axis (context innermost): the gradient and loss
         # reductions over data x context then equal one process, each rank holding its share of the tokens
-        "dp_degree": par.data_parallel * par.context_parallel,
+        # so do the expert groups (consecutive data ranks): each of their ranks reads its own data
+        "dp_degree": par.data_parallel * par.context_parallel * par.expert_parallel,
         "mp_degree": par.tensor_parallel,
         "pp_degree": par.pipeline_parallel,
         "sharding_degree": par.sharding_parallel,
@@ -94,7 +95,8 @@ def init_distributed(config: Config) -> ParallelContext:
         raise UserError(
             f"{launched} processes were launched but parallel_config asks for {par.world_size} (data "
             f"{par.data_parallel} x tensor {par.tensor_parallel} x pipeline {par.pipeline_parallel} x "
-            f"sharding {par.sharding_parallel} x context {par.context_parallel}); launch with `bmtrain run`, "
+            f"sharding {par.sharding_parallel} x context {par.context_parallel} x expert {par.expert_parallel}); "
+            "launch with `bmtrain run`, "
             "which starts the right number"
         )
     ctx = start_fleet(config, faults.start_watchdog)
@@ -146,6 +148,10 @@ def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]
         from bmtrain_cli.parallel.ring_attention import context_ring
 
         ctx.context_ring = context_ring(hcg, config.parallel.context_parallel)
+    if config.parallel.expert_parallel > 1:
+        from bmtrain_cli.parallel.expert_parallel import expert_group
+
+        ctx.expert_group = expert_group(hcg, config.parallel.expert_parallel, on_cpu)
     if watchdog is not None:
         watchdog.set_rank(ctx.rank, ctx.world_size)
     return ctx

@@ -90,9 +90,27 @@ class ModelWrapper:
             # in forward (switched off: the ranks of a tensor-parallel group load the same batches); return
             # the model itself so that its methods (loss_sum, hidden_states) stay callable.
             return model
+        from bmtrain_cli.parallel.expert_parallel import is_expert
+
+        for p in model.parameters():
+            if not is_expert(p):  # held experts: broadcast by shard_experts, before the split
+                dist.broadcast(p, src=0)
+        return model
+
+    def shard_experts(self, model: Any) -> str:
+        """Expert parallel (collective; call before the optimizer is built over ``model``'s parameters):
+        rank 0's whole weights to every rank, then only this rank's experts kept in each MoE layer (see
+        parallel/expert_parallel.py). Returns what this rank holds, for the log ("" without expert
+        parallel)."""
+        if self._ctx.expert_group is None:
+            return ""
+        import paddle.distributed as dist
+
+        from bmtrain_cli.parallel.expert_parallel import shard_experts
+
         for p in model.parameters():
             dist.broadcast(p, src=0)
-        return model
+        return shard_experts(model, self._ctx.expert_group)
 
     def _reinit_duplicated_shards(self, model: Any) -> None:
         """A fresh model's init draws the same numbers on every tensor-parallel rank, so each rank's
@@ -186,7 +204,7 @@ class ModelWrapper:
         """Collective (call on every rank before saving): gathers the whole weights under tensor/pipeline
         parallel and returns a ``writer(model, dir)`` for train.checkpoint.training_state.save_checkpoint that writes them
         in Hugging Face layout. None when this rank already holds whole weights (use the default writer)."""
-        if self._ctx.tp_degree == 1 and self._ctx.pp_degree == 1:
+        if self._ctx.holds_whole_weights:
             return None
         from bmtrain_cli.parallel.full_weights import full_weights_writer
 
@@ -196,7 +214,7 @@ class ModelWrapper:
         """Collective (call on every rank): a plain single-process CausalLM holding the whole weights, for
         work that runs on one rank only (demo accuracy, generation, export) under tensor/pipeline parallel.
         Returns the model itself when this rank already holds whole weights."""
-        if self._ctx.tp_degree == 1 and self._ctx.pp_degree == 1:
+        if self._ctx.holds_whole_weights:
             from bmtrain_cli.parallel.full_weights import unwrap
 
             return unwrap(model)
@@ -223,6 +241,8 @@ class DataParallelOptimizer:
         step() does it itself when it was not called)."""
         import paddle.distributed as dist
 
+        from bmtrain_cli.parallel.expert_parallel import is_expert
+
         if self._reduced:
             return
         self._reduced = True
@@ -232,7 +252,12 @@ class DataParallelOptimizer:
         if comp is not None:
             comp.all_reduce_sum(params, self._ctx.data_groups()[0])
             return
+        experts = self._ctx.expert_group
         for p in params:
+            if experts is not None and is_expert(p):  # summed over its group already: over its replicas
+                if experts.replicas is not None:
+                    dist.all_reduce(p.grad, group=experts.replicas)
+                continue
             for g in self._ctx.data_groups():
                 dist.all_reduce(p.grad, group=g)
 

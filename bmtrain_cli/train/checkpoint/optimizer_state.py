@@ -99,6 +99,8 @@ def optimizer_layout(ctx: Optional[ParallelCtx] = None) -> Dict[str, Any]:
         "pipeline_parallel": int(ctx.pp_degree),
         "sharding_parallel": int(ctx.sharding_degree),
         "sharding_stage": int(ctx.config.parallel.sharding_stage) if ctx.config is not None else 1,
+        # expert parallel: a rank's part holds the moments of its experts only
+        "expert_parallel": int(ctx.expert_group.degree) if ctx.expert_group is not None else 1,
         "portable": bool(ctx.optimizer_state_portable),
     }
     bounds = ctx.pipeline_info.get("boundaries")
@@ -113,7 +115,13 @@ def describe_layout(layout: Optional[Dict[str, Any]]) -> str:
         return "one process"
     parts = [
         f"{key} {layout.get(key, 1)}"
-        for key in ("data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
+        for key in (
+            "data_world",
+            "tensor_parallel",
+            "pipeline_parallel",
+            "sharding_parallel",
+            "expert_parallel",
+        )
         if layout.get(key, 1) > 1
     ]
     if layout.get("sharding_parallel", 1) > 1:
@@ -125,7 +133,7 @@ def describe_layout(layout: Optional[Dict[str, Any]]) -> str:
 
 def same_layout(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     keys = ("world_size", "data_world", "tensor_parallel", "pipeline_parallel", "sharding_parallel")
-    keys_stage = keys + ("sharding_stage",)
+    keys_stage = keys + ("sharding_stage", "expert_parallel")
     same_cut = not (a.get("pipeline_bounds") and b.get("pipeline_bounds")) or list(
         a["pipeline_bounds"]
     ) == list(b["pipeline_bounds"])

@@ -17,9 +17,9 @@ def gather_sharded_parameters(parts: Parts) -> None:
 
 
 def whole_model(parts: Parts) -> Any:
-    """The model with whole weights: the raw model, or (collective) a gathered copy under tp/pp > 1."""
+    """The model with whole weights: the raw model, or (collective) a gathered copy under tp/pp/ep > 1."""
     gather_sharded_parameters(parts)
-    if parts.ctx.tp_degree > 1 or parts.ctx.pp_degree > 1:
+    if not parts.ctx.holds_whole_weights:
         return parts.ctx.wrapping.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
     return parts.model.raw
 

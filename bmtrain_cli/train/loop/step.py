@@ -78,7 +78,13 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         step_opt = optim.base
     precision.unscale(step_opt)
     # the loss and the fp32 global grad norm come to the host together: one sync per step
-    norm_t = grad_norm_tensor(parts.model.params) if optim.own_clip else None
+    norm_t = None
+    if optim.own_clip and ctx.expert_group is not None:  # expert parallel: each expert counted once
+        from bmtrain_cli.parallel.expert_parallel import global_grad_norm
+
+        norm_t = global_grad_norm(ctx.expert_group, parts.model.params, grad_norm_tensor)
+    elif optim.own_clip:
+        norm_t = grad_norm_tensor(parts.model.params)
     assert loss_acc is not None  # a step has at least one micro-batch
     host_parts = [loss_acc.astype("float32").reshape([1])]
     if norm_t is not None:

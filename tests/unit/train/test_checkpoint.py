@@ -158,6 +158,22 @@ class _FakeCtx:
         self.rank = rank
         self.optimizer_state_portable = tp == 1
         self.pipeline_info = {}
+        self.expert_group = None
+
+
+def test_an_expert_parallel_part_fits_only_the_same_expert_degree():
+    """dp2 x ep2 and dp4 have the same world and data ranks, but a rank's part holds other experts."""
+    from types import SimpleNamespace
+
+    plain, experts = _FakeCtx(tp=1), _FakeCtx(tp=1)
+    for ctx in (plain, experts):
+        ctx.world_size = ctx.data_world = 4
+    experts.expert_group, experts.optimizer_state_portable = SimpleNamespace(degree=2), False
+    split = optst.optimizer_layout(experts)
+    assert split["expert_parallel"] == 2 and split["portable"] is False
+    assert optst.same_layout(split, dict(split))
+    assert not optst.same_layout(split, optst.optimizer_layout(plain))
+    assert "expert_parallel 2" in optst.describe_layout(split)
 
 
 def test_split_optimizer_state_per_rank_and_layout_check(tmp_path):

@@ -1,0 +1,55 @@
+"""validate-config checks of expert parallel (parallel_config.expert_parallel > 1): what
+parallel/expert_parallel.py runs today. Each refusal says why. Tensor and pipeline parallel beside it are
+refused by config/moe_checks.py (for every MoE model)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from bmtrain_cli.methods import method_of
+
+KEY = "parallel_config.expert_parallel"
+
+
+def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., None]) -> None:
+    p, t = config.parallel, config.train
+    n = p.expert_parallel
+    if n == 1:
+        return
+    if arch is not None and not arch.num_experts:
+        err(
+            KEY,
+            f"expert_parallel needs a mixture-of-experts model; {arch.family} has no experts",
+            "remove it",
+        )
+    elif arch is not None and arch.num_experts % n:
+        err(
+            KEY,
+            f"the {arch.num_experts} experts of every MoE layer do not split evenly over expert_parallel {n} "
+            "ranks",
+            f"use a divisor of {arch.num_experts}",
+        )
+    for key, why in (
+        ("context_parallel", "both are laid inside the data-parallel axis"),
+        ("sharding_parallel", "the experts' gradients are reduced over their own replica group"),
+    ):
+        if getattr(p, key) > 1:
+            err(
+                f"parallel_config.{key}",
+                f"expert parallel does not support {key} > 1 yet ({why})",
+                "use data_parallel",
+            )
+    if p.gradient_compression != "none":
+        err(
+            "parallel_config.gradient_compression",
+            "expert parallel does not compress gradients yet (the experts' replica group is not the data group)",
+            "set gradient_compression: none",
+        )
+    sample = method_of(t).sample
+    if sample != "sequence":
+        err(
+            "train_config.stage",
+            f"expert parallel trains on single token sequences yet; stage {t.stage!r} trains on {sample}s, "
+            "whose extra forwards (a reference model, rollouts) the ranks would have to dispatch in step",
+            "use data_parallel for this stage",
+        )

@@ -1,0 +1,183 @@
+"""Expert parallel through `bmtrain run` logs the single process's per-step loss AND grad_norm (1e-5
+relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
+groups, sigmoid routing, a shared expert; no auxiliary loss) and ERNIE 4.5 MoE parity checkpoints
+(tests/fixtures/hf), and the Qwen3-MoE with LoRA on its attention, the demo task's records, 4 optimizer steps of 4 rows with a max_grad_norm below every
+step's norm (asserted), so a layout whose norm or clip is off diverges from step 2. The eval loss (each rank
+evaluates its shard on a copy with every expert gathered) and the checkpoint each layout writes (the experts
+gathered from their ranks) equal the single process's.
+
+docs/parallel.md carries the table (``python -m tests.integration.test_expert_parallel`` prints it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pytest
+
+from tests.integration.test_context_parallel import max_rel_diff
+from tests.integration.test_families_end_to_end import FIXTURES
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+STEPS = 4
+CONFIG = """model_config:
+  model_name_or_path: {model}
+  tokenizer_path: {data}/tok
+  max_seq_len: 24
+train_config:
+  data_path: {data}/train.jsonl
+  eval_data_path: {data}/heldout.jsonl
+  output_dir: {out}
+  max_steps: {steps}
+  micro_batch_size: 1
+  global_batch_size: 4
+  learning_rate: 1.0e-2
+  warmup_steps: 0
+  logging_steps: 1
+  save_steps: {steps}
+  num_workers: 0
+"""
+AUX = ["model_config.output_router_logits=true"]
+LORA = ["train_config.finetuning=lora", "train_config.lora_target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+# checkpoint (tests/fixtures/hf), settings, max_grad_norm (below every step's norm: the clip scales every step)
+MODELS: Dict[str, Tuple[str, List[str], float]] = {
+    "qwen3_moe": ("qwen3_moe", AUX, 0.5),
+    "deepseek_v3": ("deepseek_v3", [], 0.5),
+    "ernie4_5_moe": ("ernie4_5_moe", AUX, 0.5),
+    "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
+}
+EP2 = ["parallel_config.expert_parallel=2"]
+LAYOUTS: List[Tuple[str, str, List[str]]] = [
+    ("qwen3_moe", "ep2", EP2),
+    ("qwen3_moe", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
+    ("deepseek_v3", "ep2", EP2),
+    ("deepseek_v3", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
+    ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
+    ("qwen3_moe + LoRA", "ep2", EP2),
+]
+
+
+def write_data(root: Path) -> Path:
+    """The reverse demo's first 64 training and 8 held-out records and a one-character tokenizer."""
+    from bmtrain_cli.data.demo import demo_records, train_demo_tokenizer, write_demo_files
+
+    train, held = demo_records("reverse", 0)
+    paths = write_demo_files(str(root), {"train": train[:64], "heldout": held[:8]})
+    train_demo_tokenizer(str(root / "tok"), paths.values())
+    return root
+
+
+def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str, np.ndarray]:
+    """Train through `bmtrain train` (no layout) or `bmtrain run`; per-step loss and grad_norm, the eval
+    loss and the last checkpoint's weights."""
+    from safetensors.numpy import load_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint, sets, norm = MODELS[model]
+    cfg = out / "config.yaml"
+    cfg.write_text(CONFIG.format(model=FIXTURES / checkpoint, data=data, out=out / "run", steps=STEPS))
+    args = [x for o in [*sets, f"train_config.max_grad_norm={norm}", *layout] for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    held = [
+        line for line in res.stdout.splitlines() if "expert parallel: rank 0 of 2 holds experts 0-" in line
+    ]
+    assert bool(held) == any("expert_parallel" in o for o in layout), res.stdout[-2000:]
+    rows = [
+        json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    got: Dict[str, np.ndarray] = {k: np.array([float(r[k]) for r in steps]) for k in ("loss", "grad_norm")}
+    got["eval_loss"] = np.array([float(r["eval_loss"]) for r in rows if "eval_loss" in r])
+    assert got["eval_loss"].size == 1
+    ckpt = out / "run" / "checkpoints" / f"step-{STEPS}"
+    for f in sorted(ckpt.glob("*.safetensors")):
+        got.update({f"w:{k}": v for k, v in load_file(str(f)).items()})
+    return got
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("epdata"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data):
+    """One process's run of each model, trained once for the module."""
+
+    @functools.cache
+    def run(model: str) -> Dict[str, np.ndarray]:
+        return run_layout(data, tmp_path_factory.mktemp("single"), model, [])
+
+    return run
+
+
+@pytest.mark.parametrize("model,name,layout", LAYOUTS, ids=[f"{m}:{n}" for m, n, _ in LAYOUTS])
+def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name, layout):
+    want = single(model)
+    assert np.all(want["grad_norm"] > MODELS[model][2]), want["grad_norm"]  # the clip scales every step
+    got = run_layout(data, tmp_path, model, layout)
+    for key in ("loss", "grad_norm", "eval_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+    weights = sorted(k for k in want if k.startswith("w:"))
+    assert (".experts." in " ".join(weights)) != ("LoRA" in model)  # LoRA saves the adapters only
+    assert sorted(k for k in got if k.startswith("w:")) == weights
+    for k in weights:  # every expert saved once, from the rank holding it, after 4 updates
+        # AdamW's first steps move an entry by about lr whatever its gradient's size, so an entry whose
+        # gradient is round-off may differ; a misplaced tensor differs almost everywhere
+        off = np.abs(got[k] - want[k]) > 1e-4
+        assert got[k].shape == want[k].shape and off.mean() < 1e-3, (k, off.mean())
+    assert want["loss"][-1] < want["loss"][0]  # it trains
+
+
+def test_an_expert_parallel_checkpoint_resumes_exactly(tmp_path, data, single):
+    """dp2 x ep2 saves the whole weights and each rank's optimizer part at step 2; resumed under the same
+    layout it logs the uninterrupted single-process run's steps 3 and 4."""
+    layout = EP2 + ["parallel_config.data_parallel=2", "train_config.save_steps=2"]
+    run_layout(data, tmp_path, "qwen3_moe", layout)
+    run = tmp_path / "run"
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
+    (run / "checkpoints" / "latest").write_text("step-2\n")
+    sets = [*MODELS["qwen3_moe"][1], f"train_config.max_grad_norm={MODELS['qwen3_moe'][2]}", *layout]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(tmp_path / "config.yaml"), "--resume"]
+    res = subprocess.run(
+        cmd + [x for o in sets for x in ("--set", o)], capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "not carried over" not in res.stdout + res.stderr  # each rank's moments were restored
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resumed = {r["step"]: r for r in rows if "grad_norm" in r}
+    want = single("qwen3_moe")
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
+
+
+def table(root: Path) -> List[str]:
+    """docs/parallel.md's table: each layout's largest relative difference from one process over the steps."""
+    models = list(dict.fromkeys(m for m, _, _ in LAYOUTS))
+    refs = {m: run_layout(root, root / f"single-{i}", m, []) for i, m in enumerate(models)}
+    rows = ["| model | layout | loss | grad_norm |", "|---|---|---|---|"]
+    for i, (model, name, layout) in enumerate(LAYOUTS):
+        got = run_layout(root, root / f"run-{i}", model, layout)
+        diffs = [f"{max_rel_diff(got[k], refs[model][k]):.1e}" for k in ("loss", "grad_norm")]
+        rows.append(f"| {model} | {name} | {' | '.join(diffs)} |")
+    return rows
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print("\n".join(table(write_data(Path(tmp)))))

@@ -1,0 +1,71 @@
+"""validate-config for parallel_config.expert_parallel: the expert ranks are data ranks (they count in the
+world size and in the global batch), and the layouts parallel/expert_parallel.py cannot run are refused at
+the key's file:line with the reason, before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmtrain_cli.config import load_config
+from bmtrain_cli.errors import ConfigError
+
+MODEL = (
+    "model_config:\n  family: {family}\n  hidden_size: 64\n  num_attention_heads: 4\n"
+    "  num_experts: {experts}\n  num_experts_per_tok: 2\n  moe_intermediate_size: 32\n{model}"
+)
+TRAIN = "train_config:\n  demo_data: arithmetic\n  micro_batch_size: 1\n  global_batch_size: {batch}\n{train}"
+PARALLEL = "parallel_config:\n  expert_parallel: {ep}\n{parallel}"
+
+
+def _text(experts: object = 4, model="", train="", ep=2, parallel="", family="qwen3_moe", batch=4) -> str:
+    head = MODEL.format(experts=experts, model=model, family=family)
+    if experts is None:  # a dense model
+        head = "".join(line for line in head.splitlines(True) if "expert" not in line)
+    return head + TRAIN.format(train=train, batch=batch) + PARALLEL.format(ep=ep, parallel=parallel)
+
+
+def test_expert_ranks_are_data_ranks(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  data_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 4
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(_text()), world_size=4)
+    assert "expert 2 = 2) does not match the 4 launched processes" in str(info.value)
+    with pytest.raises(ConfigError, match="expert_parallel 2\\), so it must be a multiple of 2"):
+        load_config(write_yaml(_text(batch=3)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, line, message",
+    [
+        (
+            {"experts": 6, "ep": 4},
+            13,
+            "the 6 experts of every MoE layer do not split evenly over expert_parallel 4",
+        ),
+        ({"family": "llama", "experts": None}, 11, "needs a mixture-of-experts model; llama has no experts"),
+        ({"parallel": "  tensor_parallel: 2\n"}, 14, "tensor_parallel > 1 yet"),
+        ({"parallel": "  pipeline_parallel: 2\n"}, 14, "pipeline_parallel > 1 yet"),
+        (
+            {"parallel": "  context_parallel: 2\n"},
+            14,
+            "expert parallel does not support context_parallel > 1",
+        ),
+        (
+            {"parallel": "  sharding_parallel: 2\n"},
+            14,
+            "expert parallel does not support sharding_parallel > 1",
+        ),
+        (
+            {"parallel": "  gradient_compression: int8\n  data_parallel: 2\n"},
+            14,
+            "does not compress gradients",
+        ),
+        ({"train": "  stage: dpo\n"}, 12, "trains on pairs"),
+    ],
+)
+def test_refused_at_file_line(write_yaml, kwargs, line, message):
+    path = write_yaml(_text(**kwargs))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, has_gpu=False)
+    errors = [(p.file, p.line, p.message) for p in info.value.problems if p.severity == "error"]
+    assert any((f, n) == (str(path), line) and message in text for f, n, text in errors), errors

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from bmtrain_cli.config.refusals import refuse_model_parallel
 from bmtrain_cli.methods import method_of
 from bmtrain_cli.models.rope import rope_type
 
@@ -30,13 +29,13 @@ def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: boo
             "holds two equal chunks of every sequence (a front and a back one, so the causal work is even)",
             f"use max_seq_len {m.max_seq_len - m.max_seq_len % (2 * n) or 2 * n} or another degree",
         )
-    refuse_model_parallel(
-        p,
-        "context parallel",
-        "the context group is laid inside the data-parallel axis",
-        "use data_parallel",
-        err,
-    )
+    if p.pipeline_parallel > 1:
+        err(
+            "parallel_config.pipeline_parallel",
+            "context parallel does not support pipeline_parallel > 1 yet (fleet's pipeline schedule sends "
+            "whole micro-batches between stages; it does not carry a rank's share of each row)",
+            "use tensor_parallel or data_parallel",
+        )
     if p.sharding_parallel > 1:
         err(key, "context parallel does not support sharding_parallel > 1 yet", "use data_parallel")
     if t.to_static:

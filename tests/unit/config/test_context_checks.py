@@ -35,7 +35,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"seq": 250}, 4, "not divisible by 2 x context_parallel (4)"),
         ({"cp": 3, "seq": 256}, 4, "not divisible by 2 x context_parallel (6)"),
         ({"parallel": "  context_parallel_mode: ulysses\n"}, 9, "gloo (Paddle's CPU backend) does not have"),
-        ({"parallel": "  tensor_parallel: 2\n"}, 9, "tensor_parallel > 1 yet"),
         ({"parallel": "  pipeline_parallel: 2\n"}, 9, "pipeline_parallel > 1 yet"),
         ({"parallel": "  sharding_parallel: 2\n"}, 8, "sharding_parallel > 1 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
@@ -54,6 +53,16 @@ def test_refused_at_file_line(write_yaml, kwargs, line, message):
     text = str(info.value)
     assert message in text, text
     assert any(f"{path}:{line}:" in row and message in row for row in text.splitlines()), text
+
+
+def test_tensor_parallel_composes(write_yaml):
+    """tp2 x cp2: four ranks, the context groups inside fleet's data axis beside the tensor groups."""
+    text = _text(parallel="  tensor_parallel: 2\n")
+    cfg = load_config(write_yaml(text), world_size=4, has_gpu=False).config
+    assert cfg.parallel.world_size == 4
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(text), world_size=2, has_gpu=False)
+    assert "tensor 2 x pipeline 1 x sharding 1 x context 2 = 4) does not match the 2" in str(info.value)
 
 
 def test_ulysses_on_a_gpu_names_the_missing_mode(write_yaml):

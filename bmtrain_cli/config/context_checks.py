@@ -36,8 +36,13 @@ def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: boo
             "whole micro-batches between stages; it does not carry a rank's share of each row)",
             "use tensor_parallel or data_parallel",
         )
-    if p.sharding_parallel > 1:
-        err(key, "context parallel does not support sharding_parallel > 1 yet", "use data_parallel")
+    if p.sharding_parallel > 1 and p.sharding_stage != 1:
+        err(
+            "parallel_config.sharding_stage",
+            f"context parallel does not support sharding_stage {p.sharding_stage} yet (only stage 1's "
+            "sharded optimizer is checked against one process beside the context groups)",
+            "use sharding_stage: 1",
+        )
     if t.to_static:
         err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
     if method_of(t).sample != "sequence":

@@ -60,6 +60,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("long", "cp4", CP4),
     ("long", "dp2 x cp2", CP2 + ["parallel_config.data_parallel=2"]),
     ("long", "tp2 x cp2", CP2 + ["parallel_config.tensor_parallel=2"]),
+    ("long", "sharding2 x cp2", CP2 + ["parallel_config.sharding_parallel=2"]),
     ("packed", "cp2", CP2),
     ("lora", "cp2", CP2),
 ]

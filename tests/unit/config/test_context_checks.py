@@ -36,7 +36,7 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"cp": 3, "seq": 256}, 4, "not divisible by 2 x context_parallel (6)"),
         ({"parallel": "  context_parallel_mode: ulysses\n"}, 9, "gloo (Paddle's CPU backend) does not have"),
         ({"parallel": "  pipeline_parallel: 2\n"}, 9, "pipeline_parallel > 1 yet"),
-        ({"parallel": "  sharding_parallel: 2\n"}, 8, "sharding_parallel > 1 yet"),
+        ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
         ({"train": "  stage: dpo\n"}, 9, "trains on pairs"),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
@@ -63,6 +63,11 @@ def test_tensor_parallel_composes(write_yaml):
     with pytest.raises(ConfigError) as info:
         load_config(write_yaml(text), world_size=2, has_gpu=False)
     assert "tensor 2 x pipeline 1 x sharding 1 x context 2 = 4) does not match the 2" in str(info.value)
+
+
+def test_sharding_stage_1_composes(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  sharding_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
 
 
 def test_ulysses_on_a_gpu_names_the_missing_mode(write_yaml):

@@ -174,11 +174,7 @@ class ParallelContext:
         import paddle.distributed as dist
         from paddle.distributed import fleet
 
-        if self.context_ring is not None:
-            from bmtrain_cli.parallel.ring_attention import RingCore
-
-            model.context_attention = RingCore(self.context_ring)
-
+        self.attach_context(model)
         if self.pp_degree > 1:
             from bmtrain_cli.parallel.pipeline import to_pipeline_layer
 
@@ -202,6 +198,15 @@ class ParallelContext:
             return model
         for p in model.parameters():
             dist.broadcast(p, src=0)
+        return model
+
+    def attach_context(self, model: Any) -> Any:
+        """Give a model this rank's context group as its attention core on context-parallel shares (the
+        training model in wrap_model; a frozen reference copy); the model itself."""
+        if self.context_ring is not None:
+            from bmtrain_cli.parallel.ring_attention import RingCore
+
+            model.context_attention = RingCore(self.context_ring)
         return model
 
     def _reinit_duplicated_shards(self, model: Any) -> None:

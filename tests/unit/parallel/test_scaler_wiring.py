@@ -136,6 +136,8 @@ def _pipeline_parts(overflow: bool, recorded_norm):
         def all_reduce_sum(self, value):
             return value
 
+        context_degree = 1
+
     stepper = types.SimpleNamespace(set_lr=lambda lr: None, grad_norm=lambda: recorded_norm)
     parts = types.SimpleNamespace(
         ctx=Ctx(),

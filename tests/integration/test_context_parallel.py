@@ -288,3 +288,9 @@ if __name__ == "__main__":  # the table for docs/parallel.md
             got = run_layout(root, Path(tmp) / f"run-{i}", model, layout)
             d = [max_rel_diff(got[k], refs[model][k]) for k in ("loss", "grad_norm")]
             print(f"| {model} | {name} | {d[0]:.1e} | {d[1]:.1e} |", flush=True)
+        base = Path(tmp) / "single-long" / "run" / "checkpoints" / f"step-{STEPS}"
+        pairs = write_pairs(Path(tmp))
+        want = run_dpo(base, pairs, Path(tmp) / "dpo-single", [])
+        got = run_dpo(base, pairs, Path(tmp) / "dpo-cp2", CP2)
+        d = [max_rel_diff(got[k], want[k]) for k in ("loss", "grad_norm")]
+        print(f"| dpo pairs | cp2, recompute | {d[0]:.1e} | {d[1]:.1e} |", flush=True)

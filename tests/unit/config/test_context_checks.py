@@ -65,6 +65,16 @@ def test_tensor_parallel_composes(write_yaml):
     assert "tensor 2 x pipeline 1 x sharding 1 x context 2 = 4) does not match the 2" in str(info.value)
 
 
+def test_a_context_group_of_a_gloo_world_checks_the_group_layout(write_yaml):
+    """tp2 x cp4 (8 ranks) needs data groups of 4 inside a world of 8: the CPU build refuses it before
+    launch (gloo cannot connect such a group); a GPU build accepts it."""
+    path = write_yaml(_text(cp=4, parallel="  tensor_parallel: 2\n"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, mode="train", has_gpu=False, world_size=8)
+    assert f"{path}:8:" in str(info.value) and "groups of 4 (data)" in str(info.value)
+    assert load_config(path, mode="train", has_gpu=True, world_size=8).config.parallel.world_size == 8
+
+
 def test_pipeline_parallel_composes_for_sft(write_yaml):
     cfg = load_config(write_yaml(_text(parallel="  pipeline_parallel: 2\n")), world_size=4).config
     assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 1

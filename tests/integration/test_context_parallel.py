@@ -4,6 +4,8 @@ samples), a tiny grouped-query model (4 heads, 2 KV heads), 4 optimizer steps of
 0.2 (LoRA: 0.02), which every step's norm exceeds (asserted), so a layout whose norm or clip is off
 diverges from step 2.
 Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024 (cp2) and 512 (cp4).
+Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
+DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
 """

@@ -62,7 +62,7 @@ def pair_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: ParallelC
 
     def loader(split: str) -> Any:
         return build_preference_loader(
-            config, tokenizer, split=split, data_rank=ctx.data_rank, data_world=ctx.data_world
+            config, tokenizer, split=split, data_rank=ctx.loader_rank, data_world=ctx.loader_world
         )
 
     evaluation = loader("eval") if paths["eval"] is not None else None
@@ -115,7 +115,9 @@ def pair_loss(
         else:
             precision = optim.precision
             dtype = precision.dtype if precision.master_weights else None
-            live = FrozenCopy(load_reference_model(config, ctx.wrapping.factory, dtype))
+            live = FrozenCopy(
+                ctx.wrapping.attach_context(load_reference_model(config, ctx.wrapping.factory, dtype))
+            )
             what = f"a frozen copy of {config.model.model_name_or_path}"
         if t.precompute_ref_log_probs:
             for loader in (ld for ld in (data.loader, data.eval_loader) if ld is not None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from bmtrain_cli.config.refusals import refuse_model_parallel
 from bmtrain_cli.methods import method_of
 from bmtrain_cli.models.rope import rope_type
 
@@ -30,22 +29,27 @@ def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: boo
             "holds two equal chunks of every sequence (a front and a back one, so the causal work is even)",
             f"use max_seq_len {m.max_seq_len - m.max_seq_len % (2 * n) or 2 * n} or another degree",
         )
-    refuse_model_parallel(
-        p,
-        "context parallel",
-        "the context group is laid inside the data-parallel axis",
-        "use data_parallel",
-        err,
-    )
-    if p.sharding_parallel > 1:
-        err(key, "context parallel does not support sharding_parallel > 1 yet", "use data_parallel")
+    if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":
+        err(
+            "parallel_config.pipeline_parallel",
+            f"context parallel with pipeline_parallel > 1 trains SFT only yet (train_config.stage "
+            f"{t.stage!r}: its pipeline loss reads whole rows on the last stage, not a rank's share)",
+            "use tensor_parallel or data_parallel beside context_parallel",
+        )
+    if p.sharding_parallel > 1 and p.sharding_stage != 1:
+        err(
+            "parallel_config.sharding_stage",
+            f"context parallel does not support sharding_stage {p.sharding_stage} yet (only stage 1's "
+            "sharded optimizer is checked against one process beside the context groups)",
+            "use sharding_stage: 1",
+        )
     if t.to_static:
         err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
-    if method_of(t).sample != "sequence":
+    if method_of(t).sample == "completion":
         err(
             key,
-            f"context parallel splits single token sequences; train_config.stage {t.stage!r} trains on "
-            f"{method_of(t).sample}s, which it does not split yet",
+            f"context parallel splits training sequences; train_config.stage {t.stage!r} also samples "
+            "completions token by token, whose generation it does not split yet",
             "set context_parallel: 1 for this method",
         )
     _check_arch(arch, m.max_seq_len, err)

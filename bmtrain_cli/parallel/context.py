@@ -70,8 +70,11 @@ class ParallelContext:
 
     @property
     def loader_rank(self) -> int:
-        """The data shard this rank reads: the ranks of one context group read the same batches."""
-        return self.data_rank // self.context_degree
+        """The data shard this rank reads: the ranks of one context group read the same batches. The
+        context rank is the innermost part of fleet's data rank, which lies outside the sharding rank
+        (data_rank = dp_rank x sharding + sharding_rank)."""
+        sh = self.sharding_degree
+        return (self.data_rank // sh) // self.context_degree * sh + self.data_rank % sh
 
     @property
     def loader_world(self) -> int:

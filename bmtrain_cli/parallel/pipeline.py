@@ -100,6 +100,7 @@ def _build_items(model: Any) -> PipelineItems:
     from paddle import nn
     from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
 
+    from bmtrain_cli.models.attention import ContextShard
     from bmtrain_cli.models.decoder import embed, project_to_vocab
 
     arch = model.arch
@@ -130,7 +131,10 @@ def _build_items(model: Any) -> PipelineItems:
         def forward(self, args: Any) -> Any:
             x, mask, pos = args
             kind = self.layer.layer_type
-            cos, sin, bias = layer_inputs(mask, pos, x.shape[1], 0, x.dtype, (kind,))[kind]
+            # context parallel: x is a share of each row, mask the rows' ids (copied: fleet frees sent outputs)
+            core = getattr(model, "context_attention", None)
+            held = mask if core is None else ContextShard(core, mask.clone())
+            cos, sin, bias = layer_inputs(held, pos, x.shape[1], 0, x.dtype, (kind,))[kind]
             if self.recompute and self.training:
                 from paddle.distributed.fleet.utils import recompute
 
@@ -430,6 +434,12 @@ def _token_data(
     import paddle
 
     data = stack_micro_batches(micro_batches, length)
+    ring = ctx.context_ring
+    if ring is not None:  # this rank's share of each row (targets shifted before); the mask stays whole
+        from bmtrain_cli.parallel.ring_attention import local_indices
+
+        idx = local_indices(data["input_ids"].shape[1], ring.degree, ring.rank)
+        data = {k: v if k == "attention_mask" else v[:, idx] for k, v in data.items()}
     count = ctx.collectives.all_reduce_sum(float((data["target"] != IGNORE_INDEX).sum()))
     if count <= 0:
         raise UserError("a training step has no target tokens (all labels are -100)")

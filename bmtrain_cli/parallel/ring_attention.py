@@ -74,6 +74,29 @@ class Ring:
                 dist.send(t, dst=nxt, group=self.group)
         return received
 
+    def all_reduce(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """Sum ``tensor`` over the group, in place (also returned)."""
+        if self.degree > 1:
+            import paddle.distributed as dist
+
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+
+class ContextSum(PyLayer):
+    """The sum of per-rank partial values over a context group, on every rank (``apply(x, ring)``). Its
+    gradient is the sum of the group's gradients: when the ranks' losses are terms weighted to sum to one
+    (preference pairs: the group's first rank counts them), each rank's partial gets the whole gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: paddle.Tensor, ring: Ring) -> paddle.Tensor:
+        ctx.ring = ring
+        return ring.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx: Any, dy: paddle.Tensor) -> paddle.Tensor:
+        return ctx.ring.all_reduce(dy.clone())
+
 
 def context_ring(hcg: Any, degree: int) -> Ring:
     """This rank's :class:`Ring`: fleet's data-parallel groups cut into consecutive groups of ``degree``
@@ -319,4 +342,19 @@ def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[st
     }
     if not right_padded(mask):
         out["segment_ids"] = mask.astype(np.int64)
+    if "sequence_index" in batch:  # a pair batch (preference/batches.py)
+        out.update(_pair_share(batch, width, idx, rank))
+    return out
+
+
+def _pair_share(batch: Dict[str, np.ndarray], width: int, idx: np.ndarray, rank: int) -> Dict[str, Any]:
+    """The pair keys of a share: ``sequence_index`` at this share's targets (-1 where nothing is
+    predicted), the batch's ``pair_ids`` and ``ref_logps`` whole, and ``context_lead`` (the group's first
+    rank, which alone counts the pairs: every rank computes the pair losses from the summed log-probs)."""
+    index = np.full((batch["sequence_index"].shape[0], width), -1, dtype=np.int64)
+    index[:, : batch["sequence_index"].shape[1]] = batch["sequence_index"]
+    out: Dict[str, Any] = {"sequence_index": index[:, idx], "context_lead": rank == 0}
+    for key in ("pair_ids", "ref_logps"):
+        if key in batch:
+            out[key] = batch[key]
     return out

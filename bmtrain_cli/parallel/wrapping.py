@@ -64,11 +64,7 @@ class ModelWrapper:
         import paddle.distributed as dist
         from paddle.distributed import fleet
 
-        if self._ctx.context_ring is not None:
-            from bmtrain_cli.parallel.ring_attention import RingCore
-
-            model.context_attention = RingCore(self._ctx.context_ring)
-
+        self.attach_context(model)
         if self._ctx.pp_degree > 1:
             from bmtrain_cli.parallel.pipeline import to_pipeline_layer
 
@@ -95,6 +91,15 @@ class ModelWrapper:
         for p in model.parameters():
             if not is_expert(p):  # held experts: broadcast by shard_experts, before the split
                 dist.broadcast(p, src=0)
+        return model
+
+    def attach_context(self, model: Any) -> Any:
+        """Give a model this rank's context group as its attention core on context-parallel shares (the
+        training model in wrap_model; a frozen reference copy); the model itself."""
+        if self._ctx.context_ring is not None:
+            from bmtrain_cli.parallel.ring_attention import RingCore
+
+            model.context_attention = RingCore(self._ctx.context_ring)
         return model
 
     def shard_experts(self, model: Any) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from bmtrain_cli.errors import UserError
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.scoring import right_padded
 
@@ -51,26 +52,62 @@ def response_positions(index: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 def per_sequence(
     token: paddle.Tensor, sequence_of_token: np.ndarray, n_sequences: int
 ) -> Tuple[paddle.Tensor, np.ndarray]:
-    """(summed ``token`` values [n_sequences], token counts [n_sequences]).
+    """(summed ``token`` values [n_sequences] fp64, token counts [n_sequences]).
 
     The sum runs as a product with a 0/1 [sequences, tokens] matrix: differentiable, and the same
-    arithmetic whatever rows the sequences were packed into."""
+    arithmetic whatever rows the sequences were packed into. It is kept in fp64: a long response's
+    log-prob is thousands of nats, where one fp32 ulp (1e-3 at 1e4) is the size of the policy-reference
+    differences the pair losses take, and a sum in another order (a context-parallel rank's part)
+    would round differently."""
     counts = np.bincount(sequence_of_token, minlength=n_sequences).astype(np.float32)
-    member = np.zeros((n_sequences, len(sequence_of_token)), dtype=np.float32)
+    member = np.zeros((n_sequences, len(sequence_of_token)), dtype=np.float64)
     member[sequence_of_token, np.arange(len(sequence_of_token))] = 1.0
-    return paddle.matmul(paddle.to_tensor(member), token), counts
+    return paddle.matmul(paddle.to_tensor(member), token.astype("float64")), counts
 
 
 def sequence_logps(
     model: Any, batch: Dict[str, np.ndarray], n_sequences: int
 ) -> Tuple[paddle.Tensor, np.ndarray]:
-    """(summed response log-probs [n_sequences] fp32, response token counts [n_sequences]) of a pair batch."""
+    """(summed response log-probs [n_sequences] fp64, response token counts [n_sequences]) of a pair batch.
+
+    A context-parallel share (parallel/ring_attention.split_batch: ``targets`` shifted over the whole
+    rows) runs the ring; its partial sums are summed over the context group (:class:`ContextSum`, whose
+    gradient reaches every rank's partial), so every rank of the group returns the whole sequences'."""
     index = batch["sequence_index"]
-    hidden = model.hidden_states(**model_inputs(batch))
+    share = "targets" in batch
+    hidden = model.hidden_states(**(_share_inputs(model, batch) if share else model_inputs(batch)))
     rows, width = batch["input_ids"].shape
     r, c = response_positions(index)
     flat = paddle.to_tensor((r * width + c).astype(np.int64))
     picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
-    targets = paddle.to_tensor(batch["input_ids"][r, c + 1].astype(np.int64))
-    token = token_logps(model.logits_from_hidden(picked), targets, getattr(model, "factory", None))
-    return per_sequence(token, index[r, c], n_sequences)
+    targets = batch["targets"][r, c] if share else batch["input_ids"][r, c + 1]
+    token = token_logps(
+        model.logits_from_hidden(picked),
+        paddle.to_tensor(targets.astype(np.int64)),
+        getattr(model, "factory", None),
+    )
+    logps, counts = per_sequence(token, index[r, c], n_sequences)
+    if not share:
+        return logps, counts
+    from bmtrain_cli.parallel.ring_attention import ContextSum
+
+    ring = model.context_attention.ring
+    whole = ring.all_reduce(paddle.to_tensor(counts)).numpy()
+    return ContextSum.apply(logps, ring), whole
+
+
+def _share_inputs(model: Any, batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
+    """hidden_states' inputs of a context-parallel share: its tokens and positions, and the ring with the
+    whole rows' segment ids (None: right-padded rows, causal)."""
+    from bmtrain_cli.models.attention import ContextShard
+
+    if model.context_attention is None:
+        raise UserError("a context-parallel share reached a model without a context group")
+    seg = batch.get("segment_ids")
+    return {
+        "input_ids": paddle.to_tensor(batch["input_ids"]),
+        "attention_mask": ContextShard(
+            model.context_attention, None if seg is None else paddle.to_tensor(seg)
+        ),
+        "position_ids": paddle.to_tensor(batch["position_ids"]),
+    }

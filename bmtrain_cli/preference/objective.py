@@ -27,6 +27,12 @@ METRIC_KEYS = PREFERENCE_KEYS  # order of the metric sums after the pair count
 N_STATS = 1 + len(METRIC_KEYS)
 
 
+def _counted_pairs(batch: Dict[str, np.ndarray]) -> int:
+    """The pairs this rank counts: all of its batch's, none on the other ranks of a context group (every
+    rank of the group holds the same pairs, parallel/ring_attention.split_batch)."""
+    return len(batch["pair_ids"]) if batch.get("context_lead", True) else 0
+
+
 def _count_chosen_tokens(batch: Dict[str, np.ndarray]) -> int:
     index = batch["sequence_index"]
     return int(((index >= 0) & (index % 2 == 0)).sum())
@@ -51,7 +57,7 @@ class PreferenceObjective:
     def begin_step(self, micro: List[Dict[str, np.ndarray]]) -> Tuple[float, float]:
         """(pairs, tokens) of the whole step, summed over the data ranks."""
         local = [
-            sum(len(b["pair_ids"]) for b in micro),
+            sum(_counted_pairs(b) for b in micro),
             sum(int((b["attention_mask"] > 0).sum()) for b in micro),
             sum(_count_chosen_tokens(b) for b in micro),
         ]
@@ -79,9 +85,10 @@ class PreferenceObjective:
         """(summed loss of the pairs incl. the scaled ORPO NLL, [N_STATS] metric sums) from the policy's
         summed response log-probs ``logps`` [2P] (chosen, rejected alternating), the response token
         counts and the reference's log-probs (None for the reference-free losses)."""
-        pair = logps.reshape([-1, 2])
-        ref = paddle.zeros_like(pair) if ref is None else ref.reshape([-1, 2])
-        tokens = paddle.to_tensor(counts.reshape(-1, 2))
+        # fp64: the log-ratios are small differences of sums of thousands of nats (logps.per_sequence)
+        pair = logps.astype("float64").reshape([-1, 2])
+        ref = paddle.zeros_like(pair) if ref is None else ref.astype("float64").reshape([-1, 2])
+        tokens = paddle.to_tensor(counts.reshape(-1, 2).astype(np.float64))
         logps_in = PairLogps(pair[:, 0], pair[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
         terms = pair_terms(
             self.kind,
@@ -96,17 +103,17 @@ class PreferenceObjective:
         c, r = terms.chosen_rewards.detach(), terms.rejected_rewards.detach()
         stats = paddle.stack(
             [
-                paddle.to_tensor(float(pair.shape[0])),
+                paddle.to_tensor(float(pair.shape[0]), dtype="float64"),
                 c.sum(),
                 r.sum(),
-                (c > r).astype("float32").sum(),
+                (c > r).astype("float64").sum(),
                 (c - r).sum(),
                 terms.chosen_logps.detach().sum(),
                 terms.rejected_logps.detach().sum(),
-                (pair[:, 0] > pair[:, 1]).astype("float32").sum(),
+                (pair[:, 0] > pair[:, 1]).astype("float64").sum(),
             ]
         ).astype("float32")
-        return loss, stats
+        return loss.astype("float32"), stats
 
     def record(self, stats: paddle.Tensor) -> None:
         """Add a micro-batch's [N_STATS] metric sums to the step's."""
@@ -117,8 +124,10 @@ class PreferenceObjective:
         if len(batch["pair_ids"]) == 0:  # this rank's share of the data ran out: zero, with a graph
             return model.hidden_states(**model_inputs(batch)).sum() * 0.0, 0.0
         loss, stats = self._terms(model, batch)
+        if not batch.get("context_lead", True):  # counted by the group's first rank (see ContextSum)
+            loss, stats = loss * 0.0, stats * 0.0
         self.record(stats)
-        return loss, float(len(batch["pair_ids"]))
+        return loss, float(_counted_pairs(batch))
 
     def _means(self, sums: np.ndarray) -> Dict[str, float]:
         pairs = max(float(sums[0]), 1.0)

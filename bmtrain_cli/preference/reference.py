@@ -81,7 +81,7 @@ class Precomputed:
     """Reference log-probs read from the batch (``ref_logps``, attached by the loader)."""
 
     def logps(self, batch: Dict[str, np.ndarray], n_sequences: int) -> paddle.Tensor:
-        return paddle.to_tensor(batch["ref_logps"].reshape(-1).astype(np.float32))
+        return paddle.to_tensor(batch["ref_logps"].reshape(-1).astype(np.float64))
 
 
 def load_reference_model(config: Any, factory: LayerFactory, dtype: Optional[str]) -> Any:
@@ -115,7 +115,7 @@ def precompute(loader: Any, reference: Reference, key: str, is_main: bool) -> Pa
         ds.ref_logps = np.load(path)
         if ds.ref_logps.shape == (len(ds), 2):
             return path
-    out = np.zeros((len(ds), 2), dtype=np.float32)
+    out = np.zeros((len(ds), 2), dtype=np.float64)  # as sequence_logps sums them (fp64)
     ds.ref_logps = None
     for start in range(0, len(ds), loader.micro_batch_size):
         gids = np.arange(start, min(len(ds), start + loader.micro_batch_size))

@@ -253,7 +253,7 @@ def build_model_and_optimizer(
         lora = LoRARun.start(model, t, resume_from=rt.resume_from)
     if t.gradient_checkpointing and t.recompute_granularity != "none":
         model.enable_recompute(t.recompute_granularity, t.recompute_num_layers)
-    held = ctx.shard_experts(model)  # expert parallel: before the optimizer takes the parameters
+    held = ctx.wrapping.shard_experts(model)  # expert parallel: before the optimizer takes the parameters
     if held:
         console.say(held)
     precision = Precision(t.precision, t.amp_level, t.loss_scale)

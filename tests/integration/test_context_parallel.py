@@ -4,6 +4,8 @@ samples), a tiny grouped-query model (4 heads, 2 KV heads), 4 optimizer steps of
 0.2 (LoRA: 0.02), which every step's norm exceeds (asserted), so a layout whose norm or clip is off
 diverges from step 2.
 Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024 (cp2) and 512 (cp4).
+Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
+DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
 """
@@ -59,6 +61,13 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("long", "cp2", CP2),
     ("long", "cp4", CP4),
     ("long", "dp2 x cp2", CP2 + ["parallel_config.data_parallel=2"]),
+    ("long", "tp2 x cp2", CP2 + ["parallel_config.tensor_parallel=2"]),
+    ("long", "sharding2 x cp2", CP2 + ["parallel_config.sharding_parallel=2"]),
+    (
+        "long",
+        "pp2 x cp2, recompute",
+        CP2 + ["parallel_config.pipeline_parallel=2", "train_config.gradient_checkpointing=true"],
+    ),
     ("packed", "cp2", CP2),
     ("lora", "cp2", CP2),
 ]
@@ -130,12 +139,17 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, data):
+def singles(tmp_path_factory):
+    return tmp_path_factory.mktemp("single")
+
+
+@pytest.fixture(scope="module")
+def single(singles, data):
     cache: Dict[str, Dict[str, np.ndarray]] = {}
 
     def get(model: str) -> Dict[str, np.ndarray]:
         if model not in cache:
-            cache[model] = run_layout(data, tmp_path_factory.mktemp("single"), model, [])
+            cache[model] = run_layout(data, singles / model, model, [])
         return cache[model]
 
     return get
@@ -181,6 +195,88 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path, data, si
         np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
 
 
+DPO = """model_config:
+  model_name_or_path: {base}
+  max_seq_len: {seq}
+train_config:
+  stage: dpo
+  dpo_loss: sigmoid
+  dpo_beta: 0.1
+  data_path: {data}
+  template: plain
+  output_dir: {out}
+  max_steps: {steps}
+  micro_batch_size: 1
+  global_batch_size: 1
+  learning_rate: 1.0e-4
+  warmup_steps: 0
+  logging_steps: 1
+  save_steps: {steps}
+  max_grad_norm: {norm}
+  gradient_checkpointing: true
+"""
+DPO_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected")
+DPO_CLIP = 0.05
+
+
+def write_pairs(root: Path) -> Path:
+    """4 pairs (one a step) whose chosen and rejected sequences (prompt + response) exceed 4096 tokens (truncated to
+    it: the prompt kept, the responses cut), with distinct responses."""
+    rng = np.random.default_rng(1)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+    def text(n: int) -> str:
+        return "".join(rng.choice(letters, n))
+
+    path = root / "pairs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(STEPS):
+            prompt = text(int(rng.integers(1000, 1500)))
+            f.write(json.dumps({"prompt": prompt, "chosen": text(3000), "rejected": text(3000)}) + "\n")
+    return path
+
+
+def run_dpo(base: Path, pairs: Path, out: Path, layout: List[str]) -> Dict[str, np.ndarray]:
+    """DPO (sigmoid, reference = a frozen copy of ``base``, recompute) through `bmtrain train` or `bmtrain
+    run`; per-step loss, grad_norm and TRL's metrics."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = out / "config.yaml"
+    text = DPO.format(base=base, seq=SEQ, data=pairs, out=out / "run", steps=STEPS, norm=DPO_CLIP)
+    cfg.write_text(text)
+    args = [x for o in layout for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [
+        json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return {k: np.array([float(r[k]) for r in steps]) for k in DPO_KEYS}
+
+
+@pytest.fixture(scope="module")
+def dpo_single(tmp_path_factory, data, single, singles):
+    single("long")  # its last checkpoint is the starting model (and the reference)
+    base = singles / "long" / "run" / "checkpoints" / f"step-{STEPS}"
+    root = tmp_path_factory.mktemp("dpo")
+    pairs = write_pairs(root)
+    return base, pairs, run_dpo(base, pairs, root / "single", [])
+
+
+def test_dpo_context_parallel_matches_one_process(tmp_path, dpo_single):
+    """cp2: chosen and rejected rows split alike, each rank's partial log-probs summed over the context
+    group (the frozen reference's too), the pairs counted once; the clip scales every step."""
+    base, pairs, want = dpo_single
+    assert np.all(want["grad_norm"] > DPO_CLIP), want["grad_norm"]
+    assert want["rewards/margins"][0] == 0.0 and want["rewards/margins"][-1] != 0.0  # policy moves
+    got = run_dpo(base, pairs, tmp_path, CP2)
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    for key in ("rewards/chosen", "rewards/margins"):  # beta x the round-off of ~4000 fp32 token log-probs
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
 if __name__ == "__main__":  # the table for docs/parallel.md
     import tempfile
 
@@ -194,3 +290,9 @@ if __name__ == "__main__":  # the table for docs/parallel.md
             got = run_layout(root, Path(tmp) / f"run-{i}", model, layout)
             d = [max_rel_diff(got[k], refs[model][k]) for k in ("loss", "grad_norm")]
             print(f"| {model} | {name} | {d[0]:.1e} | {d[1]:.1e} |", flush=True)
+        base = Path(tmp) / "single-long" / "run" / "checkpoints" / f"step-{STEPS}"
+        pairs = write_pairs(Path(tmp))
+        want = run_dpo(base, pairs, Path(tmp) / "dpo-single", [])
+        got = run_dpo(base, pairs, Path(tmp) / "dpo-cp2", CP2)
+        d = [max_rel_diff(got[k], want[k]) for k in ("loss", "grad_norm")]
+        print(f"| dpo pairs | cp2, recompute | {d[0]:.1e} | {d[1]:.1e} |", flush=True)

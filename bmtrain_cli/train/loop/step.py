@@ -135,7 +135,8 @@ def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         loss_total, count = parts.ctx.wrapping.pipeline_step(
             parts.model.wrapped, micro, parts.optim.stepper, objective=loss_on_last, scaler=precision.scaler
         )
-    tokens = float(parts.ctx.collectives.all_reduce_sum(count_tokens(micro)))
+    # the ranks of a context group hold the same whole micro-batches here (the pipeline splits them)
+    tokens = float(parts.ctx.collectives.all_reduce_sum(count_tokens(micro))) / parts.ctx.context_degree
     loss = loss_total / max(count, 1.0)
     overflow = precision.overflowed()
     grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside train_batch

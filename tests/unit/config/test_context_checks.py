@@ -35,11 +35,10 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"seq": 250}, 4, "not divisible by 2 x context_parallel (4)"),
         ({"cp": 3, "seq": 256}, 4, "not divisible by 2 x context_parallel (6)"),
         ({"parallel": "  context_parallel_mode: ulysses\n"}, 9, "gloo (Paddle's CPU backend) does not have"),
-        ({"parallel": "  tensor_parallel: 2\n"}, 9, "tensor_parallel > 1 yet"),
-        ({"parallel": "  pipeline_parallel: 2\n"}, 9, "pipeline_parallel > 1 yet"),
-        ({"parallel": "  sharding_parallel: 2\n"}, 8, "sharding_parallel > 1 yet"),
+        ({"parallel": "  pipeline_parallel: 2\n", "train": "  stage: dpo\n"}, 10, "trains SFT only yet"),
+        ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
-        ({"train": "  stage: dpo\n"}, 9, "trains on pairs"),
+        ({"train": "  stage: grpo\n"}, 9, "samples completions token by token"),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
         ({"model": "  family: mistral\n  sliding_window: 64\n"}, 10, "sliding window (64)"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
@@ -54,6 +53,36 @@ def test_refused_at_file_line(write_yaml, kwargs, line, message):
     text = str(info.value)
     assert message in text, text
     assert any(f"{path}:{line}:" in row and message in row for row in text.splitlines()), text
+
+
+def test_tensor_parallel_composes(write_yaml):
+    """tp2 x cp2: four ranks, the context groups inside fleet's data axis beside the tensor groups."""
+    text = _text(parallel="  tensor_parallel: 2\n")
+    cfg = load_config(write_yaml(text), world_size=4, has_gpu=False).config
+    assert cfg.parallel.world_size == 4
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(text), world_size=2, has_gpu=False)
+    assert "tensor 2 x pipeline 1 x sharding 1 x context 2 = 4) does not match the 2" in str(info.value)
+
+
+def test_a_context_group_of_a_gloo_world_checks_the_group_layout(write_yaml):
+    """tp2 x cp4 (8 ranks) needs data groups of 4 inside a world of 8: the CPU build refuses it before
+    launch (gloo cannot connect such a group); a GPU build accepts it."""
+    path = write_yaml(_text(cp=4, parallel="  tensor_parallel: 2\n"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, mode="train", has_gpu=False, world_size=8)
+    assert f"{path}:8:" in str(info.value) and "groups of 4 (data)" in str(info.value)
+    assert load_config(path, mode="train", has_gpu=True, world_size=8).config.parallel.world_size == 8
+
+
+def test_pipeline_parallel_composes_for_sft(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  pipeline_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 1
+
+
+def test_sharding_stage_1_composes(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  sharding_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
 
 
 def test_ulysses_on_a_gpu_names_the_missing_mode(write_yaml):

@@ -139,9 +139,11 @@ def _pipeline_parts(overflow: bool, recorded_norm):
         def all_reduce_sum(self, value):
             return value
 
+        context_degree = 1
+
     stepper = types.SimpleNamespace(set_lr=lambda lr: None, grad_norm=lambda: recorded_norm)
     parts = types.SimpleNamespace(
-        ctx=types.SimpleNamespace(wrapping=Wrapping(), collectives=Collectives()),
+        ctx=types.SimpleNamespace(wrapping=Wrapping(), collectives=Collectives(), context_degree=1),
         schedule=lambda step: 0.1,
         optim=types.SimpleNamespace(stepper=stepper, precision=precision),
         objective=types.SimpleNamespace(pipeline=lambda ctx, micro_batch_size: None),

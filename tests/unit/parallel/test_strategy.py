@@ -74,3 +74,34 @@ def test_single_process_context_is_inert():
     assert ctx.wrapping.wrap_model(model) is model
     assert ctx.wrapping.checkpoint_weights_writer(model) is None
     assert ctx.optimizer_state_portable
+
+
+@pytest.mark.parametrize("dp,sharding,cp", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 2, 4)])
+def test_the_ranks_of_a_context_group_read_one_loader_shard(dp, sharding, cp):
+    """On fleet's topology (default order: data, pipe, sharding, sep, model; context inside data), the
+    ranks of each context group (parallel/ring_attention.context_ring) read the same loader shard, and
+    the groups read every shard once."""
+    from types import SimpleNamespace
+
+    from paddle.distributed.fleet.base.topology import CommunicateTopology
+
+    topo = CommunicateTopology(["data", "pipe", "sharding", "sep", "model"], [dp * cp, 1, sharding, 1, 1])
+    cfg = _cfg({"data_parallel": dp, "sharding_parallel": sharding, "context_parallel": cp})
+    shards = []
+    for data_ranks in topo.get_comm_list("data"):
+        for i in range(0, len(data_ranks), cp):
+            group = data_ranks[i : i + cp]
+            read = set()
+            for r, rank in enumerate(group):
+                coord = topo.get_coord(rank)
+                ctx = ParallelContext(
+                    data_rank=coord.data * sharding + coord.sharding,
+                    data_world=dp * cp * sharding,
+                    context_ring=SimpleNamespace(degree=cp, rank=r),
+                    config=cfg,
+                )
+                assert ctx.loader_world == dp * sharding
+                read.add(ctx.loader_rank)
+            assert len(read) == 1, (group, read)
+            shards.append(read.pop())
+    assert sorted(shards) == list(range(dp * sharding))

@@ -41,7 +41,6 @@ from bmtrain_cli.lora.quantized_merge import (
 )
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.quant.layer import quantized_layers
 from bmtrain_cli.quant.layer import summary as quant_summary
 
 BASE_FILE = "lora_base.json"
@@ -316,15 +315,13 @@ class LoRARun:
 
 def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str, np.ndarray]:
     """Whole base weights (no adapters) under single-process names; collective under TP/PP."""
-    from bmtrain_cli.parallel.full_weights import unwrap
+    from bmtrain_cli.parallel.full_weights import dequantized_weights, unwrap
 
     if ctx is not None and (ctx.tp_degree > 1 or ctx.pp_degree > 1):
         full = ctx.full_state_dict(model)
     else:
         full = {n: p.numpy() for n, p in unwrap(model).state_dict().items()}
-        # a quantised base's layers hold codes, not weights: the weights they stand for (QLoRA)
-        for name, layer in quantized_layers(unwrap(model)):
-            full[f"{name}.weight"] = layer.dequantized_weight().numpy()
+        full.update(dequantized_weights(model))  # a quantised base's layers hold codes (QLoRA)
     return {k: v for k, v in full.items() if not is_lora_name(k)}
 
 

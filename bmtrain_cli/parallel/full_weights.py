@@ -56,6 +56,7 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         else:
             t = p.detach() if isinstance(p, paddle.Tensor) else p
             local[name] = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+    local.update(dequantized_weights(model, mp_group))
     if ctx.pp_degree == 1:
         return local
     pieces: List[Any] = []
@@ -65,6 +66,31 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         for k, v in piece.items():
             full.setdefault(k, v)  # tied/shared weights appear on several stages: keep the first
     return full
+
+
+def dequantized_weights(model: Any, mp_group: Any = None) -> Dict[str, np.ndarray]:
+    """The weights a quantised base's layers stand for (QLoRA; they hold codes, not parameters), whole
+    (Paddle layout, single-process names): a tensor-parallel shard's gathered over ``mp_group`` along its
+    ``split_axis`` (collective)."""
+    import paddle.distributed as dist
+
+    from bmtrain_cli.quant.layer import quantized_layers
+
+    out: Dict[str, np.ndarray] = {}
+    inner = unwrap(model)
+    layers = quantized_layers(inner)
+    if layers and getattr(inner, NAME_MAP_ATTR, None) is not None:
+        raise UserError("gathering a quantised base across pipeline stages is not supported")
+    for name, layer in layers:
+        w = layer.dequantized_weight().contiguous()  # the [out, in] codes read as [in, out]
+        axis = getattr(layer, "split_axis", None)
+        if axis is not None and mp_group is not None:
+            parts: List[Any] = []
+            dist.all_gather(parts, w, group=mp_group)
+            out[f"{name}.weight"] = np.concatenate([x.numpy() for x in parts], axis=int(axis))
+        else:
+            out[f"{name}.weight"] = w.numpy()
+    return out
 
 
 def load_full_state_dict(ctx: ParallelCtx, model: Any, state: Dict[str, Any]) -> None:

@@ -39,12 +39,6 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "a quantised base runs in dygraph only in this version",
             "set to_static: false",
         )
-    if arch is not None and arch.num_experts:
-        err(
-            f"{key}.method",
-            f"quantising the experts of the {arch.family} mixture of experts is not supported yet",
-            "remove model_config.quantization",
-        )
     if q.block_size is not None and q.method == "int8":
         err(
             f"{key}.block_size",

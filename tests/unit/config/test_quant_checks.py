@@ -75,3 +75,14 @@ def test_tensor_parallel_passes_when_blocks_do_not_straddle_shards(write_yaml, m
         text = text.replace("    method: int4\n", "    method: int4\n    block_size: 32\n")
     cfg = load_config(write_yaml(text)).config
     assert cfg.parallel.tensor_parallel == 2 and cfg.model.quantization.method == method
+
+
+def test_a_mixture_of_experts_qlora_config_passes(write_yaml):
+    """The experts are quantised with the rest (the router, ``gate``, stays full precision); LoRA stays on
+    the attention projections as for any MoE model."""
+    text = _text(train="  lora_target_modules: [q_proj, v_proj]\n").replace(
+        "  hidden_size: 64\n",
+        "  hidden_size: 64\n  family: qwen3_moe\n  num_experts: 4\n  moe_intermediate_size: 32\n",
+    )
+    cfg = load_config(write_yaml(text)).config
+    assert cfg.model.num_experts == 4 and cfg.model.quantization.method == "nf4"

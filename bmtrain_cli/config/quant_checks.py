@@ -24,13 +24,6 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "LoRA trains on it",
             "set finetuning: lora, or remove model_config.quantization",
         )
-    if p.pipeline_parallel > 1:
-        err(
-            "parallel_config.pipeline_parallel",
-            "a quantised base does not support pipeline_parallel > 1 yet (the stages' codes are not "
-            "gathered for checkpoints and evaluation)",
-            "use data_parallel or tensor_parallel, or remove model_config.quantization",
-        )
     if p.tensor_parallel > 1 and arch is not None:
         _check_shards(q, arch, p.tensor_parallel, err)
     if t.to_static:

@@ -17,6 +17,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel.protocol import ParallelCtx
 
 NAME_MAP_ATTR = "_bmtrain_full_names"
+QUANT_NAME_MAP_ATTR = "_bmtrain_quantized_names"  # a stage's quantised layers: {id(layer): full name}
 
 
 def unwrap(model: Any) -> Any:
@@ -68,6 +69,14 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
     return full
 
 
+def quantized_names(model: Any) -> Dict[int, str]:
+    """{id(layer): single-process name} of a built model's quantised layers, for the pipeline stages
+    that will hold them (:func:`dequantized_weights` names their weights by it)."""
+    from bmtrain_cli.quant.layer import quantized_layers
+
+    return {id(layer): name for name, layer in quantized_layers(unwrap(model))}
+
+
 def dequantized_weights(model: Any, mp_group: Any = None) -> Dict[str, np.ndarray]:
     """The weights a quantised base's layers stand for (QLoRA; they hold codes, not parameters), whole
     (Paddle layout, single-process names): a tensor-parallel shard's gathered over ``mp_group`` along its
@@ -78,10 +87,9 @@ def dequantized_weights(model: Any, mp_group: Any = None) -> Dict[str, np.ndarra
 
     out: Dict[str, np.ndarray] = {}
     inner = unwrap(model)
-    layers = quantized_layers(inner)
-    if layers and getattr(inner, NAME_MAP_ATTR, None) is not None:
-        raise UserError("gathering a quantised base across pipeline stages is not supported")
-    for name, layer in layers:
+    full_names = getattr(inner, QUANT_NAME_MAP_ATTR, None)  # a pipeline stage's
+    for name, layer in quantized_layers(inner):
+        name = full_names[id(layer)] if full_names is not None else name
         w = layer.dequantized_weight().contiguous()  # the [out, in] codes read as [in, out]
         axis = getattr(layer, "split_axis", None)
         if axis is not None and mp_group is not None:

@@ -4,7 +4,8 @@ grad_norm (1e-5 relative) with LoRA on an nf4-quantised base, with the gradient 
 quantises the same whole base. Under tensor parallel (tp2) each rank quantises its own shards of the column-
 and row-parallel projections, and the run equals the single process the same way: the model's MLP is 384
 wide so that nf4's blocks of 64 never straddle a shard (192 inputs per row shard of down_proj), and the
-shards' codes are the whole weight's. Pipeline parallel stays refused by validate-config."""
+shards' codes are the whole weight's. Under pipeline parallel (pp2) each rank quantises the base and
+keeps its stage's layers; the checkpoint gathers the stages' dequantised weights."""
 
 from __future__ import annotations
 
@@ -67,3 +68,13 @@ def test_qlora_tp2_matches_one_process(tmp_path, method):
     got = _run(tmp_path / "tp2", ["parallel_config.tensor_parallel=2"], quant)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def test_qlora_pp2_matches_one_process(tmp_path):
+    want = _run(tmp_path / "single", [])
+    assert np.all(want["grad_norm"] > 1.0), want
+    got = _run(tmp_path / "pp2", ["parallel_config.pipeline_parallel=2"])
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    saved = tmp_path / "pp2" / "checkpoints" / "step-4"
+    assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()

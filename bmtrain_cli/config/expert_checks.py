@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from bmtrain_cli.methods import method_of
+from bmtrain_cli.models.arch import lora_targets
 
 KEY = "parallel_config.expert_parallel"
 
@@ -52,4 +53,18 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             f"expert parallel trains on single token sequences yet; stage {t.stage!r} trains on {sample}s, "
             "whose extra forwards (a reference model, rollouts) the ranks would have to dispatch in step",
             "use data_parallel for this stage",
+        )
+    if arch is not None and t.finetuning == "lora":
+        on_experts = set(lora_targets(arch, t.lora_target_modules)) & {"gate_proj", "up_proj", "down_proj"}
+        if on_experts:
+            err(
+                "train_config.lora_target_modules",
+                f"expert parallel does not split adapters on the experts' projections yet ({', '.join(sorted(on_experts))})",
+                "target the attention projections, or use data_parallel for LoRA on the experts",
+            )
+    if config.model.quantization is not None:
+        err(
+            "model_config.quantization",
+            "expert parallel does not split a quantised base yet (the experts hold codes, not parameters)",
+            "use data_parallel with a quantised base",
         )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bmtrain_cli.config.refusals import refuse_model_parallel
-from bmtrain_cli.quant.select import HEAD_NAME
+from bmtrain_cli.quant.formats import shard_mismatch
+from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
 
 
 def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -24,24 +24,13 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "LoRA trains on it",
             "set finetuning: lora, or remove model_config.quantization",
         )
-    refuse_model_parallel(
-        p,
-        "a quantised base",
-        "the codes are not split across ranks",
-        "use data_parallel, or remove model_config.quantization",
-        err,
-    )
+    if p.tensor_parallel > 1 and arch is not None:
+        _check_shards(q, arch, p.tensor_parallel, err)
     if t.to_static:
         err(
             "train_config.to_static",
             "a quantised base runs in dygraph only in this version",
             "set to_static: false",
-        )
-    if arch is not None and arch.num_experts:
-        err(
-            f"{key}.method",
-            f"quantising the experts of the {arch.family} mixture of experts is not supported yet",
-            "remove model_config.quantization",
         )
     if q.block_size is not None and q.method == "int8":
         err(
@@ -71,3 +60,38 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             "the LM head cannot be quantised: the loss reads its weight directly (chunked cross-entropy)",
             f"keep {HEAD_NAME} in skip_modules",
         )
+
+
+def _check_shards(q: Any, arch: Any, tp: int, err: Callable[..., None]) -> None:
+    """Tensor parallel: each rank quantises its own shard of the column- and row-parallel projections;
+    the block size must not let a block straddle a shard boundary, so the shards' codes and scales are
+    the whole weight's (quant/formats.shard_mismatch) and tp equals one process."""
+    attn, kv, f, h = (
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_key_value_heads * arch.head_dim,
+        arch.intermediate_size,
+        arch.hidden_size,
+    )
+    shards = [  # (module, column or row, whole out, whole in)
+        ("q_proj", "column", attn, h),
+        ("k_proj", "column", kv, h),
+        ("v_proj", "column", kv, h),
+        ("o_proj", "row", h, attn),
+        ("gate_proj", "column", f, h),
+        ("up_proj", "column", f, h),
+        ("down_proj", "row", h, f),
+    ]
+    for name, kind, out_f, in_f in shards:
+        if is_skipped(name, q.skip_modules) or (out_f if kind == "column" else in_f) % tp:
+            continue  # divisibility by tensor_parallel is checked with the model
+        out_l, in_l = (out_f // tp, in_f) if kind == "column" else (out_f, in_f // tp)
+        why = shard_mismatch(q.method, q.resolved_block_size, kind, out_l, in_l)
+        if why:
+            err(
+                "model_config.quantization.block_size",
+                f"under tensor_parallel {tp} each rank quantises its own shard of {name}, and {why}: the "
+                "shards would not hold the whole weight's codes",
+                "choose a block_size that divides every shard (a power of two dividing "
+                f"{in_l if kind == 'row' else out_l * in_l}), or add {name} to skip_modules",
+            )
+            return

@@ -43,7 +43,10 @@ def tensor_parallel_kind(layer: nn.Layer) -> Tuple[Optional[str], int, int, Any]
     world = int(getattr(layer, "world_size", 1) or 1)
     if world <= 1 or not getattr(layer, "is_mp", world > 1):
         return None, 1, 0, None
-    split_axis: Any = getattr(layer.weight, "split_axis", None)
+    # a quantised shard (parallel/layers.ShardedQuantLinear) has no weight parameter: the layer says
+    split_axis: Any = getattr(
+        getattr(layer, "weight", None), "split_axis", getattr(layer, "split_axis", None)
+    )
     kind = {1: "column", 0: "row"}.get(split_axis)
     if kind is None:
         return None, 1, 0, None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Tuple
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -35,6 +36,14 @@ class LayerFactory(Protocol):
     ) -> Tuple[paddle.Tensor, paddle.Tensor]: ...
 
     def whole_vocab(self, logits: paddle.Tensor) -> paddle.Tensor: ...
+
+    def linear_kind(self, layer: nn.Layer) -> Optional[str]: ...
+
+    def group_max(self, values: np.ndarray) -> np.ndarray: ...
+
+    def quantized_linear(
+        self, layer: nn.Layer, q: Any, bias: Optional[paddle.Tensor], dtype: str, impl: str
+    ) -> nn.Layer: ...
 
     def vocab_reduce(self, value: paddle.Tensor, op: str) -> paddle.Tensor: ...
 
@@ -78,3 +87,20 @@ class PlainFactory:
     def vocab_reduce(self, value: paddle.Tensor, op: str) -> paddle.Tensor:
         """A per-row reduction ("max" or "sum") of the vocabulary shards: the value itself on one device."""
         return value
+
+    def linear_kind(self, layer: nn.Layer) -> Optional[str]:
+        """How a layer this factory made holds a linear weight: "whole" (an nn.Linear), None for any other
+        layer (the quantised base's targets, bmtrain_cli/quant/layer.py)."""
+        return "whole" if isinstance(layer, nn.Linear) else None
+
+    def group_max(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise maximum over the ranks sharing a split layer: the values on one device."""
+        return values
+
+    def quantized_linear(
+        self, layer: nn.Layer, q: Any, bias: Optional[paddle.Tensor], dtype: str, impl: str
+    ) -> nn.Layer:
+        """The quantised layer standing for ``layer``: its weight as ``q`` (quant/formats.QuantizedWeight)."""
+        from bmtrain_cli.quant.layer import QuantLinear
+
+        return QuantLinear(q, bias, dtype, impl)

@@ -26,9 +26,9 @@ import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.ops.build import KernelBuildError, load_extension
+from bmtrain_cli.ops.quant_tiles import TILE_ELEMENTS
 
 IMPLS = ("custom", "reference", "weight_only")
-TILE_ELEMENTS = 1 << 18  # dequantised weights alive at once on the custom path (1 MiB in fp32)
 
 
 @dataclass(frozen=True)

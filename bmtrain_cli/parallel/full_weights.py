@@ -17,6 +17,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 NAME_MAP_ATTR = "_bmtrain_full_names"
+QUANT_NAME_MAP_ATTR = "_bmtrain_quantized_names"  # a stage's quantised layers: {id(layer): full name}
 
 
 def unwrap(model: Any) -> Any:
@@ -64,6 +65,7 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         dist.all_gather_object(shares, held, group=ctx.expert_group.group)
         for share in shares:
             local.update(share)
+    local.update(dequantized_weights(model, mp_group))
     if ctx.pp_degree == 1:
         return local
     pieces: List[Any] = []
@@ -73,6 +75,38 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         for k, v in piece.items():
             full.setdefault(k, v)  # tied/shared weights appear on several stages: keep the first
     return full
+
+
+def quantized_names(model: Any) -> Dict[int, str]:
+    """{id(layer): single-process name} of a built model's quantised layers, for the pipeline stages
+    that will hold them (:func:`dequantized_weights` names their weights by it)."""
+    from bmtrain_cli.quant.layer import quantized_layers
+
+    return {id(layer): name for name, layer in quantized_layers(unwrap(model))}
+
+
+def dequantized_weights(model: Any, mp_group: Any = None) -> Dict[str, np.ndarray]:
+    """The weights a quantised base's layers stand for (QLoRA; they hold codes, not parameters), whole
+    (Paddle layout, single-process names): a tensor-parallel shard's gathered over ``mp_group`` along its
+    ``split_axis`` (collective)."""
+    import paddle.distributed as dist
+
+    from bmtrain_cli.quant.layer import quantized_layers
+
+    out: Dict[str, np.ndarray] = {}
+    inner = unwrap(model)
+    full_names = getattr(inner, QUANT_NAME_MAP_ATTR, None)  # a pipeline stage's
+    for name, layer in quantized_layers(inner):
+        name = full_names[id(layer)] if full_names is not None else name
+        w = layer.dequantized_weight().contiguous()  # the [out, in] codes read as [in, out]
+        axis = getattr(layer, "split_axis", None)
+        if axis is not None and mp_group is not None:
+            parts: List[Any] = []
+            dist.all_gather(parts, w, group=mp_group)
+            out[f"{name}.weight"] = np.concatenate([x.numpy() for x in parts], axis=int(axis))
+        else:
+            out[f"{name}.weight"] = w.numpy()
+    return out
 
 
 def load_full_state_dict(ctx: Topology, model: Any, state: Dict[str, Any]) -> None:

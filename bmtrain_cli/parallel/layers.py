@@ -8,11 +8,53 @@ ParallelCrossEntropy over the vocabulary shards. Model code does not change.
 Every split parameter carries fleet's ``is_distributed`` and ``split_axis`` attributes; the context's
 ``full_state_dict``/``load_full_state_dict`` use them to gather and split checkpoints, so saved weights are
 always whole tensors.
+
+A quantised base (QLoRA, bmtrain_cli/quant/): each rank quantises its own shard of a column- or
+row-parallel weight into a :class:`ShardedQuantLinear`, which runs the same collectives as fleet's layer
+around the quantised product. validate-config admits only block sizes whose blocks do not straddle a shard
+boundary (quant/formats.shard_mismatch), so the shards' codes are those of the whole weight.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from bmtrain_cli.errors import UserError
+from bmtrain_cli.quant.formats import QuantizedWeight, shard_mismatch
+from bmtrain_cli.quant.layer import QuantLinear
+
+
+class ShardedQuantLinear(QuantLinear):
+    """This rank's quantised shard of a column-parallel (output features split, input replicated) or
+    row-parallel (input features split, output all-reduced, whole bias added after) linear layer. It
+    carries fleet's attributes (``world_size``, ``is_mp``, ``model_parallel_group``, ``rank``) and the
+    shard's ``split_axis`` in Paddle's [in, out] layout, which LoRA's wrapper and the weight gathering read."""
+
+    def __init__(
+        self, q: QuantizedWeight, bias: Any, dtype: str, impl: str, kind: str, factory: TensorParallelFactory
+    ) -> None:
+        super().__init__(q, bias, dtype, impl)
+        self.tp_kind = kind
+        self.split_axis = 1 if kind == "column" else 0
+        self.world_size, self.rank, self.is_mp = factory.tp_degree, factory.tp_rank, True
+        self.model_parallel_group = factory.mp_group
+
+    def forward(self, x: Any) -> Any:
+        from paddle.distributed.fleet.layers.mpu import mp_ops
+
+        group = self.model_parallel_group
+        if self.tp_kind == "column":
+            y = self.product(mp_ops._c_identity(x, group=group))
+        else:
+            y = mp_ops._mp_allreduce(
+                self.product(x), group=group, use_calc_stream=True, use_model_parallel=True
+            )
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.tp_kind}-parallel shard {self.rank}/{self.world_size}"
 
 
 class TensorParallelFactory:
@@ -105,6 +147,37 @@ class TensorParallelFactory:
         out = value.clone()
         dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.mp_group)
         return out
+
+    def linear_kind(self, layer: Any) -> Optional[str]:
+        """ "column" or "row" for a split linear layer this factory made, "whole" for an nn.Linear, None for
+        any other layer (the quantised base's targets)."""
+        import paddle
+        from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear, RowParallelLinear
+
+        if isinstance(layer, ColumnParallelLinear):
+            return "column"
+        if isinstance(layer, RowParallelLinear):
+            return "row"
+        return "whole" if isinstance(layer, paddle.nn.Linear) else None
+
+    def group_max(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise maximum of ``values`` over the model-parallel group (collective)."""
+        import paddle
+        import paddle.distributed as dist
+
+        t = paddle.to_tensor(np.ascontiguousarray(values))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mp_group)
+        return t.numpy()
+
+    def quantized_linear(self, layer: Any, q: QuantizedWeight, bias: Any, dtype: str, impl: str) -> Any:
+        """This rank's quantised shard of ``layer`` (its weight's shard quantised as ``q``)."""
+        kind = self.linear_kind(layer)
+        if kind not in ("column", "row"):
+            return QuantLinear(q, bias, dtype, impl)
+        why = shard_mismatch(q.method, q.block_size, kind, q.shape[0], q.shape[1])
+        if why:  # validate-config refuses these shapes first (config/quant_checks.py)
+            raise UserError(f"tensor_parallel with a quantised base: {why}")
+        return ShardedQuantLinear(q, bias, dtype, impl, kind, self)
 
     def __repr__(self) -> str:
         return f"TensorParallelFactory(tp_degree={self.tp_degree}, tp_rank={self.tp_rank})"

@@ -24,7 +24,7 @@ import numpy as np
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.parallel.full_weights import NAME_MAP_ATTR
+from bmtrain_cli.parallel.full_weights import NAME_MAP_ATTR, QUANT_NAME_MAP_ATTR, quantized_names
 from bmtrain_cli.parallel.protocol import ParallelCtx, Topology
 
 # --------------------------------------------------------------------------- partition (plain maths)
@@ -324,6 +324,7 @@ def to_pipeline_layer(
     object.__setattr__(pipe, "_bmtrain_loss", loss_fn)
     full_names = {n: items.names[id(p)] for n, p in pipe.named_parameters() if id(p) in items.names}
     object.__setattr__(pipe, NAME_MAP_ATTR, full_names)
+    object.__setattr__(pipe, QUANT_NAME_MAP_ATTR, quantized_names(model))  # a quantised base's layers
     object.__setattr__(pipe, "arch", model.arch)
     return pipe
 

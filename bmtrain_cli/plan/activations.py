@@ -20,7 +20,35 @@ from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, RING_TEMPORARIES, Lay
 
 
 def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
-    """(matrix elements per device, replicated vector elements) of one decoder layer."""
+    """(matrix elements per device, replicated vector elements) of one decoder layer; a mixture of
+    experts' layers (one device) hold the mean over its dense and sparse layers' MLPs."""
+    mats, vecs = _dense_layer_params(arch, tp)
+    if not arch.num_experts:
+        return mats, vecs
+    dense = 3 * arch.hidden_size * arch.intermediate_size
+    sparse = sum(arch.is_sparse(i) for i in range(arch.num_hidden_layers))
+    moe = arch.hidden_size * arch.num_experts + sum(i * o for _, i, o in expert_shapes(arch))
+    mlp = ((arch.num_hidden_layers - sparse) * dense + sparse * moe) // arch.num_hidden_layers
+    return mats - dense + mlp, vecs
+
+
+def expert_shapes(arch: ModelArch) -> List[Tuple[str, int, int]]:
+    """(module name, in, out) of every expert projection of one sparse layer (models/moe.py), shared
+    experts included; the router (``gate``) is not among them."""
+    h, f = arch.hidden_size, arch.moe_intermediate_size
+    out = []
+    for prefix, width in [(f"mlp.experts.{e}", f) for e in range(arch.num_experts)] + (
+        [("mlp.shared_experts", f * arch.moe_shared_experts)] if arch.moe_shared_experts else []
+    ):
+        out += [
+            (f"{prefix}.gate_proj", h, width),
+            (f"{prefix}.up_proj", h, width),
+            (f"{prefix}.down_proj", width, h),
+        ]
+    return out
+
+
+def _dense_layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     h, hd = arch.hidden_size, arch.head_dim
     if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
         shapes = mla.mla_shapes(arch)
@@ -43,24 +71,49 @@ def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
     return mats, vecs
 
 
-def quantized_layer(w: Workload) -> Tuple[int, int]:
+def quantized_layer(w: Workload) -> Tuple[int, int, int]:
     """(elements, bytes) of one decoder layer's projections that model_config.quantization stores
-    low-bit (codes and scales, bmtrain_cli/quant/formats.py); (0, 0) without quantization."""
+    low-bit (codes and scales, bmtrain_cli/quant/formats.py; a mixture of experts' experts too), the mean
+    over the layers, and the elements of the largest of them; (0, 0, 0) without quantization."""
     if not w.quant_method:
-        return 0, 0
+        return 0, 0, 0
     from bmtrain_cli.models.arch import arch_projections, projection_shapes
+
+    a = w.arch
+    shapes = projection_shapes(a)
+    mlp = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+    sparse = sum(a.is_sparse(i) for i in range(a.num_hidden_layers)) if a.num_experts else 0
+    held = [  # (name, in, out, layers holding it)
+        (n, *shapes[n], a.num_hidden_layers - sparse if n in mlp else a.num_hidden_layers)
+        for n in arch_projections(a)
+    ]
+    held += [(n, k, o, sparse) for n, k, o in (expert_shapes(a) if sparse else [])]
+    return _quantized_sum(w, held, a.num_hidden_layers)
+
+
+def _quantized_sum(w: Workload, held: List[Tuple[str, int, int, int]], layers: int) -> Tuple[int, int, int]:
     from bmtrain_cli.quant.formats import quantized_nbytes
     from bmtrain_cli.quant.select import is_skipped
 
-    shapes = projection_shapes(w.arch)
-    elements = nbytes = 0
-    for name in arch_projections(w.arch):
-        if is_skipped(name, w.quant_skip):
-            continue
-        k, n = shapes[name]
-        elements += k * n
-        nbytes += quantized_nbytes(w.quant_method, n, k, w.quant_block or k, w.quant_double)
-    return elements, nbytes
+    elements = nbytes = largest = 0  # summed over the layers, then the mean of a layer
+    for name, k, n, times in held:
+        if times and not is_skipped(name, w.quant_skip):
+            elements += times * k * n
+            nbytes += times * quantized_nbytes(w.quant_method, n, k, w.quant_block or k, w.quant_double)
+            largest = max(largest, k * n)
+    return elements // layers, nbytes // layers, largest
+
+
+def dequantization_workspace(w: Workload, device: Device, largest: int, pbytes: int) -> int:
+    """Bytes of dequantised weights a quantised layer holds while it multiplies (ops/quant_linear.py): on
+    a CPU one tile of the C++ kernels (at most TILE_ELEMENTS fp32 weights); elsewhere the whole largest
+    quantised projection in the compute dtype (dequantise-then-matmul, one layer at a time: nf4 on a GPU;
+    an upper bound for int8/int4, whose weight_only_linear reads the codes directly)."""
+    from bmtrain_cli.ops.quant_tiles import TILE_ELEMENTS
+
+    if not w.quant_method:
+        return 0
+    return min(largest, TILE_ELEMENTS) * 4 if device.kind == "cpu" else largest * pbytes
 
 
 def lora_layer_params(w: Workload, tp: int) -> int:

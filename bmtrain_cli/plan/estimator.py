@@ -32,6 +32,7 @@ from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.activations import (
     act_bytes,
     attention_kernel,
+    dequantization_workspace,
     layer_activations,
     layer_params,
     lora_layer_params,
@@ -112,12 +113,14 @@ def _stage_estimate(  # noqa: C901
     pbytes = 2 if (low and w.amp_level == "O2") else 4
     S = layout.sharding
     params = (frozen + trainable) * pbytes
-    q_elements, q_bytes = quantized_layer(w)
+    q_elements, q_bytes, q_largest = quantized_layer(w)
     if q_elements and w.finetuning == "lora":  # QLoRA: the layers' projections as codes and scales
-        params += layers * (q_bytes - q_elements * pbytes)
+        workspace = dequantization_workspace(w, device, q_largest, pbytes)
+        params += layers * (q_bytes - q_elements * pbytes) + workspace
         notes.append(
             f"base projections in {w.quant_method}: {format_bytes(layers * q_bytes)} of codes and scales "
-            f"instead of {format_bytes(layers * q_elements * pbytes)}"
+            f"instead of {format_bytes(layers * q_elements * pbytes)}, plus {format_bytes(workspace)} of "
+            "dequantisation workspace"
         )
     grads = trainable * pbytes
     master = trainable * 4 if (low and w.amp_level == "O2") else 0

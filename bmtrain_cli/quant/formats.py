@@ -145,10 +145,12 @@ def quantize_blockwise8(x: np.ndarray, block: int = DOUBLE_QUANT_BLOCK) -> Tuple
     return _nearest(scaled, dynamic_map()), absmax
 
 
-def quantize_int8(w: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """(codes int8 [out, in], scale fp32 [out])."""
+def quantize_int8(w: np.ndarray, row_absmax: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [out, in], scale fp32 [out]). ``row_absmax``: each row's absolute maximum when ``w``
+    holds only some of the row's columns (a row-parallel shard; default: ``w``'s own)."""
     w = np.asarray(w, dtype=np.float32)
-    scale = (np.abs(w).max(axis=1) / np.float32(INT8_MAX)).astype(np.float32)
+    absmax = np.abs(w).max(axis=1) if row_absmax is None else np.asarray(row_absmax, np.float32)
+    scale = (absmax / np.float32(INT8_MAX)).astype(np.float32)
     q = np.rint(w / np.maximum(scale, TINY)[:, None])
     return np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8), scale
 
@@ -177,14 +179,21 @@ def levels(method: str) -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
 
 
-def quantize(w: np.ndarray, method: str, block_size: int = 64, double_quant: bool = False) -> QuantizedWeight:
-    """``w [out, in]`` in ``method`` (nf4, int8, int4); see the module docstring."""
+def quantize(
+    w: np.ndarray,
+    method: str,
+    block_size: int = 64,
+    double_quant: bool = False,
+    row_absmax: Optional[np.ndarray] = None,
+) -> QuantizedWeight:
+    """``w [out, in]`` in ``method`` (nf4, int8, int4); see the module docstring. ``row_absmax``: int8's
+    whole-row maxima for a shard of the columns (:func:`quantize_int8`)."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"quantize: a linear weight [out, in] is 2-D, got shape {list(w.shape)}")
     shape = (int(w.shape[0]), int(w.shape[1]))
     if method == "int8":
-        codes, scale = quantize_int8(w)
+        codes, scale = quantize_int8(w, row_absmax)
         return QuantizedWeight("int8", shape, 0, codes, scale)
     if method == "int4":
         codes, scale = quantize_int4(w, block_size)
@@ -197,3 +206,23 @@ def quantize(w: np.ndarray, method: str, block_size: int = 64, double_quant: boo
     offset = float(np.float32(absmax.mean(dtype=np.float64)))  # the correctly rounded fp32 mean
     scale_codes, scale_absmax = quantize_blockwise8(absmax - np.float32(offset))
     return QuantizedWeight("nf4", shape, block_size, codes, None, scale_codes, scale_absmax, offset)
+
+
+def shard_mismatch(method: str, block_size: int, kind: str, out_local: int, in_local: int) -> str:
+    """'' when a tensor-parallel rank that quantises its own shard (``out_local`` x ``in_local`` of a
+    column- or row-parallel weight [out, in]) gets exactly the codes and scales the whole weight has for
+    those elements, else why not. nf4's blocks run over the row-major flattening, so a column shard (rows
+    of w) must start on a block boundary and a row shard's pieces of each row must hold whole blocks;
+    int4's groups run along each row; int8's per-channel scale is taken over the whole row (the
+    group's maximum, see :func:`quantize_int8`), so it always matches."""
+    if method == "int8" or (method == "int4" and kind == "column"):
+        return ""
+    if kind == "column" and method == "nf4" and (out_local * in_local) % block_size:
+        return (
+            f"a column shard of {out_local} x {in_local} = {out_local * in_local} elements is not a whole "
+            f"number of nf4 blocks of {block_size}"
+        )
+    if kind == "row" and in_local % block_size:
+        what = "nf4 block" if method == "nf4" else "int4 group"
+        return f"a row shard's {in_local} input features are not a whole number of {what}s of {block_size}"
+    return ""

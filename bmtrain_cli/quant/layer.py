@@ -82,40 +82,61 @@ class QuantLinear(nn.Layer):
         dtype: Any = self.compute_dtype
         return qops.dequantize(self.quant_weight()).t().astype(dtype)
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def product(self, x: paddle.Tensor) -> paddle.Tensor:
+        """x @ dequant(W)^T, without the bias."""
         if self.impl == "custom":
-            y = qops.custom_linear(x, self.quant_weight())
-        elif self.impl == "weight_only":
+            return qops.custom_linear(x, self.quant_weight())
+        if self.impl == "weight_only":
             if self._weight_only is None:
                 self._weight_only = qops.to_weight_only(
                     self.quant_weight(), str(x.dtype).replace("paddle.", "")
                 )
-            y = qops.weight_only_linear(x, self._weight_only)
-        else:
-            y = qops.reference_linear(x, self.quant_weight())
+            return qops.weight_only_linear(x, self._weight_only)
+        return qops.reference_linear(x, self.quant_weight())
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.method}, impl={self.impl}"
 
 
-def quantize_linear(layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str) -> QuantLinear:
-    """A QuantLinear for ``layer`` (an nn.Linear) holding ``weight`` ([in, out], Paddle's layout)."""
+def quantize_linear(
+    layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None
+) -> QuantLinear:
+    """A QuantLinear for ``layer`` (a linear layer ``factory`` made, nn.Linear by default) holding
+    ``weight`` ([in, out], Paddle's layout; under tensor parallel this rank's shard, which the factory's
+    ``quantized_linear`` wraps with the layer's collectives). A row-parallel int8 shard takes its
+    per-channel scale from the whole row (the maximum over the group), so every rank's codes are the
+    whole weight's."""
     block = settings.resolved_block_size or int(weight.shape[0])
-    q = formats.quantize(np.asarray(weight, np.float32).T, settings.method, block, settings.double_quant)
+    w = np.asarray(weight, np.float32).T
+    row_absmax = None
+    if factory is not None and settings.method == "int8" and factory.linear_kind(layer) == "row":
+        row_absmax = factory.group_max(np.abs(w).max(axis=1).astype(np.float32))
+    q = formats.quantize(w, settings.method, block, settings.double_quant, row_absmax)
     bias = getattr(layer, "bias", None)
     if bias is not None:
         bias.stop_gradient = True
-    return QuantLinear(q, bias, str(layer.weight.dtype).replace("paddle.", ""), impl)
+    dtype = str(layer.weight.dtype).replace("paddle.", "")
+    if factory is None:
+        return QuantLinear(q, bias, dtype, impl)
+    return factory.quantized_linear(layer, q, bias, dtype, impl)
 
 
-def quantizable(model: nn.Layer, settings: Any) -> Dict[str, Tuple[nn.Layer, str, nn.Linear]]:
-    """{dotted name: (parent, attribute, layer)} of the linear layers ``settings`` quantises."""
-    out: Dict[str, Tuple[nn.Layer, str, nn.Linear]] = {}
+def quantizable(model: nn.Layer, settings: Any) -> Dict[str, Tuple[nn.Layer, str, nn.Layer]]:
+    """{dotted name: (parent, attribute, layer)} of the linear layers ``settings`` quantises: nn.Linear,
+    and the split linear layers of the model's layer factory (``linear_kind``) when it has one."""
+    factory = getattr(model, "factory", None)
+    out: Dict[str, Tuple[nn.Layer, str, nn.Layer]] = {}
     for name, parent in model.named_sublayers(include_self=True):
         for attr, child in parent._sub_layers.items():
             full = f"{name}.{attr}" if name else attr
-            if isinstance(child, nn.Linear) and not is_skipped(full, settings.skip_modules):
+            linear = isinstance(child, nn.Linear) or (
+                factory is not None and factory.linear_kind(child) is not None
+            )
+            if linear and not is_skipped(full, settings.skip_modules):
                 out[full] = (parent, attr, child)
     return out
 
@@ -134,10 +155,12 @@ def quantize_model(model: nn.Layer, settings: Any, kernels: str = "auto") -> Lis
     """Swap the model's quantisable linear layers (built and holding their weights) for QuantLinear ones,
     one at a time, each fp32 weight released as soon as its codes exist; returns their names."""
     impl = impl_for(settings, kernels)
+    factory = getattr(model, "factory", None)
     names = []
     for full, (parent, attr, layer) in quantizable(model, settings).items():
         weight = layer.weight.numpy()
-        setattr(parent, attr, quantize_linear(layer, weight, settings, impl(int(weight.shape[0]))))
+        quantised = quantize_linear(layer, weight, settings, impl(int(weight.shape[0])), factory)
+        setattr(parent, attr, quantised)
         names.append(full)
     return names
 
@@ -149,6 +172,7 @@ class Quantizer:
 
     def __init__(self, model: nn.Layer, settings: Any, kernels: str = "auto") -> None:
         self.settings = settings
+        self.factory = getattr(model, "factory", None)
         self.impl = impl_for(settings, kernels)
         self.targets = {f"{name}.weight": place for name, place in quantizable(model, settings).items()}
 
@@ -158,7 +182,8 @@ class Quantizer:
         if place is None:
             return False
         parent, attr, layer = place
-        setattr(parent, attr, quantize_linear(layer, weight, self.settings, self.impl(int(weight.shape[0]))))
+        impl = self.impl(int(weight.shape[0]))
+        setattr(parent, attr, quantize_linear(layer, weight, self.settings, impl, self.factory))
         return True
 
 

@@ -25,7 +25,6 @@ from bmtrain_cli.lora.inject import LoRASettings, apply_lora, is_lora_name, lora
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_arrays, load_adapter_weights, save_adapters
 from bmtrain_cli.lora.quantized_merge import quantisation_record
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.quant.layer import quantized_layers
 from bmtrain_cli.quant.layer import summary as quant_summary
 
 # ----------------------------------------------------------------------------- gathering under TP / PP
@@ -147,15 +146,13 @@ class LoRARun:
 
 def _whole_base_arrays(model: nn.Layer, ctx: Optional[ParallelCtx]) -> Dict[str, np.ndarray]:
     """Whole base weights (no adapters) under single-process names; collective under TP/PP."""
-    from bmtrain_cli.parallel.full_weights import unwrap
+    from bmtrain_cli.parallel.full_weights import dequantized_weights, unwrap
 
-    if ctx is not None and (ctx.tp_degree > 1 or ctx.pp_degree > 1):
+    if ctx is not None and not ctx.holds_whole_weights:
         full = ctx.wrapping.full_state_dict(model)
     else:
         full = {n: p.numpy() for n, p in unwrap(model).state_dict().items()}
-        # a quantised base's layers hold codes, not weights: the weights they stand for (QLoRA)
-        for name, layer in quantized_layers(unwrap(model)):
-            full[f"{name}.weight"] = layer.dequantized_weight().numpy()
+        full.update(dequantized_weights(model))  # a quantised base's layers hold codes (QLoRA)
     return {k: v for k, v in full.items() if not is_lora_name(k)}
 
 

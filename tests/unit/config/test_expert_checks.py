@@ -61,6 +61,19 @@ def test_expert_ranks_are_data_ranks(write_yaml):
             "does not compress gradients",
         ),
         ({"train": "  stage: dpo\n"}, 12, "trains on pairs"),
+        (
+            {"train": "  finetuning: lora\n  lora_target_modules: all-linear\n"},
+            13,
+            "does not split adapters on the experts' projections yet (down_proj, gate_proj, up_proj)",
+        ),
+        (
+            {
+                "model": "  quantization:\n    method: nf4\n",
+                "train": "  finetuning: lora\n  lora_target_modules: [q_proj, v_proj]\n",
+            },
+            9,
+            "does not split a quantised base yet",
+        ),
     ],
 )
 def test_refused_at_file_line(write_yaml, kwargs, line, message):

@@ -34,8 +34,8 @@ def test_a_qlora_config_passes(write_yaml):
     "kwargs, line, message",
     [
         ({"finetuning": "full"}, 7, "only LoRA trains on it"),
-        ({"parallel": "parallel:\n  tensor_parallel: 2\n"}, 10, "tensor_parallel > 1 yet"),
-        ({"parallel": "parallel:\n  pipeline_parallel: 2\n"}, 10, "pipeline_parallel > 1 yet"),
+        ({"parallel": "parallel:\n  tensor_parallel: 2\n"}, 4, "its own shard of o_proj"),
+        ({"parallel": "parallel:\n  tensor_parallel: 2\n", "method": "int4"}, 4, "int4 groups of 64"),
         ({"train": "  to_static: true\n"}, 9, "dygraph only"),
         ({"method": "int8", "quant": "    block_size: 32\n"}, 6, "no block size"),
         ({"method": "int4", "quant": "    double_quant: true\n"}, 6, "int4 has none"),
@@ -60,3 +60,28 @@ def test_skip_modules_match_whole_name_components():
     assert is_skipped("model.layers.0.mlp.gate", skip)  # a MoE router
     assert not is_skipped("model.layers.0.mlp.gate_proj", skip)
     assert not is_skipped("model.layers.11.mlp.up_proj", skip)
+
+
+@pytest.mark.parametrize("method, quant", [("nf4", "    block_size: 32\n"), ("int4", ""), ("int8", "")])
+def test_tensor_parallel_passes_when_blocks_do_not_straddle_shards(write_yaml, method, quant):
+    """hidden 64, 4 heads of 16, intermediate 128 under tp2: o_proj's row shards hold 32 inputs, so nf4
+    blocks of 32 fit (64 do not, above); int8's scale spans the whole row; int4 needs groups of 32 too."""
+    text = _text(method=method, quant=quant, parallel="parallel:\n  tensor_parallel: 2\n")
+    text = text.replace("  hidden_size: 64\n", "  hidden_size: 64\n  intermediate_size: 128\n")
+    if method == "int4":
+        with pytest.raises(ConfigError, match="int4 groups of 64"):
+            load_config(write_yaml(text))
+        text = text.replace("    method: int4\n", "    method: int4\n    block_size: 32\n")
+    cfg = load_config(write_yaml(text)).config
+    assert cfg.parallel.tensor_parallel == 2 and cfg.model.quantization.method == method
+
+
+def test_a_mixture_of_experts_qlora_config_passes(write_yaml):
+    """The experts are quantised with the rest (the router, ``gate``, stays full precision); LoRA stays on
+    the attention projections as for any MoE model."""
+    text = _text(train="  lora_target_modules: [q_proj, v_proj]\n").replace(
+        "  hidden_size: 64\n",
+        "  hidden_size: 64\n  family: qwen3_moe\n  num_experts: 4\n  moe_intermediate_size: 32\n",
+    )
+    cfg = load_config(write_yaml(text)).config
+    assert cfg.model.num_experts == 4 and cfg.model.quantization.method == "nf4"

@@ -125,3 +125,50 @@ def test_quantized_nbytes_predicts_the_quantised_size(shape, method, dq, block) 
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     got = formats.quantize(w, method, block, dq).nbytes
     assert formats.quantized_nbytes(method, shape[0], shape[1], block or shape[1], dq) == got
+
+
+def _dequantized(q: formats.QuantizedWeight) -> np.ndarray:
+    """The weight [out, in] ``q`` stands for, from the format's definition (module docstring)."""
+    out_f, in_f = q.shape
+    n = out_f * in_f
+    if q.method == "int8":
+        return q.codes.astype(np.float32) * q.scales[:, None]
+    packed = q.codes.reshape(-1)
+    codes = np.stack([packed >> 4, packed & 15], axis=1).reshape(-1)[:n]
+    values = formats.levels(q.method)[codes].reshape(out_f, in_f)
+    if q.method == "nf4":
+        return (values.reshape(-1) * q.scales[np.arange(n) // q.block_size]).reshape(out_f, in_f)
+    return values * q.scales[np.arange(out_f)[:, None], np.arange(in_f)[None, :] // q.block_size]
+
+
+@pytest.mark.parametrize(
+    "method, block, out_f, in_f, kind, exact",
+    [
+        ("nf4", 64, 96, 128, "column", True),  # 48 x 128 rows: whole blocks
+        ("nf4", 64, 96, 128, "row", True),  # 64 inputs of each row: one block
+        ("nf4", 64, 96, 96, "row", False),  # 48 inputs: blocks straddle the shards
+        ("nf4", 64, 6, 40, "column", False),  # 3 x 40 = 120 elements: not whole blocks
+        ("int4", 32, 10, 128, "row", True),
+        ("int4", 32, 10, 80, "row", False),  # 40 inputs: a group straddles
+        ("int4", 32, 10, 80, "column", True),  # groups run along whole rows
+        ("int8", 0, 10, 80, "row", True),  # the scale comes from the whole row
+    ],
+)
+def test_a_shard_quantised_alone_holds_the_whole_weights_codes_when_shard_mismatch_says_so(
+    method: str, block: int, out_f: int, in_f: int, kind: str, exact: bool
+) -> None:
+    """Tensor parallel (parallel/layers.py): each of 2 ranks quantises its shard of w [out, in] (rows for
+    a column-parallel layer, columns for a row-parallel one); ``shard_mismatch`` is '' exactly when the
+    shards dequantise to the whole weight's dequantised values."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((out_f, in_f)).astype(np.float32) * rng.uniform(0.1, 3.0, (out_f, 1)).astype(
+        np.float32
+    )
+    whole = _dequantized(formats.quantize(w, method, block or in_f))
+    shards = np.split(w, 2, axis=0 if kind == "column" else 1)
+    out_l, in_l = shards[0].shape
+    assert (formats.shard_mismatch(method, block, kind, out_l, in_l) == "") is exact
+    row_max = np.abs(w).max(axis=1) if method == "int8" else None  # the group's maximum (group_max)
+    parts = [_dequantized(formats.quantize(s, method, block or in_l, row_absmax=row_max)) for s in shards]
+    joined = np.concatenate(parts, axis=0 if kind == "column" else 1)
+    assert np.array_equal(joined, whole) is exact

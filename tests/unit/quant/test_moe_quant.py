@@ -1,0 +1,68 @@
+"""A mixture of experts with a quantised base (QLoRA on qwen3_moe): every expert's projections are
+quantised while the checkpoint is read (the router stays full precision), and the model computes what the
+unquantised model computes on the dequantised weights: the loss and the gradient that reaches the
+embedding through the experts' input gradients, to fp32 round-off."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from bmtrain_cli.config.quant_schema import QuantizationConfig
+from bmtrain_cli.config.schema import ModelConfig
+from bmtrain_cli.models import build, load_pretrained, save_pretrained
+from bmtrain_cli.models.arch import arch_from_model_config
+from bmtrain_cli.models.moe import Router
+from bmtrain_cli.parallel.full_weights import dequantized_weights
+from bmtrain_cli.quant.formats import quantize
+from bmtrain_cli.quant.layer import quantized_layers
+
+ARCH = arch_from_model_config(
+    ModelConfig(
+        family="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+)
+
+
+def _loss_and_embedding_grad(model, ids):
+    model.model.embed_tokens.weight.stop_gradient = False
+    loss, count = model.loss_sum(ids, ids)
+    (loss / count).backward()
+    return float(loss / count), model.model.embed_tokens.weight.grad.numpy()
+
+
+def test_qwen3_moe_experts_quantised_while_loaded_equal_the_dequantised_model(tmp_path):
+    paddle.seed(0)
+    save_pretrained(build(ARCH, kernels="reference"), str(tmp_path))
+    q = QuantizationConfig(method="nf4", block_size=32)
+    quantised = load_pretrained(str(tmp_path), kernels="custom", quantization=q)
+    layers = dict(quantized_layers(quantised))
+    experts = [n for n in layers if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 3 and len(layers) == 2 * (4 * 3 + 4)
+    assert all(isinstance(quantised.model.layers[i].mlp.gate, Router) for i in range(2))  # not quantised
+    # the codes are those of the checkpoint's tensor, quantised on its own
+    whole = load_pretrained(str(tmp_path), kernels="custom")
+    w = whole.model.layers[1].mlp.experts[3].down_proj.weight.numpy().T
+    want = quantize(w, "nf4", 32)
+    got = layers["model.layers.1.mlp.experts.3.down_proj"]
+    np.testing.assert_array_equal(got.codes.numpy(), want.codes)
+    np.testing.assert_array_equal(got.scales.numpy(), want.scales)
+    # the unquantised model (grouped expert GEMM) on the dequantised weights computes the same
+    state = {n: p.numpy() for n, p in quantised.state_dict().items()}
+    state.update(dequantized_weights(quantised))
+    whole.set_state_dict({n: paddle.to_tensor(v) for n, v in state.items()})
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (2, 24)))
+    loss_q, grad_q = _loss_and_embedding_grad(quantised, ids)
+    loss_w, grad_w = _loss_and_embedding_grad(whole, ids)
+    np.testing.assert_allclose(loss_q, loss_w, rtol=1e-6)
+    np.testing.assert_allclose(grad_q, grad_w, rtol=1e-4, atol=1e-7)
+    assert np.abs(grad_q).max() > 1e-4

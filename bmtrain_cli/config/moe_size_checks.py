@@ -8,17 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.models.arch import MODEL_CONFIG_RENAMES, arch_from_hf_dict, arch_to_hf_dict
-
-FAMILY_KEYS = (
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    *MODEL_CONFIG_RENAMES,
+from bmtrain_cli.models.arch import (
+    FAMILY_SPECIFIC_KEYS,
+    MODEL_CONFIG_RENAMES,
+    arch_from_hf_dict,
+    arch_to_hf_dict,
 )
+
+FAMILY_KEYS = (*FAMILY_SPECIFIC_KEYS, *MODEL_CONFIG_RENAMES)
 
 
 def check_family_keys(model: Any, arch: Any, err: Callable[..., None]) -> None:

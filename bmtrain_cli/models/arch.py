@@ -206,6 +206,15 @@ def arch_problems(arch: ModelArch) -> Tuple[Tuple[str, str], ...]:
     return tuple((r.field, r.message(arch)) for r in ARCH_RULES if r.broken(arch))
 
 
+# model_config keys that only some families write to config.json (latent attention, the sigmoid router)
+FAMILY_SPECIFIC_KEYS = (
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
 _ARCH_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -229,12 +238,7 @@ _ARCH_FIELDS = (
     "moe_intermediate_size",
     "output_router_logits",
     "router_aux_loss_coef",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "v_head_dim",
+    *FAMILY_SPECIFIC_KEYS,
 )
 # model_config keys named as config.json names them -> the ModelArch field they set
 MODEL_CONFIG_RENAMES = {

@@ -28,6 +28,11 @@ def _published(
     )
 
 
+# what the ERNIE 4.5 checkpoints share (dense and mixture of experts)
+_ERNIE_4_5: Dict[str, Any] = dict(
+    head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, use_bias=False
+)
+
 # Published architectures of well-known checkpoints, so that validate-config and plan can size a
 # config written for another machine (the weights themselves are only ever read from a local path).
 # Columns: model_type, layers, hidden, ffn, heads, kv_heads, vocab, context, then the checkpoint's own keys.
@@ -50,11 +55,7 @@ KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
         2,
         103424,
         131072,
-        head_dim=128,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        use_bias=False,
+        **_ERNIE_4_5,
     ),
     # transformers' Ernie4_5_MoeConfig defaults, which are this checkpoint's
     "baidu/ERNIE-4.5-21B-A3B-PT": _published(
@@ -66,19 +67,17 @@ KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
         4,
         103424,
         131072,
-        head_dim=128,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        use_bias=False,
-        moe_num_experts=64,
-        moe_k=6,
-        moe_intermediate_size=1536,
-        moe_num_shared_experts=2,
-        moe_layer_start_index=1,
-        moe_layer_end_index=27,
-        moe_layer_interval=1,
-        moe_norm_min=1e-12,
+        **_ERNIE_4_5,
+        **{  # its experts: 64 routed (top 6) and 2 shared in layers 1-27
+            "moe_num_experts": 64,
+            "moe_k": 6,
+            "moe_intermediate_size": 1536,
+            "moe_num_shared_experts": 2,
+            "moe_layer_start_index": 1,
+            "moe_layer_end_index": 27,
+            "moe_layer_interval": 1,
+            "moe_norm_min": 1e-12,
+        },
     ),
     "baichuan-inc/Baichuan2-7B-Chat": _published(
         "baichuan", 32, 4096, 11008, 32, 32, 125696, 4096, rope_theta=10000.0, rms_norm_eps=1e-6

@@ -10,9 +10,8 @@ sent. Partition methods (parallel_config.pipeline_partition):
 * ``measured``: time forward+backward of every item on a sample batch (rank 0 measures, everyone uses
   its numbers) and balance the measured cost.
 
-The cut minimises the most expensive stage; the imbalance (max stage cost / mean) is reported.
-Training uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's micro-batches.
-"""
+The cut minimises the most expensive stage; the imbalance (max stage cost / mean) is reported. Training
+uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's micro-batches."""
 
 from __future__ import annotations
 

@@ -19,19 +19,6 @@ from bmtrain_cli.plan.workload import BLOCKED_TEMPORARIES, RING_TEMPORARIES, Lay
 # parameter accounting
 
 
-def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
-    """(matrix elements per device, replicated vector elements) of one decoder layer; a mixture of
-    experts' layers (one device) hold the mean over its dense and sparse layers' MLPs."""
-    mats, vecs = _dense_layer_params(arch, tp)
-    if not arch.num_experts:
-        return mats, vecs
-    dense = 3 * arch.hidden_size * arch.intermediate_size
-    sparse = sum(arch.is_sparse(i) for i in range(arch.num_hidden_layers))
-    moe = arch.hidden_size * arch.num_experts + sum(i * o for _, i, o in expert_shapes(arch))
-    mlp = ((arch.num_hidden_layers - sparse) * dense + sparse * moe) // arch.num_hidden_layers
-    return mats - dense + mlp, vecs
-
-
 def expert_shapes(arch: ModelArch) -> List[Tuple[str, int, int]]:
     """(module name, in, out) of every expert projection of one sparse layer (models/moe.py), shared
     experts included; the router (``gate``) is not among them."""
@@ -48,7 +35,9 @@ def expert_shapes(arch: ModelArch) -> List[Tuple[str, int, int]]:
     return out
 
 
-def _dense_layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
+def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
+    """(matrix elements per device, replicated vector elements) of one decoder layer; a mixture of
+    experts' layers (one device) hold the mean over its dense and sparse layers' MLPs (plan/moe_memory.py)."""
     h, hd = arch.hidden_size, arch.head_dim
     if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
         shapes = mla.mla_shapes(arch)

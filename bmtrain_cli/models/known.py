@@ -79,6 +79,30 @@ KNOWN_MODELS: Dict[str, Dict[str, Any]] = {
             "moe_norm_min": 1e-12,
         },
     ),
+    # Qwen3's mixture of experts: 48 layers of 128 routed experts (8 per token), 30.5B parameters, 3.3B active
+    "Qwen/Qwen3-30B-A3B": _published(
+        "qwen3_moe",
+        48,
+        2048,
+        6144,
+        32,
+        4,
+        151936,
+        40960,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **{
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+        },
+    ),
     "baichuan-inc/Baichuan2-7B-Chat": _published(
         "baichuan", 32, 4096, 11008, 32, 32, 125696, 4096, rope_theta=10000.0, rms_norm_eps=1e-6
     ),

@@ -35,18 +35,19 @@ def expert_shapes(arch: ModelArch) -> List[Tuple[str, int, int]]:
     return out
 
 
-def layer_params(arch: ModelArch, tp: int) -> Tuple[int, int]:
+def layer_params(arch: ModelArch, tp: int, ep: int = 1) -> Tuple[int, int]:
     """(matrix elements per device, replicated vector elements) of one decoder layer; a mixture of
-    experts' layers (one device) hold the mean over its dense and sparse layers' MLPs (plan/moe_memory.py)."""
+    experts' layers hold the mean over its dense and sparse layers' MLPs, 1/ep of the routed experts under
+    expert parallel (plan/moe_memory.py)."""
     h, hd = arch.hidden_size, arch.head_dim
     if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
         shapes = mla.mla_shapes(arch)
         attn = sum(i * o for name, (i, o) in shapes.items() if name in mla.mla_projections(arch))
-        return attn + moe_memory.mlp_params(arch, 1), mla.mla_parameters(arch) - attn + 2 * h
+        return attn + moe_memory.mlp_params(arch, 1, ep), mla.mla_parameters(arch) - attn + 2 * h
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
     mixer = (h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h) // tp
-    mats = mixer + moe_memory.mlp_params(arch, tp)
+    mats = mixer + moe_memory.mlp_params(arch, tp, ep)
     vecs = 2 * h
     if arch.attention_bias:
         mats += (q + 2 * kv) // tp

@@ -42,7 +42,7 @@ from bmtrain_cli.plan.activations import (
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
-from bmtrain_cli.plan.moe_memory import moe_note
+from bmtrain_cli.plan.moe_memory import all_to_all_bytes, moe_note
 from bmtrain_cli.plan.rollout import rollout_memory
 from bmtrain_cli.plan.workload import (
     CPU_RUNTIME_BYTES,
@@ -93,7 +93,7 @@ def _stage_estimate(  # noqa: C901
         )
 
     # --- parameters of this stage
-    mats, vecs = layer_params(a, tp)
+    mats, vecs = layer_params(a, tp, layout.ep)
     emb = a.vocab_size * a.hidden_size // tp
     stage_params = layers * (mats + vecs)
     if first:
@@ -184,6 +184,12 @@ def _stage_estimate(  # noqa: C901
         comm += tokens * a.hidden_size * e  # all-reduce output of a row-parallel layer
     if layout.stage == 3 and S > 1:
         comm += 2 * (mats + vecs) * pbytes  # gathered weights of the current and the prefetched layer
+    if layout.ep > 1:
+        comm += all_to_all_bytes(a, tokens, e)
+        notes.append(
+            f"expert parallel {layout.ep}: each rank holds {a.num_experts // layout.ep} of the {a.num_experts} "
+            f"experts of every sparse layer; all-to-all rows {format_bytes(all_to_all_bytes(a, tokens, e))}"
+        )
 
     # --- the peak. The trainer frees gradients after each step (clear_grad(set_to_zero=False)), so with
     # one micro-batch per step they grow during the backward while the activations shrink (walk the

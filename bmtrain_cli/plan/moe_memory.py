@@ -20,10 +20,20 @@ def _mean(arch: ModelArch, dense: float, sparse: float) -> float:
     return ((arch.num_hidden_layers - n) * dense + n * sparse) / arch.num_hidden_layers
 
 
-def mlp_params(arch: ModelArch, tp: int) -> int:
-    """Matrix elements of one layer's MLP on one device (the mean over the layers)."""
+def mlp_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
+    """Matrix elements of one layer's MLP on one device (the mean over the layers); under expert parallel
+    ``ep`` a rank holds 1/ep of the routed experts, the router and the shared experts whole."""
     dense = 3 * arch.hidden_size * arch.intermediate_size // tp
-    return int(_mean(arch, dense, moe_parameters(arch))) if arch.num_experts else dense
+    if not arch.num_experts:
+        return dense
+    routed = arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+    return int(_mean(arch, dense, moe_parameters(arch) - routed + routed // ep))
+
+
+def all_to_all_bytes(arch: ModelArch, tokens: int, elem_bytes: int) -> int:
+    """Expert parallel: the rows one sparse layer's all-to-all holds in flight, sent and received (the k
+    routed copies of each token's hidden state, parallel/expert_parallel.py)."""
+    return 2 * tokens * arch.num_experts_per_tok * arch.hidden_size * elem_bytes
 
 
 def mlp_kept_elems(arch: ModelArch, grouped: bool, tp: int) -> float:

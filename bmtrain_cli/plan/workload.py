@@ -45,14 +45,15 @@ class Layout:
     offload_params: bool = False
     pipeline_micro_batches: Optional[int] = None
     cp: int = 1  # context parallel: ranks that split every row
+    ep: int = 1  # expert parallel: ranks that split the experts (a data axis: each sees its own data)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.sharding * self.cp
+        return self.dp * self.tp * self.pp * self.sharding * self.cp * self.ep
 
     @property
     def data_ranks(self) -> int:
-        return self.dp * self.sharding
+        return self.dp * self.sharding * self.ep
 
     @classmethod
     def from_config(cls, config: Any) -> Layout:
@@ -71,6 +72,7 @@ class Layout:
             offload_params=p.offload_params,
             pipeline_micro_batches=p.pipeline_micro_batches,
             cp=p.context_parallel,
+            ep=p.expert_parallel,
         )
 
     def describe(self) -> str:
@@ -79,6 +81,8 @@ class Layout:
             parts.append(f"sharding {self.sharding} (stage {self.stage})")
         if self.cp > 1:
             parts.append(f"context {self.cp}")
+        if self.ep > 1:
+            parts.append(f"expert {self.ep}")
         parts.append(f"micro batch {self.micro_batch}")
         parts.append("recompute " + (self.recompute if self.recompute != "none" else "off"))
         if self.offload_optimizer:

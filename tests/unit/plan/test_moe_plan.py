@@ -90,3 +90,27 @@ def test_bmtrain_plan_says_total_and_active_parameters_and_the_dispatch_buffers(
     # the quickstart's 2 layers, both sparse: 6 of the 8 experts (width 96, hidden 128) idle per token
     assert total - active == 2 * 6 * 3 * 128 * 96
     assert f"router of {128 * 8:,} and experts of {3 * 128 * 96 * 8:,}" in line and "dispatch buffers" in line
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "deepseek_v3"))
+def test_expert_parallel_keeps_a_ranks_share_of_the_routed_experts(name):
+    """Under expert_parallel 2 a rank holds the router, the shared experts, the dense layers and half of
+    every sparse layer's routed experts (parallel/expert_parallel.py drops the others): the plan's layer
+    parameters add up to what rank 0 of the built model keeps."""
+    from bmtrain_cli.models import load_pretrained
+
+    model = load_pretrained(FIXTURES / name)
+    arch = model.arch
+    kept = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    held = sum(
+        int(p.numel())
+        for n, p in model.named_parameters()
+        if (m := kept.search(n)) is None or int(m.group(1)) < arch.num_experts // 2
+    )
+    mats, vecs = layer_params(arch, 1, ep=2)
+    head = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    planned = (
+        arch.num_hidden_layers * (mats + vecs) + arch.vocab_size * arch.hidden_size + head + arch.hidden_size
+    )
+    assert held < count_parameters(arch)
+    assert abs(planned - held) <= 2 * arch.num_hidden_layers + arch.num_experts * 3

@@ -100,6 +100,19 @@ def write_data(root: Path) -> Path:
     return root
 
 
+def _train_steps(cfg: Path, run: Path, sets: List[str], layout: List[str]) -> List[dict]:
+    """Run ``cfg`` through `bmtrain train` (no layout) or `bmtrain run` with ``sets`` and the layout's
+    overrides; the per-step metrics rows, one per step 1..STEPS."""
+    args = [x for o in [*sets, *layout] for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return steps
+
+
 def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str, np.ndarray]:
     """Train through `bmtrain train` (no layout) or `bmtrain run`; per-step loss and grad_norm."""
     out.mkdir(parents=True, exist_ok=True)
@@ -115,15 +128,7 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
             steps=STEPS,
         )
     )
-    args = [x for o in [*sets, f"train_config.max_grad_norm={norm}", *layout] for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rows = [
-        json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
-    ]
-    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    steps = _train_steps(cfg, out / "run", [*sets, f"train_config.max_grad_norm={norm}"], layout)
     got = {k: np.array([float(r[k]) for r in steps]) for k in ("loss", "grad_norm")}
     got["tokens"] = np.array(json.loads((out / "run" / "summary.json").read_text())["tokens_seen"])
     return got
@@ -243,15 +248,7 @@ def run_dpo(base: Path, pairs: Path, out: Path, layout: List[str]) -> Dict[str, 
     cfg = out / "config.yaml"
     text = DPO.format(base=base, seq=SEQ, data=pairs, out=out / "run", steps=STEPS, norm=DPO_CLIP)
     cfg.write_text(text)
-    args = [x for o in layout for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "bmtrain_cli", "run" if layout else "train", "--config", str(cfg), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rows = [
-        json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
-    ]
-    steps = [r for r in rows if "loss" in r and "grad_norm" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    steps = _train_steps(cfg, out / "run", [], layout)
     return {k: np.array([float(r[k]) for r in steps]) for k in DPO_KEYS}
 
 

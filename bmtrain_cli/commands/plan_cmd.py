@@ -77,7 +77,10 @@ def register(app: typer.Typer) -> None:
             f"longest sequence this layout fits: {longest} tokens (the planned rows: {workload.seq_len})"
         )
         if do_search:
-            found = search(workload, dev, per_node, nodes, top=top)
+            from bmtrain_cli.config.layout_admission import layout_admission
+
+            admits = layout_admission(loaded.config, has_gpu=dev.kind == "gpu")
+            found = search(workload, dev, per_node, nodes, top=top, admits=admits)
             found_dict: Dict[str, Any] = {
                 "gpus": per_node,
                 "nodes": nodes,

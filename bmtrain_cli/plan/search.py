@@ -1,11 +1,14 @@
-"""Layout search: enumerate (dp, tp, pp, sharding stage, context parallel, recompute, micro batch, offload)
-for a number of devices, keep the layouts that fit, and rank them by an estimated step time; and the longest
+"""Layout search: enumerate (dp, tp, pp, sharding stage, context parallel, expert parallel, recompute, micro
+batch, offload) for a number of devices, keep the layouts the config admits (``admits``: validate-config's
+checks, config/layout_admission.py) that fit, and rank them by an estimated step time; and the longest
 sequence a layout fits (:func:`longest_sequence`).
 
 Step time = compute (model FLOPs / (device peak x efficiency)), plus the pipeline bubble, plus the
 communication that does not overlap: the data-parallel gradient all-reduce (or the sharded
 reduce-scatter + all-gather), tensor-parallel all-reduces of every layer, pipeline sends, the context
-group's ring exchanges of K/V (and their gradients) in every layer, and host copies when offloading. Bandwidth is the intra-node link when a group fits in a node, else the
+group's ring exchanges of K/V (and their gradients) in every layer, the expert group's all-to-alls of the
+routed rows in every sparse layer, and host copies when offloading. A mixture of experts computes with its
+active parameters (the top-k experts a token passes). Bandwidth is the intra-node link when a group fits in a node, else the
 inter-node one. It is a ranking model, not a stopwatch.
 """
 
@@ -13,9 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from bmtrain_cli.models.param_count import count_parameters
+from bmtrain_cli.models.param_count import count_parameters, sparse_layers
 from bmtrain_cli.plan.activations import lora_layer_params
 from bmtrain_cli.plan.devices import Device
 from bmtrain_cli.plan.estimator import estimate_layout
@@ -50,8 +53,11 @@ def _divisors(n: int) -> List[int]:
 def model_flops_per_token(w: Workload, recompute: str) -> float:
     """Training FLOPs per token (forward + backward, plus the recomputed forward)."""
     a = w.arch
-    # every weight but the input embedding (a lookup) is a matmul; a tied matrix counts once, as the head
-    n_matmul = count_parameters(a) - (0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size)
+    # every weight but the input embedding (a lookup) is a matmul; a tied matrix counts once, as the head;
+    # a sparse layer runs its router and the top-k experts of each token
+    n_matmul = count_parameters(a, active=True) - (
+        0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    )
     attn = 2 * w.seq_len * a.num_attention_heads * a.head_dim * a.num_hidden_layers  # causal: half of 4 s q
     fwd = 2 * n_matmul + attn
     if w.finetuning == "lora":
@@ -107,17 +113,10 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
     # data parallel / sharding: gradient all-reduce (reduce-scatter + all-gather) once per step
     dp_comm = 0.0
     if layout.data_ranks > 1:
-        if w.finetuning == "lora":
-            trainable = a.num_hidden_layers * lora_layer_params(w, 1)
-        else:
-            trainable = count_parameters(a)
-        grad_bytes = trainable * pbytes / (layout.tp * layout.pp)
-        d = layout.data_ranks
-        volume = 2 * (d - 1) / d * grad_bytes
-        if layout.sharding > 1 and layout.stage == 3:
-            volume *= 1.5  # weights gathered again in the backward
-        dp_comm = volume / bw(d, layout.tp)
-        dp_comm *= 0.5  # bucketed all-reduce overlaps with the backward of earlier layers
+        # bucketed all-reduce overlaps with the backward of earlier layers: half of it shows
+        dp_comm = (
+            0.5 * _data_parallel_bytes(w, layout, pbytes, micro_per_rank) / bw(layout.data_ranks, layout.tp)
+        )
 
     pp_comm = 0.0
     if layout.pp > 1:
@@ -125,6 +124,9 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
         pp_comm = 2 * micro_per_rank * msg / bw(layout.pp, layout.tp * layout.data_ranks)
 
     cp_comm = micro_per_rank * _ring_bytes(w, layout, e) / bw(layout.cp, layout.tp) if layout.cp > 1 else 0.0
+    ep_comm = 0.0
+    if layout.ep > 1:
+        ep_comm = micro_per_rank * _all_to_all_bytes(w, layout, e) / bw(layout.ep, layout.tp * layout.cp)
     offload = 0.0
     if layout.offload_optimizer or layout.offload_params:
         n: float = (
@@ -143,6 +145,7 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
         "data_parallel_comm": dp_comm,
         "pipeline_comm": pp_comm,
         "context_parallel_comm": cp_comm,
+        "expert_parallel_comm": ep_comm,
         "offload": offload,
     }
     parts["total"] = sum(parts.values())
@@ -159,6 +162,51 @@ def _ring_bytes(w: Workload, layout: Layout, e: int) -> float:
     return a.num_hidden_layers * ((forwards + 1) * (layout.cp - 1) * kv * e + layout.cp * kv * 4)
 
 
+def _data_parallel_bytes(w: Workload, layout: Layout, pbytes: int, micro_per_rank: int) -> float:
+    """Bytes one data rank sends per step: the gradients' all-reduce (the routed experts', 1/ep of them on a
+    rank, over their replica group only); under sharding stage 3 a reduce-scatter of the gradients (half an
+    all-reduce) and every weight, frozen ones too, gathered in the forward and again in the backward of each
+    micro-batch."""
+    a = w.arch
+    trainable = (
+        a.num_hidden_layers * lora_layer_params(w, 1) if w.finetuning == "lora" else count_parameters(a)
+    )
+    d = layout.data_ranks
+    routed = _routed_expert_params(w) if layout.ep > 1 else 0
+    replicas = d // layout.ep
+    grads = 2 * (d - 1) / d * (trainable - routed) + 2 * (replicas - 1) / replicas * routed / layout.ep
+    if layout.sharding > 1 and layout.stage == 3:
+        return (
+            (grads / 2 + micro_per_rank * 2 * (d - 1) / d * count_parameters(a))
+            * pbytes
+            / (layout.tp * layout.pp)
+        )
+    return grads * pbytes / (layout.tp * layout.pp)
+
+
+def _routed_expert_params(w: Workload) -> int:
+    """Parameters of every routed expert of the model (full fine-tuning trains them; LoRA under expert
+    parallel keeps its adapters off the experts, validate-config refuses them there)."""
+    a = w.arch
+    return (
+        0
+        if w.finetuning == "lora"
+        else sparse_layers(a) * a.num_experts * 3 * a.hidden_size * a.moe_intermediate_size
+    )
+
+
+def _all_to_all_bytes(w: Workload, layout: Layout, e: int) -> float:
+    """Bytes one rank of an expert group sends per micro-batch (parallel/expert_parallel.py): in every sparse
+    layer the k routed rows of each token go out to the experts' ranks and come back (the dispatch and the
+    combine), forward and backward, and again when the forward is recomputed; (ep - 1) / ep of them leave
+    the rank."""
+    a = w.arch
+    rows = w.micro_sequences(layout) * w.seq_len * a.num_experts_per_tok
+    exchanges = 6 if layout.recompute == "full" else 4
+    layers = -(-sparse_layers(a) // layout.pp)
+    return layers * exchanges * rows * a.hidden_size * e * (layout.ep - 1) / layout.ep
+
+
 def _complexity(layout: Layout) -> int:
     """Tie-breaker: simpler layouts first (fewer axes, lower stage, no offload)."""
     return (
@@ -169,6 +217,7 @@ def _complexity(layout: Layout) -> int:
         + 3 * layout.offload_params
         + (layout.recompute != "none")
         + (layout.cp > 1)
+        + (layout.ep > 1)
     )
 
 
@@ -179,6 +228,13 @@ def context_degrees(w: Workload, tp: int, pp: int, ranks: int) -> List[int]:
     if tp > 1 or pp > 1 or w.method.sample != "sequence":
         return [1]
     return [c for c in _divisors(ranks) if c == 1 or w.seq_len % (2 * c) == 0]
+
+
+def expert_degrees(w: Workload, ranks: int) -> List[int]:
+    """The expert-parallel degrees that split every MoE layer's experts evenly over some of ``ranks`` data
+    ranks (1 for a dense model); which of them a config admits with the other axes is validate-config's to
+    say (``admits`` of :func:`search`)."""
+    return [e for e in _divisors(ranks) if e == 1 or (w.arch.num_experts and w.arch.num_experts % e == 0)]
 
 
 def enumerate_layouts(w: Workload, world: int, device: Device) -> List[Layout]:
@@ -193,21 +249,23 @@ def enumerate_layouts(w: Workload, world: int, device: Device) -> List[Layout]:
             if pp > a.num_hidden_layers:
                 continue
             for cp in context_degrees(w, tp, pp, world // (tp * pp)):
-                out += _data_layouts(w, world, tp, pp, cp)
+                for ep in expert_degrees(w, world // (tp * pp * cp)):
+                    out += _data_layouts(w, world, tp, pp, cp, ep)
     return out
 
 
-def _data_layouts(w: Workload, world: int, tp: int, pp: int, cp: int) -> List[Layout]:
-    """The layouts of the data axes, micro batch, recompute and offload for one (tp, pp, cp)."""
+def _data_layouts(w: Workload, world: int, tp: int, pp: int, cp: int, ep: int = 1) -> List[Layout]:
+    """The layouts of the data axes, micro batch, recompute and offload for one (tp, pp, cp, ep)."""
     out: List[Layout] = []
-    ranks = world // (tp * pp * cp)
+    ranks = world // (tp * pp * cp)  # data ranks, ep of which split the experts
     if w.global_batch % ranks:
         return out
     per_rank = w.global_batch // ranks
+    replicas = ranks // ep
     shard_opts = (
-        [(ranks, 1, 1)]
-        if ranks == 1 or cp > 1  # context parallel composes with plain data parallel
-        else [(ranks, 1, 1)] + [(1, ranks, st) for st in (1, 2, 3) if not (st >= 2 and pp > 1)]
+        [(replicas, 1, 1)]
+        if replicas == 1 or cp > 1 or ep > 1  # context and expert parallel compose with plain data parallel
+        else [(replicas, 1, 1)] + [(1, replicas, st) for st in (1, 2, 3) if not (st >= 2 and pp > 1)]
     )
     for dp, sharding, stage in shard_opts:
         for mb in (1, 2, 4, 8, 16, 32):
@@ -233,18 +291,35 @@ def _data_layouts(w: Workload, world: int, tp: int, pp: int, cp: int) -> List[La
                             offload_params=off_par,
                             pipeline_micro_batches=(per_rank // mb) if pp > 1 else None,
                             cp=cp,
+                            ep=ep,
                         )
                     )
     return out
 
 
-def search(w: Workload, device: Device, gpus: int, nodes: int = 1, top: int = 10) -> Dict[str, Any]:
-    """Rank the layouts of ``gpus`` x ``nodes`` devices that fit. Returns best, ranked (top), counts."""
+def layout_axes(layout: Layout) -> Tuple[int, ...]:
+    """The layout's parallel axes in the order of config/layout_admission.py's AXES."""
+    return (layout.dp, layout.tp, layout.pp, layout.sharding, layout.stage, layout.cp, layout.ep)
+
+
+def search(
+    w: Workload,
+    device: Device,
+    gpus: int,
+    nodes: int = 1,
+    top: int = 10,
+    admits: Optional[Callable[[Tuple[int, ...]], bool]] = None,
+) -> Dict[str, Any]:
+    """Rank the layouts of ``gpus`` x ``nodes`` devices that fit. ``admits``: whether the config accepts a
+    layout's axes (:func:`layout_axes`); ``bmtrain plan`` passes validate-config's checks. Returns best,
+    ranked (top), counts."""
     world = gpus * nodes
     device = replace(device, gpus_per_node=gpus)
     fitting: List[Candidate] = []
     tried = 0
     for layout in enumerate_layouts(w, world, device):
+        if admits is not None and not admits(layout_axes(layout)):
+            continue
         tried += 1
         mem = estimate_layout(w, layout, device)
         if not mem.fits:
@@ -298,6 +373,8 @@ def yaml_block(layout: Layout) -> str:
     ]
     if layout.cp > 1:
         lines.append(f"  context_parallel: {layout.cp}")
+    if layout.ep > 1:
+        lines.append(f"  expert_parallel: {layout.ep}")
     if layout.offload_optimizer:
         lines.append("  offload_optimizer: true")
     if layout.offload_params:

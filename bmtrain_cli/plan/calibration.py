@@ -1,8 +1,8 @@
 """Check the CPU memory estimate against real `bmtrain train` runs.
 
 Each case is a small config (sizes, sequence lengths, batch sizes, recompute off/attention/full/partial,
-batching modes, accumulation, offload, LoRA, reference kernels, context parallel) trained for a few steps by
-`bmtrain train` in its own process (`bmtrain run` for context parallel: rank 0's summary); summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
+batching modes, accumulation, offload, LoRA, reference kernels, context and expert parallel) trained for a few steps by
+`bmtrain train` in its own process (`bmtrain run` for context and expert parallel: rank 0's summary); summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
 started to be built) is compared with :func:`bmtrain_cli.plan.estimator.estimate`, which is what
 `bmtrain plan --config <case> --device cpu` prints (tokenizer and data read as the trainer reads them).
 Used by tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir
@@ -108,6 +108,19 @@ CASES: Dict[str, tuple] = {
     # context parallel (`bmtrain run`, rank 0's peak): rows of 4096 tokens split over 2 and 4 ranks
     "h192-l2-s4096-b1-cp2": (192, 512, 2, 6, 2, 4096, 1, "none", {"parallel": {"context_parallel": 2}}),
     "h192-l2-s4096-b1-cp4-full": (192, 512, 2, 6, 2, 4096, 1, "full", {"parallel": {"context_parallel": 4}}),
+    # expert parallel (`bmtrain run`, rank 0's peak): the mixture of experts above, its experts split over 2
+    # ranks (4 of 8 each), the routed rows sent to their owners and back by all-to-all
+    "h192-l3-s256-b4-moe-ep2": (
+        192,
+        512,
+        3,
+        6,
+        2,
+        256,
+        4,
+        "none",
+        {"model": MOE_CASE, "parallel": {"expert_parallel": 2}},
+    ),
 }
 
 
@@ -207,7 +220,7 @@ def run_case(
     # the estimate models the static kernel order; auto's timing on a CPU may take a reference composition
     # that keeps more activations (docs/plan.md), which is a choice, not an error of the memory model
     env.setdefault("BMTRAIN_KERNEL_CHOICE", "static")
-    launch = "run" if CASES[name][8].get("parallel", {}).get("context_parallel", 1) > 1 else "train"
+    launch = "run" if any(n > 1 for n in CASES[name][8].get("parallel", {}).values()) else "train"
     proc = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", launch, "--config", str(cfg_path)],
         capture_output=True,

@@ -108,6 +108,18 @@ CASES: Dict[str, tuple] = {
     # context parallel (`bmtrain run`, rank 0's peak): rows of 4096 tokens split over 2 and 4 ranks
     "h192-l2-s4096-b1-cp2": (192, 512, 2, 6, 2, 4096, 1, "none", {"parallel": {"context_parallel": 2}}),
     "h192-l2-s4096-b1-cp4-full": (192, 512, 2, 6, 2, 4096, 1, "full", {"parallel": {"context_parallel": 4}}),
+    # the ulysses mode: the same rows, heads and sequence traded by an all-to-all around the fused kernel
+    "h192-l2-s4096-b1-cp2-ulysses": (
+        192,
+        512,
+        2,
+        6,
+        2,
+        4096,
+        1,
+        "none",
+        {"parallel": {"context_parallel": 2, "context_parallel_mode": "ulysses"}},
+    ),
 }
 
 

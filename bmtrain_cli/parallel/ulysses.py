@@ -48,6 +48,7 @@ class UlyssesCore:
     None) and ``whole``, the model's attention over whole rows of its heads."""
 
     def __init__(self, ring: Any) -> None:
+        self.ring = ring  # the group's sums of partial log-probs (preference/logps.py) run over it
         self.group = ExpertGroup(ring.group, ring.ranks, ring.rank, pairs=ring.pairs)
 
     def __call__(

@@ -438,7 +438,7 @@ def check_config(  # noqa: C901
     check_preference(config, err, warn)
     check_grpo(config, err)
     check_recipe(config, err)
-    check_context(config, arch, err, paddle_has_gpu() if has_gpu is None else has_gpu)
+    check_context(config, arch, err)
     check_expert_parallel(config, arch, err)
 
     # --- data

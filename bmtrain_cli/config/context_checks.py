@@ -1,5 +1,6 @@
 """validate-config checks of context parallel (parallel_config.context_parallel > 1): what the ring
-attention of parallel/ring_attention.py runs today. Each refusal says why."""
+attention of parallel/ring_attention.py and the all-to-all of parallel/ulysses.py run today. Each refusal
+says why."""
 
 from __future__ import annotations
 
@@ -9,19 +10,12 @@ from bmtrain_cli.methods import method_of
 from bmtrain_cli.models.rope import rope_type
 
 
-def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: bool) -> None:
+def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
     p, m, t = config.parallel, config.model, config.train
     n = p.context_parallel
     if n == 1:
         return
     key = "parallel_config.context_parallel"
-    if p.context_parallel_mode == "ulysses":
-        why = (
-            "it needs an all-to-all of heads and sequence, which gloo (Paddle's CPU backend) does not have"
-            if not has_gpu
-            else "only the ring mode is implemented"
-        )
-        err("parallel_config.context_parallel_mode", f"context_parallel_mode ulysses: {why}", "use mode ring")
     if m.max_seq_len % (2 * n):
         err(
             "model_config.max_seq_len",
@@ -53,6 +47,22 @@ def check_context(config: Any, arch: Any, err: Callable[..., None], has_gpu: boo
             "set context_parallel: 1 for this method",
         )
     _check_arch(arch, m.max_seq_len, err)
+    if p.context_parallel_mode == "ulysses" and arch is not None:
+        _check_ulysses(arch, n, p.tensor_parallel, err)
+
+
+def _check_ulysses(arch: Any, n: int, tp: int, err: Callable[..., None]) -> None:
+    """The ulysses mode (parallel/ulysses.py) gives each rank of the group 1/N of a tensor rank's query and
+    KV heads."""
+    heads, kv = arch.num_attention_heads // tp, arch.num_key_value_heads // tp
+    if kv % n:
+        err(
+            "parallel_config.context_parallel_mode",
+            f"context_parallel_mode ulysses gives each of the {n} ranks of a context group 1/{n} of the KV "
+            f"heads, but a rank holds {kv} ({arch.num_key_value_heads} KV heads / tensor_parallel {tp}) for "
+            f"{heads} query heads: not divisible by context_parallel {n}",
+            "use context_parallel_mode: ring (any number of heads) or a degree that divides the KV heads",
+        )
 
 
 def _check_arch(arch: Optional[Any], max_seq_len: int, err: Callable[..., None]) -> None:

@@ -48,8 +48,14 @@ class ParallelConfig(_Section):
         description="threshold compression: gradient entries below this magnitude wait in the residual",
     )
     fault_timeout_s: float = Field(60.0, gt=0, description="Seconds before a stuck collective aborts.")
-    context_parallel: int = Field(1, gt=0, description="Ranks that split every sequence (ring attention).")
-    context_parallel_mode: Literal["ring", "ulysses"] = "ring"
+    context_parallel: int = Field(
+        1, gt=0, description="Ranks that split every sequence (context_parallel_mode)."
+    )
+    context_parallel_mode: Literal["ring", "ulysses"] = Field(
+        "ring",
+        description="ring: K/V travel round the group; ulysses: an all-to-all of heads and sequence "
+        "(KV heads per tensor rank divisible by context_parallel).",
+    )
     expert_parallel: int = Field(
         1,
         gt=0,

@@ -34,6 +34,7 @@ and blocked take fewer KV heads than query heads as they are; only the eager ref
 
 from __future__ import annotations
 
+import functools
 from typing import Any, List, Optional, Protocol, Tuple
 
 import paddle
@@ -72,8 +73,8 @@ class AttentionCore(Protocol):
 
 class ContextShard:
     """The mask of a rank's share of each sequence under context parallel: attention runs ``core`` (the
-    context group's ring attention, parallel/ring_attention.py RingCore) with the whole rows' segment ids
-    [b, S] (None: plain causal rows)."""
+    context group's ring attention, parallel/ring_attention.py RingCore, or its all-to-all of heads,
+    parallel/ulysses.py UlyssesCore) with the whole rows' segment ids [b, S] (None: plain causal rows)."""
 
     def __init__(self, core: Any, segment_ids: Optional[paddle.Tensor]) -> None:
         self.core = core
@@ -306,8 +307,11 @@ def attend(
     sliding window the mask does not hold (a bias holds its own); ``softcap``: the scores become
     softcap * tanh(scores / softcap) before the mask (Gemma 2), which only the blocked and the eager
     kernels compute."""
-    if isinstance(mask, ContextShard):
-        return mask.core(q, k, v, mask.segment_ids)
+    if isinstance(mask, ContextShard):  # the context group's core; ``whole``: this attention over whole rows
+        whole = functools.partial(
+            attend, implementation=implementation, training=training, cpu_kernel=cpu_kernel
+        )
+        return mask.core(q, k, v, mask.segment_ids, whole)
     held = mask if isinstance(mask, SegmentIds) else None
     if held is not None:
         mask = held.ids

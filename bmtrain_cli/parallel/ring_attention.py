@@ -46,13 +46,18 @@ def local_indices(seq_len: int, degree: int, rank: int) -> np.ndarray:
 
 class Ring:
     """One context group as the ring attention sees it: this rank's index, the group's size, and the
-    exchange with the ring's neighbours (send to the next rank, receive from the previous one)."""
+    exchange with the ring's neighbours (send to the next rank, receive from the previous one). ``pairs``:
+    a group per pair of members for the ulysses mode's all-to-all on the CPU build (cpu_compat.pair_groups),
+    else None."""
 
-    def __init__(self, group: Any, ranks: Sequence[int], rank: int) -> None:
+    def __init__(
+        self, group: Any, ranks: Sequence[int], rank: int, pairs: Optional[Dict[Tuple[int, int], Any]] = None
+    ) -> None:
         self.group = group
         self.ranks = list(ranks)  # global ranks, in ring order
         self.rank = int(rank)  # index in the ring
         self.degree = len(self.ranks)
+        self.pairs = pairs
 
     def exchange(self, tensors: List[paddle.Tensor]) -> List[paddle.Tensor]:
         """Send ``tensors`` to the next rank and receive the previous rank's (same shapes and dtypes)."""
@@ -98,11 +103,14 @@ class ContextSum(PyLayer):
         return ctx.ring.all_reduce(dy.clone())
 
 
-def context_ring(hcg: Any, degree: int) -> Ring:
+def context_ring(hcg: Any, degree: int, pairs: bool = False) -> Ring:
     """This rank's :class:`Ring`: fleet's data-parallel groups cut into consecutive groups of ``degree``
     (every rank creates every group, in the same order, with a barrier after each: several gloo groups
-    created back to back hang without one)."""
+    created back to back hang without one). ``pairs``: also a group per pair of members (the ulysses
+    mode's all-to-all on gloo; a group of two is its own pair)."""
     import paddle.distributed as dist
+
+    from bmtrain_cli.parallel.cpu_compat import pair_groups
 
     mine = None
     me = dist.get_rank()
@@ -111,8 +119,11 @@ def context_ring(hcg: Any, degree: int) -> Ring:
             ranks = list(data_ranks[i : i + degree])
             group = dist.new_group(ranks)
             dist.barrier()
+            held = None
+            if pairs:
+                held = {(0, 1): group} if degree == 2 else pair_groups(ranks)
             if me in ranks:
-                mine = Ring(group, ranks, ranks.index(me))
+                mine = Ring(group, ranks, ranks.index(me), held)
     assert mine is not None  # every rank lies in one data-parallel group
     return mine
 
@@ -299,14 +310,21 @@ class RingAttention(PyLayer):
 
 class RingCore:
     """The attention core of one context group (models/attention.py ``ContextShard.core``): q [b, 2c, h, d],
-    k/v [b, 2c, hk, d] of this rank's chunks, optional int segment ids [b, S] of the whole rows."""
+    k/v [b, 2c, hk, d] of this rank's chunks, optional int segment ids [b, S] of the whole rows. The ring
+    attends in blocks itself: the model's attention over whole rows (``whole``, which the ulysses mode
+    runs, parallel/ulysses.py) is not needed."""
 
     def __init__(self, ring: Any, block: int = RING_BLOCK) -> None:
         self.ring = ring
         self.block = int(block)
 
     def __call__(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segment_ids: Optional[paddle.Tensor]
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        segment_ids: Optional[paddle.Tensor],
+        whole: Any = None,
     ) -> paddle.Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
         return RingAttention.apply(q, k, v, seg, self.ring, self.block)

@@ -147,7 +147,8 @@ def start_fleet(config: Config, start_watchdog: Optional[Callable[[Config], Any]
     if config.parallel.context_parallel > 1:
         from bmtrain_cli.parallel.ring_attention import context_ring
 
-        ctx.context_ring = context_ring(hcg, config.parallel.context_parallel)
+        ulysses_on_gloo = on_cpu and config.parallel.context_parallel_mode == "ulysses"
+        ctx.context_ring = context_ring(hcg, config.parallel.context_parallel, pairs=ulysses_on_gloo)
     if config.parallel.expert_parallel > 1:
         from bmtrain_cli.parallel.expert_parallel import expert_group
 

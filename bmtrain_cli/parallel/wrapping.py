@@ -96,10 +96,18 @@ class ModelWrapper:
     def attach_context(self, model: Any) -> Any:
         """Give a model this rank's context group as its attention core on context-parallel shares (the
         training model in wrap_model; a frozen reference copy); the model itself."""
-        if self._ctx.context_ring is not None:
+        ring = self._ctx.context_ring
+        if ring is None:
+            return model
+        config = self._ctx.config
+        if config is not None and config.parallel.context_parallel_mode == "ulysses":
+            from bmtrain_cli.parallel.ulysses import UlyssesCore
+
+            model.context_attention = UlyssesCore(ring)
+        else:
             from bmtrain_cli.parallel.ring_attention import RingCore
 
-            model.context_attention = RingCore(self._ctx.context_ring)
+            model.context_attention = RingCore(ring)
         return model
 
     def shard_experts(self, model: Any) -> str:

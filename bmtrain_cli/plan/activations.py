@@ -129,15 +129,24 @@ def fused_cpu_attention(w: Workload, device: Device) -> bool:
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
     """The kernel training runs (models/attention_choice.py): a flash, fused CPU or blocked one keeps no
     score matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer.
-    Under context parallel every layer runs the ring (parallel/ring_attention.py)."""
-    if layout.cp > 1:
+    Under context parallel every layer runs the ring (parallel/ring_attention.py), or in the ulysses mode
+    (parallel/ulysses.py) the kernel one process runs, over whole rows of 1/cp of the heads."""
+    if layout.cp > 1 and layout.cp_mode == "ring":
         return "ring"
-    kind = training_mask_kind(w.arch, w.seq_len, w.packed, layout.pp > 1)
+    row = attention_row(w, layout)
+    kind = training_mask_kind(w.arch, row, w.packed, layout.pp > 1)
     gpu = device.kind != "cpu"
     half = w.precision in ("bf16", "fp16")
     fused = fused_cpu_attention(w, device)
     softcap = getattr(w.arch, "attn_logit_softcapping", None) is not None
-    return choose_kernel(kind, w.attention, half, gpu, seq_len=w.seq_len, fused_cpu=fused, softcap=softcap)[0]
+    return choose_kernel(kind, w.attention, half, gpu, seq_len=row, fused_cpu=fused, softcap=softcap)[0]
+
+
+def attention_row(w: Workload, layout: Layout) -> int:
+    """The row length the attention kernel sees: under the ulysses mode whole rows (the estimator's
+    ``w.seq_len`` is then a rank's share), else ``w.seq_len``. Per token of the share, a kernel's
+    per-head state over the keys is then heads / cp x cp x share = heads x row."""
+    return w.seq_len * layout.cp if layout.cp_mode == "ulysses" else w.seq_len
 
 
 def _keeps_scores(kernel: str, device: Device) -> bool:
@@ -186,6 +195,8 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     # heads (and the per-query log-sum-exp, below)
     core_in = (3 * q if (n_rep > 1 and scores) else q + 2 * kv) / tp
     attn_out = q / tp
+    if layout.cp_mode == "ulysses":  # the kernel keeps its output beside the all-to-all's back to the share
+        attn_out *= 2
     if a.kv_lora_rank:  # latent attention: the core's q, k, v at one width, and the latents before them
         core_in, attn_out = latent_attention_elems(a), a.num_attention_heads * a.v_head_dim
     # gate, up (SwiGLU inputs), SwiGLU output; a mixture of experts' router and dispatched rows
@@ -193,7 +204,7 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
     core = 0.0
     if mode == "none":
         if scores:
-            core = heads * w.seq_len  # softmax probabilities [b, heads, s, s] (per token: heads x s)
+            core = heads * attention_row(w, layout)  # probabilities [b, heads, s, s] (per token: heads x s)
         else:
             core = heads  # log-sum-exp
     if a.qk_norm:
@@ -253,14 +264,13 @@ def layer_activations(
     kernel = attention_kernel(w, device, layout)
     heads = a.num_attention_heads / layout.tp
     mlp_freed = 3 * a.intermediate_size / layout.tp + 2 * a.hidden_size
+    row = attention_row(w, layout)
     if _keeps_scores(kernel, device):
-        work = max(work, (2 * heads * w.seq_len - mlp_freed) * tokens * e)
+        work = max(work, (2 * heads * row - mlp_freed) * tokens * e)
     elif kernel == "blocked":
         q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
         per_token = (
-            4 * q_el
-            + 2 * kv_el * 4 / e
-            + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, w.seq_len) * 4 / e
+            4 * q_el + 2 * kv_el * 4 / e + BLOCKED_TEMPORARIES * heads * min(ATTENTION_BLOCK, row) * 4 / e
         )
         work = max(work, (per_token - mlp_freed) * tokens * e)
     elif kernel == "ring":
@@ -295,7 +305,8 @@ def no_grad_forward_bytes(w: Workload, device: Device, layout: Layout) -> int:
     tokens = w.micro_sequences(layout) * w.seq_len
     heads = a.num_attention_heads / layout.tp
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim / layout.tp
-    scores = 2 * heads * w.seq_len if _keeps_scores(attention_kernel(w, device, layout), device) else heads
+    row = attention_row(w, layout)
+    scores = 2 * heads * row if _keeps_scores(attention_kernel(w, device, layout), device) else heads
     attention = a.hidden_size + qkv + scores
     mlp = a.hidden_size + 4 * a.intermediate_size / layout.tp
     return int(max(attention, mlp) * tokens * act_bytes(w))

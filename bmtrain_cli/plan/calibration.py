@@ -108,6 +108,18 @@ CASES: Dict[str, tuple] = {
     # context parallel (`bmtrain run`, rank 0's peak): rows of 4096 tokens split over 2 and 4 ranks
     "h192-l2-s4096-b1-cp2": (192, 512, 2, 6, 2, 4096, 1, "none", {"parallel": {"context_parallel": 2}}),
     "h192-l2-s4096-b1-cp4-full": (192, 512, 2, 6, 2, 4096, 1, "full", {"parallel": {"context_parallel": 4}}),
+    # the ulysses mode: the same rows, heads and sequence traded by an all-to-all around the fused kernel
+    "h192-l2-s4096-b1-cp2-ulysses": (
+        192,
+        512,
+        2,
+        6,
+        2,
+        4096,
+        1,
+        "none",
+        {"parallel": {"context_parallel": 2, "context_parallel_mode": "ulysses"}},
+    ),
     # expert parallel (`bmtrain run`, rank 0's peak): the mixture of experts above, its experts split over 2
     # ranks (4 of 8 each), the routed rows sent to their owners and back by all-to-all
     "h192-l3-s256-b4-moe-ep2": (
@@ -220,7 +232,8 @@ def run_case(
     # the estimate models the static kernel order; auto's timing on a CPU may take a reference composition
     # that keeps more activations (docs/plan.md), which is a choice, not an error of the memory model
     env.setdefault("BMTRAIN_KERNEL_CHOICE", "static")
-    launch = "run" if any(n > 1 for n in CASES[name][8].get("parallel", {}).values()) else "train"
+    degrees = [n for n in CASES[name][8].get("parallel", {}).values() if isinstance(n, int)]
+    launch = "run" if any(n > 1 for n in degrees) else "train"
     proc = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", launch, "--config", str(cfg_path)],
         capture_output=True,

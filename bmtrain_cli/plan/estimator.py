@@ -32,6 +32,7 @@ from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.activations import (
     act_bytes,
     attention_kernel,
+    attention_row,
     dequantization_workspace,
     layer_activations,
     layer_params,
@@ -87,9 +88,10 @@ def _stage_estimate(  # noqa: C901
         w = replace(w, precision="fp32")
     if layout.cp > 1:  # each rank holds 1/cp of every row (parallel/ring_attention.py)
         w = replace(w, seq_len=-(-w.seq_len // (2 * layout.cp)) * 2)
+        how = "the ring attention's" if layout.cp_mode == "ring" else "the ulysses all-to-all's"
         notes.append(
             f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
-            "(the ring attention's; calibrated against `bmtrain run` on CPU)"
+            f"({how}; calibrated against `bmtrain run` on CPU)"
         )
 
     # --- parameters of this stage
@@ -163,7 +165,8 @@ def _stage_estimate(  # noqa: C901
     if a.num_experts:
         notes.append(moe_note(a, tokens, e))
     if attention_kernel(w, device, layout) in ("grouped_mask", "sdpa_mask", "eager"):
-        acts += tokens * w.seq_len * e  # the additive mask [b, 1, s, s]
+        row = attention_row(w, layout)
+        acts += tokens * row * e * row // w.seq_len  # the additive mask [b, 1, s, s] (s: the kernel's rows)
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)
     loss_kept, loss_transient = loss_bytes(w, device, layout, last)

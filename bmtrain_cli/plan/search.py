@@ -155,10 +155,16 @@ def step_time(w: Workload, layout: Layout, device: Device, nodes: int = 1) -> Di
 def _ring_bytes(w: Workload, layout: Layout, e: int) -> float:
     """Bytes one rank of a context group sends per micro-batch (parallel/ring_attention.py, blocking
     send/recv, so none of it overlaps): each layer's forward passes this rank's K/V on cp - 1 times, its
-    backward the K/V again and their fp32 gradients cp times."""
+    backward the K/V again and their fp32 gradients cp times. The ulysses mode's two all-to-alls send
+    (cp - 1) / cp of q, k, v and of the output in the forward, their gradients in the backward."""
     a = w.arch
     kv = layout.micro_batch * w.seq_len // layout.cp * 2 * a.num_key_value_heads * a.head_dim
     forwards = 2 if layout.recompute == "full" else 1
+    if (
+        layout.cp_mode == "ulysses"
+    ):  # parallel/ulysses.py: q, k, v and the output, each way, (cp-1)/cp of them
+        q = kv // (2 * a.num_key_value_heads) * a.num_attention_heads
+        return a.num_hidden_layers * (forwards + 1) * (q + kv + q) * e * (layout.cp - 1) / layout.cp
     return a.num_hidden_layers * ((forwards + 1) * (layout.cp - 1) * kv * e + layout.cp * kv * 4)
 
 

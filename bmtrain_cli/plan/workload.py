@@ -45,6 +45,7 @@ class Layout:
     offload_params: bool = False
     pipeline_micro_batches: Optional[int] = None
     cp: int = 1  # context parallel: ranks that split every row
+    cp_mode: str = "ring"  # ring | ulysses (parallel/ulysses.py): how the attention sees the rows
     ep: int = 1  # expert parallel: ranks that split the experts (a data axis: each sees its own data)
 
     @property
@@ -72,6 +73,7 @@ class Layout:
             offload_params=p.offload_params,
             pipeline_micro_batches=p.pipeline_micro_batches,
             cp=p.context_parallel,
+            cp_mode=p.context_parallel_mode if p.context_parallel > 1 else "ring",
             ep=p.expert_parallel,
         )
 
@@ -80,7 +82,7 @@ class Layout:
         if self.sharding > 1:
             parts.append(f"sharding {self.sharding} (stage {self.stage})")
         if self.cp > 1:
-            parts.append(f"context {self.cp}")
+            parts.append(f"context {self.cp}" + (" (ulysses)" if self.cp_mode == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"expert {self.ep}")
         parts.append(f"micro batch {self.micro_batch}")

@@ -5,6 +5,7 @@ samples), a tiny grouped-query model (4 heads, 2 KV heads), 4 optimizer steps of
 diverges from step 2.
 Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024 (cp2) and 512 (cp4).
 Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
+the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows;
 DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
@@ -57,6 +58,7 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     ),
 }
 CP2, CP4 = ["parallel_config.context_parallel=2"], ["parallel_config.context_parallel=4"]
+ULYSSES2 = CP2 + ["parallel_config.context_parallel_mode=ulysses"]
 LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("long", "cp2", CP2),
     ("long", "cp4", CP4),
@@ -70,6 +72,8 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ),
     ("packed", "cp2", CP2),
     ("lora", "cp2", CP2),
+    ("long", "ulysses cp2", ULYSSES2),
+    ("packed", "ulysses cp2", ULYSSES2),
 ]
 
 
@@ -274,19 +278,24 @@ def test_dpo_context_parallel_matches_one_process(tmp_path, dpo_single):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
-if __name__ == "__main__":  # the table for docs/parallel.md
+if __name__ == "__main__":  # the table for docs/parallel.md; an argument: only the layouts naming it
     import tempfile
 
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
     with tempfile.TemporaryDirectory() as tmp:
         root = write_data(Path(tmp))
         refs: Dict[str, Dict[str, np.ndarray]] = {}
         print("| rows | layout | max rel. diff loss | max rel. diff grad_norm |\n|---|---|---|---|")
         for i, (model, name, layout) in enumerate(LAYOUTS):
+            if only not in name:
+                continue
             if model not in refs:
                 refs[model] = run_layout(root, Path(tmp) / f"single-{model}", model, [])
             got = run_layout(root, Path(tmp) / f"run-{i}", model, layout)
             d = [max_rel_diff(got[k], refs[model][k]) for k in ("loss", "grad_norm")]
             print(f"| {model} | {name} | {d[0]:.1e} | {d[1]:.1e} |", flush=True)
+        if only:
+            sys.exit(0)
         base = Path(tmp) / "single-long" / "run" / "checkpoints" / f"step-{STEPS}"
         pairs = write_pairs(Path(tmp))
         want = run_dpo(base, pairs, Path(tmp) / "dpo-single", [])

@@ -34,7 +34,11 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
     [
         ({"seq": 250}, 4, "not divisible by 2 x context_parallel (4)"),
         ({"cp": 3, "seq": 256}, 4, "not divisible by 2 x context_parallel (6)"),
-        ({"parallel": "  context_parallel_mode: ulysses\n"}, 9, "gloo (Paddle's CPU backend) does not have"),
+        (
+            {"model": "  num_key_value_heads: 1\n", "parallel": "  context_parallel_mode: ulysses\n"},
+            10,
+            "a rank holds 1 (1 KV heads / tensor_parallel 1) for 4 query heads: not divisible by context_parallel 2",
+        ),
         ({"parallel": "  pipeline_parallel: 2\n", "train": "  stage: dpo\n"}, 10, "trains SFT only yet"),
         ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
@@ -85,10 +89,15 @@ def test_sharding_stage_1_composes(write_yaml):
     assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
 
 
-def test_ulysses_on_a_gpu_names_the_missing_mode(write_yaml):
-    path = write_yaml(_text(parallel="  context_parallel_mode: ulysses\n"))
-    with pytest.raises(ConfigError, match="only the ring mode is implemented"):
-        load_config(path, has_gpu=True)
+@pytest.mark.parametrize("has_gpu", [False, True])
+def test_ulysses_runs_where_the_heads_divide(write_yaml, has_gpu):
+    """The all-to-all exists on both builds (NCCL's; on gloo the pairwise exchange of cpu_compat); the KV
+    heads of a tensor rank must divide by the context degree: 4 / tp2 = 2 for cp2, not for cp4."""
+    mode = "  context_parallel_mode: ulysses\n  tensor_parallel: 2\n"
+    cfg = load_config(write_yaml(_text(parallel=mode)), world_size=4, has_gpu=has_gpu).config
+    assert cfg.parallel.context_parallel_mode == "ulysses"
+    with pytest.raises(ConfigError, match="a rank holds 2 .4 KV heads / tensor_parallel 2."):
+        load_config(write_yaml(_text(cp=4, parallel=mode)), world_size=8, has_gpu=True)
 
 
 def test_a_window_longer_than_the_sequence_passes(write_yaml):

@@ -14,6 +14,7 @@ from bmtrain_cli.models.attention import blocked_attention
 from bmtrain_cli.models.decoder import CausalLM
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
+from bmtrain_cli.parallel.ulysses import UlyssesCore
 from tests.tiny import ARCH
 
 
@@ -79,10 +80,12 @@ def test_a_ring_of_one_equals_blocked_attention(packed):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-6)
 
 
+@pytest.mark.parametrize("core", [RingCore, UlyssesCore])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_model_context_path_equals_its_loss(packed):
-    """CausalLM.loss_sum on a share (targets, positions, the rows' segment ids) with a ring of one: the
-    same loss and gradients as on the unsplit batch."""
+def test_the_model_context_path_equals_its_loss(packed, core):
+    """CausalLM.loss_sum on a share (targets, positions, the rows' segment ids) with a context group of
+    one (the ring's blocks; ulysses: the model's own attention kernel over whole rows): the same loss and
+    gradients as on the unsplit batch."""
     paddle.seed(3)
     model = CausalLM(ARCH, kernels="reference")
     model.init_weights()
@@ -90,7 +93,7 @@ def test_the_model_context_path_equals_its_loss(packed):
     results = []
     for share in (False, True):
         if share:
-            model.context_attention = RingCore(Ring(None, [0], 0))
+            model.context_attention = core(Ring(None, [0], 0))
         total, count = model.loss_sum(**to_tensors(split_batch(batch, 1, 0) if share else batch))
         total.backward()
         results.append((float(total), float(count), [p.grad.numpy().copy() for p in model.parameters()]))

@@ -129,3 +129,38 @@ def test_the_longest_sequence_runs_at_the_devices_budget(tmp_path) -> None:
     measured = int(summary["peak_memory_bytes"])
     assert summary["peak_memory_source"] == "host_allocator"
     assert abs(measured / budget - 1) <= 0.15, (longest, measured, budget)
+
+
+def test_the_ulysses_mode_is_planned_with_the_kernel_of_whole_rows(lora_7b) -> None:
+    """Under the ulysses mode (parallel/ulysses.py) the attention is the kernel one process runs (flash on
+    an A100), over whole rows of 1/cp of the heads, not the ring: its activations differ from the ring's
+    (the ring's grouped copies and fp32 accumulators are gone, the kernel's output is kept beside the
+    share's), the note says which, and the traffic is the all-to-alls of q, k, v and the output."""
+    from bmtrain_cli.plan.activations import attention_kernel, attention_row
+
+    ring = Layout(dp=2, cp=4, micro_batch=1, recompute="none")
+    ulysses = replace(ring, cp_mode="ulysses")
+    share = replace(lora_7b, seq_len=8192)  # what the estimator holds of a 32K row per rank
+    assert attention_kernel(share, A100, ring) == "ring"
+    assert attention_kernel(share, A100, ulysses) == attention_kernel(
+        replace(lora_7b, seq_len=32768), A100, Layout(dp=8)
+    )
+    assert attention_row(share, ulysses) == 32768 and attention_row(share, ring) == 8192
+    est = {lay.cp_mode: estimate_layout(lora_7b, lay, A100) for lay in (ring, ulysses)}
+    assert est["ulysses"].activations != est["ring"].activations
+    assert any("ulysses all-to-all's" in n for n in est["ulysses"].notes)
+    from bmtrain_cli.plan.search import _ring_bytes
+
+    a, e = lora_7b.arch, 2
+    local = 32768 // 4
+    qkvo = (2 * a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim * local
+    assert _ring_bytes(lora_7b, ulysses, e) == a.num_hidden_layers * 2 * qkvo * e * 3 / 4
+
+
+def test_the_ulysses_mode_reads_from_the_config(repo_root) -> None:
+    cfg = load_config(str(repo_root / CP_CONFIG)).config
+    cfg = cfg.model_copy(
+        update={"parallel": cfg.parallel.model_copy(update={"context_parallel_mode": "ulysses"})}
+    )
+    layout = Layout.from_config(cfg)
+    assert layout.cp_mode == "ulysses" and "context 4 (ulysses)" in layout.describe()

@@ -10,6 +10,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
+from bmtrain_cli.parallel.ulysses import UlyssesCore
 from bmtrain_cli.preference.logps import sequence_logps
 from bmtrain_cli.preference.objective import PreferenceObjective
 from tests.unit.preference.conftest import make_config, tiny_model
@@ -34,14 +35,16 @@ def test_the_shares_of_a_pair_batch_hold_every_response_target_once(packed, degr
     assert (targets[r, c] == batch["input_ids"][r, c + 1]).all()  # the next token, shifted before the split
 
 
+@pytest.mark.parametrize("core", [RingCore, UlyssesCore])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_share_through_a_ring_of_one_gives_the_whole_batch_log_probs(packed):
+def test_a_share_through_a_ring_of_one_gives_the_whole_batch_log_probs(packed, core):
+    """Either mode's core (the ring's blocks; ulysses: the model's own attention over whole rows)."""
     model = tiny_model(VOCAB, seed=2)
     batch = _batch(_pairs(3, seed=1), packed=packed)
     results = []
     for share in (False, True):
         if share:
-            model.context_attention = RingCore(Ring(None, [0], 0))
+            model.context_attention = core(Ring(None, [0], 0))
         logps, counts = sequence_logps(model, split_batch(batch, 1, 0) if share else batch, 6)
         (logps * paddle.arange(1, 7, dtype="float32")).sum().backward()
         results.append((logps.numpy(), counts, [p.grad.numpy().copy() for p in model.parameters()]))

@@ -31,6 +31,8 @@ from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.attention_choice import RING_BLOCK
 from bmtrain_cli.models.scoring import right_padded
 
+Tensor = paddle.Tensor
+
 # a masked score: finite, so that a query that sees no key of a chunk pair gets a finite log-sum-exp whose
 # weight in the merge (and whose probabilities in the backward) underflow to exactly zero
 _MASKED = -1e30
@@ -319,13 +321,8 @@ class RingCore:
         self.block = int(block)
 
     def __call__(
-        self,
-        q: paddle.Tensor,
-        k: paddle.Tensor,
-        v: paddle.Tensor,
-        segment_ids: Optional[paddle.Tensor],
-        whole: Any = None,
-    ) -> paddle.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, segment_ids: Optional[Tensor], whole: Any = None
+    ) -> Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
         return RingAttention.apply(q, k, v, seg, self.ring, self.block)
 

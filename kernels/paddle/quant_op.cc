@@ -1,10 +1,10 @@
 // Paddle custom operator over bmt_cpu_quant_dequant_rows (kernels/cpu/quant_cpu.cc): rows r0..r1 of a
 // quantised weight w [n, k] written as fp32 [r1 - r0, k], row-major, into the first (r1 - r0) * k values of
 // a workspace the caller keeps and reuses for every tile (in place: no allocation, no fresh pages per
-// tile). codes uint8 (the packed nibbles or the bytes of w);
-// levels fp32 [2^bits]; scales fp32 (per block of the flattened weight, or per group of each row with
-// row_groups). The quantised linear layer of bmtrain_cli/ops/quant_linear.py multiplies each such tile with
-// Paddle's matmul and drops it; the weight is frozen (no gradient), so the op has none.
+// tile). codes uint8 (the packed nibbles or the bytes of w); levels fp32 [2^bits]; scales fp32 (per block
+// of the flattened weight, or per group of each row with row_groups). The quantised linear layer of
+// bmtrain_cli/ops/quant_linear.py multiplies each such tile with Paddle's matmul before asking for the
+// next; the weight is frozen (no gradient), so the op has none.
 #include "bmt_kernels.h"
 #include "paddle/extension.h"
 

@@ -5,7 +5,8 @@ weight is frozen: no gradient), in three implementations chosen by ``model_confi
   (kernels/cpu/quant_cpu.cc through the Paddle operator of kernels/paddle/quant_op.cc) and multiplied at
   once with Paddle's matmul (MKL on a CPU): y[..., r0:r1] = x @ tile^T forward, dx += dy[..., r0:r1] @ tile
   backward. A tile holds at most :data:`TILE_ELEMENTS` weights, so the per-step path never holds a layer's
-  whole dequantised weight, however large the layer. fp32 on a CPU.
+  whole dequantised weight, however large the layer; every tile of every layer is written into one
+  workspace of the process, reused (no allocation and no fresh pages per tile). fp32 on a CPU.
 * ``reference``: :func:`dequantize` then a matmul, in Paddle ops (any device; it materialises the
   dequantised weight of one layer for the matmul and again in the backward, one layer at a time).
 * ``weight_only``: on a GPU, Paddle's ``paddle.nn.quant.weight_only_linear`` for int8 and int4 (int4 with
@@ -20,7 +21,7 @@ bmtrain_cli/quant/formats.py): element e = r * k + c of w [n, k] is ``levels[cod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import paddle
 from paddle.autograd import PyLayer
@@ -69,11 +70,30 @@ def row_tiles(w: QuantWeight) -> List[Tuple[int, int]]:
     return [(r, min(w.out_features, r + rows)) for r in range(0, w.out_features, rows)]
 
 
+_workspace: Optional[paddle.Tensor] = None  # the tiles' fp32 workspace, grown to the largest tile yet
+
+
 def _tile(w: QuantWeight, r0: int, r1: int) -> paddle.Tensor:
-    """Rows r0..r1 of the weight in fp32, dequantised by the C++ launcher."""
-    return load_extension().bmt_quant_dequant_rows(
-        w.codes, w.levels, w.scales, w.bits, w.block, int(w.row_groups), w.out_features, w.in_features, r0, r1
+    """Rows r0..r1 of the weight in fp32, dequantised by the C++ launcher into the workspace: a view that
+    the next tile overwrites, so each is used (by one matmul) before the next is made."""
+    global _workspace
+    size = (r1 - r0) * w.in_features
+    if _workspace is None or int(_workspace.shape[0]) < size:
+        _workspace = paddle.empty([size], dtype="float32")
+    load_extension().bmt_quant_dequant_rows_(
+        w.codes,
+        w.levels,
+        w.scales,
+        _workspace,
+        w.bits,
+        w.block,
+        int(w.row_groups),
+        w.out_features,
+        w.in_features,
+        r0,
+        r1,
     )
+    return _workspace[:size].reshape([r1 - r0, w.in_features])
 
 
 def _tiled_forward(x: paddle.Tensor, w: QuantWeight) -> paddle.Tensor:

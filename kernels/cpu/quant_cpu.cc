@@ -2,8 +2,9 @@
 // w [n, k] stored as 4- or 8-bit codes with fp32 scales (bmtrain_cli/quant/), dequantised into fp32.
 //
 // The layer never dequantises its whole weight: bmtrain_cli/ops/quant_linear.py asks for one tile of rows
-// at a time (at most kTileElements, a constant) and multiplies it at once with Paddle's matmul (MKL on a
-// CPU), y[:, r0:r1] = x @ tile^T forward and dx += dy[:, r0:r1] @ tile backward; the tile is then dropped.
+// at a time (at most TILE_ELEMENTS of bmtrain_cli/ops/quant_tiles.py), written into one workspace that every
+// tile reuses, and multiplies it at once with Paddle's matmul (MKL on a CPU), y[:, r0:r1] = x @ tile^T
+// forward and dx += dy[:, r0:r1] @ tile backward.
 // Element e = r * k + c is levels[code(e)] * scale: per block of the flattened weight (nf4), or per group
 // of each row (int4; int8 has one group, the whole row).
 //

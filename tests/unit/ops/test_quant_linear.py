@@ -149,3 +149,38 @@ def test_auto_takes_the_tiles_on_a_cpu(ext, monkeypatch) -> None:
     assert qops.choose_impl("auto", "cpu", 4, False, 64, 576) == "reference"
     with pytest.raises(KernelBuildError):
         qops.choose_impl("custom", "cpu", 4, False, 64, 576)
+
+
+def test_layers_of_different_shapes_share_one_workspace(ext, monkeypatch) -> None:
+    """Every tile of every layer is written into one workspace (grown to the largest tile, never
+    reallocated for a smaller one): a stack of layers of different shapes, forward and backward through all
+    of them, still equals dequantise-then-matmul, though each tile overwrites the last."""
+    from bmtrain_cli.ops import quant_linear as qops
+
+    monkeypatch.setattr(qops, "TILE_ELEMENTS", 2000)
+    monkeypatch.setattr(qops, "_workspace", None)
+    rng = np.random.default_rng(5)
+    dims = [48, 80, 33, 64]
+    qs = [
+        formats.quantize((rng.standard_normal((o, i)) * 0.1).astype(np.float32), "nf4", 32)
+        for i, o in zip(dims[:-1], dims[1:])
+    ]
+    layers = [QuantLinear(q, None, "float32", "custom") for q in qs]
+    x = rng.standard_normal((3, dims[0])).astype(np.float32)
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    h = xt
+    for layer in layers:
+        h = layer(h)
+    h.sum().backward()
+    ws = qops._workspace
+    assert ws is not None and int(ws.shape[0]) <= 2000
+    want, grad = x.astype(np.float64), np.ones((3, dims[-1]))
+    dense = [numpy_dequant(q) for q in qs]
+    for w in dense:
+        want = want @ w.T
+    for w in reversed(dense):
+        grad = grad @ w
+    np.testing.assert_allclose(h.numpy(), want, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(xt.grad.numpy(), grad, rtol=0, atol=1e-4)
+    layers[-1](paddle.to_tensor(rng.standard_normal((2, dims[-2])).astype(np.float32)))
+    assert qops._workspace is ws  # a smaller tile reuses it

@@ -195,6 +195,31 @@ def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:
     return as_weight() if as_weight is not None else None
 
 
+def router_sums(
+    logits: paddle.Tensor, num_experts: int, top_k: int, mask: Optional[paddle.Tensor] = None
+) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """One sparse layer's part of the load-balancing loss: (top-k assignments per expert, router
+    probabilities summed per expert, counted tokens), fp32; ``mask`` [tokens, 1] (1.0 = counted) or None."""
+    probs = F.softmax(logits.astype("float32"), axis=-1)
+    _, chosen = paddle.topk(probs, top_k, axis=-1)
+    assigned = F.one_hot(chosen, num_experts).sum(axis=1)  # [tokens, experts], no gradient
+    if mask is None:
+        return assigned.sum(axis=0), probs.sum(axis=0), paddle.full([], float(probs.shape[0]), "float32")
+    return (assigned * mask).sum(axis=0), (probs * mask).sum(axis=0), mask.sum()
+
+
+def token_mask(attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
+    """[tokens, 1] fp32: 1.0 where ``attention_mask`` is not 0 (None stays None)."""
+    if attention_mask is None:
+        return None
+    return (attention_mask.reshape([-1, 1]) != 0).astype("float32")
+
+
+def balance_loss(tokens: Any, probs_sum: Any, rows: Any, num_experts: int) -> paddle.Tensor:
+    """The load-balancing loss from the sparse layers' :func:`router_sums` added up."""
+    return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)
+
+
 def load_balancing_loss(
     router_logits: Sequence[paddle.Tensor],
     num_experts: int,
@@ -206,19 +231,8 @@ def load_balancing_loss(
     tokens: Any = 0.0
     probs_sum: Any = 0.0
     rows: Any = 0.0
-    mask = None
-    if attention_mask is not None:
-        mask = (attention_mask.reshape([-1, 1]) != 0).astype("float32")
+    mask = token_mask(attention_mask)
     for logits in router_logits:
-        probs = F.softmax(logits.astype("float32"), axis=-1)
-        _, chosen = paddle.topk(probs, top_k, axis=-1)
-        assigned = F.one_hot(chosen, num_experts).sum(axis=1)  # [tokens, experts], no gradient
-        if mask is None:
-            tokens = tokens + assigned.sum(axis=0)
-            probs_sum = probs_sum + probs.sum(axis=0)
-            rows = rows + float(probs.shape[0])
-        else:
-            tokens = tokens + (assigned * mask).sum(axis=0)
-            probs_sum = probs_sum + (probs * mask).sum(axis=0)
-            rows = rows + mask.sum()
-    return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)
+        t, p, r = router_sums(logits, num_experts, top_k, mask)
+        tokens, probs_sum, rows = tokens + t, probs_sum + p, rows + r
+    return balance_loss(tokens, probs_sum, rows, num_experts)

@@ -215,6 +215,9 @@ def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
     )
 
 
+AUX_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
+
+
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
     """The decoder: from the checkpoint being resumed, a pretrained path, or fresh from model_config."""
     from bmtrain_cli.config.checks import fresh_vocab_size, tokenizer_fits
@@ -225,6 +228,10 @@ def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
     if m.model_name_or_path or rt.resume_from is not None:
         model = _load_model(rt, ctx)
         tokenizer_fits(model.arch.vocab_size, tokenizer.vocab_size, "the tokenizer")
+        # the load-balancing loss settings shape the loss, not the weights: model_config's win
+        aux = {k: getattr(m, k) for k in AUX_LOSS_KEYS if getattr(m, k, None) is not None}
+        if aux:
+            model.arch = dataclasses.replace(model.arch, **aux)
         return model
     arch = dataclasses.replace(
         arch_from_model_config(m),

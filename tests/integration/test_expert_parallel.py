@@ -56,11 +56,15 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
 }
 EP2 = ["parallel_config.expert_parallel=2"]
+PP2 = ["parallel_config.pipeline_parallel=2"]
 LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_moe", "ep2", EP2),
     ("qwen3_moe", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
     ("deepseek_v3", "ep2", EP2),
     ("deepseek_v3", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
+    ("qwen3_moe", "pp2", PP2),
+    ("qwen3_moe", "ep2 x pp2", EP2 + PP2),
+    ("deepseek_v3", "ep2 x pp2", EP2 + PP2),
     ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
     ("qwen3_moe + LoRA", "ep2", EP2),
 ]

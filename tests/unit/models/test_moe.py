@@ -194,7 +194,7 @@ def test_lora_on_the_attention_leaves_the_experts_frozen():
     "override, where",
     [
         ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
-        ("parallel_config.pipeline_parallel=2", "parallel_config.pipeline_parallel"),
+        ("parallel_config.pipeline_parallel=2 train_config.stage=dpo", "train_config.stage"),
         ("train_config.to_static=true", "train_config.to_static"),
     ],
 )
@@ -203,7 +203,7 @@ def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where
     from bmtrain_cli.errors import ConfigError
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
-    sets = ["model_config.family=qwen3_moe", override]
+    sets = ["model_config.family=qwen3_moe", *override.split()]
     with pytest.raises(ConfigError) as exc:
         load_config(quickstart, sets, mode="validate")
     moe = [p for p in exc.value.problems if "mixture" in p.message or "mixture" in str(p.format())]

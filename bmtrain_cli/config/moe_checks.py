@@ -1,7 +1,9 @@
 """validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral, ...): what runs today.
 The experts are per-expert layers (models/moe.py), split between ranks by expert parallel
 (config/expert_checks.py); pipeline parallel carries the load-balancing sums between stages
-(parallel/pipeline_moe.py); no tensor parallelism, no static graph."""
+(parallel/pipeline_moe.py); tensor parallel splits the attention and keeps the router and the routed
+experts whole on every rank of its group (each computes them alike), so models with shared experts or
+latent attention, not split yet, are refused; no static graph."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
         return
     p, t = config.parallel, config.train
     what = f"the {arch.family} mixture of experts"
-    if p.tensor_parallel > 1:
+    if p.tensor_parallel > 1 and (arch.kv_lora_rank or arch.moe_shared_experts):
+        part = "multi-head latent attention is" if arch.kv_lora_rank else "shared experts are"
         err(
             "parallel_config.tensor_parallel",
-            f"{what} does not support tensor_parallel > 1 yet (the MoE block has no tensor-parallel "
-            "attention or shared experts beside its routed experts)",
+            f"{what} does not support tensor_parallel > 1 yet (its {part} not split over the "
+            "tensor-parallel group; attention and routed experts without them are)",
             "use data_parallel, expert_parallel or pipeline_parallel",
         )
     if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":

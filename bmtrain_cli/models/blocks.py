@@ -324,10 +324,11 @@ class DecoderLayer(nn.Layer):
         else:
             attention = LatentAttention if arch.kv_lora_rank else Attention
             self.self_attn = attention(arch, factory, ops, layer_idx, implementation)
-        # the mixture of experts on the layers the family makes sparse (single device only: arch rules)
+        # the mixture of experts on the layers the family makes sparse; under tensor parallel its router
+        # and routed experts are whole on every rank of the group (shared experts are not split yet)
         self.sparse = arch.is_sparse(layer_idx)
-        if self.sparse and factory.tp_degree > 1:
-            raise UserError(f"the {arch.family} mixture of experts does not support tensor_parallel > 1 yet")
+        if self.sparse and factory.tp_degree > 1 and arch.moe_shared_experts:
+            raise UserError(f"the {arch.family} shared experts do not support tensor_parallel > 1 yet")
         self.mlp = SparseMoE(arch, ops) if self.sparse else MLP(arch, factory, ops)
 
     def _norm(self, role: str, x: paddle.Tensor) -> paddle.Tensor:

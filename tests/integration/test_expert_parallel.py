@@ -57,6 +57,12 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
 }
 EP2 = ["parallel_config.expert_parallel=2"]
 PP2 = ["parallel_config.pipeline_parallel=2"]
+TP2 = ["parallel_config.tensor_parallel=2"]
+# Under tensor parallel the attention's halves are summed across the group: step 1 agrees to 1e-5 (asserted),
+# then Adam turns the rounding into lr-sized moves of the experts' near-zero gradient entries and the
+# grad_norm drifts (4e-5 at step 3 for the tiny Qwen3-MoE at lr 1e-2; the loss stays within 1e-5), as for
+# Gemma 3 in tests/integration/test_parallel_matrix.py; a wrong shard or a doubled expert is off from step 1
+RTOL = {"tp2": {"grad_norm": 1e-4}, "ep2 x tp2": {"grad_norm": 1e-4}}
 LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_moe", "ep2", EP2),
     ("qwen3_moe", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
@@ -64,6 +70,8 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("deepseek_v3", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
     ("qwen3_moe", "pp2", PP2),
     ("qwen3_moe", "ep2 x pp2", EP2 + PP2),
+    ("qwen3_moe", "tp2", TP2),
+    ("qwen3_moe", "ep2 x tp2", EP2 + TP2),
     ("deepseek_v3", "ep2 x pp2", EP2 + PP2),
     ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
     ("qwen3_moe + LoRA", "ep2", EP2),
@@ -107,7 +115,7 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
     got["eval_loss"] = np.array([float(r["eval_loss"]) for r in rows if "eval_loss" in r])
     assert got["eval_loss"].size == 1
     ckpt = out / "run" / "checkpoints" / f"step-{STEPS}"
-    for f in sorted(ckpt.glob("*.safetensors")):
+    for f in sorted(ckpt.glob("model*.safetensors")):  # the weights (not each rank's optimizer part)
         got.update({f"w:{k}": v for k, v in load_file(str(f)).items()})
     return got
 
@@ -134,7 +142,9 @@ def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name
     assert np.all(want["grad_norm"] > MODELS[model][2]), want["grad_norm"]  # the clip scales every step
     got = run_layout(data, tmp_path, model, layout)
     for key in ("loss", "grad_norm", "eval_loss"):
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+        rtol = RTOL.get(name, {}).get(key, 1e-5)
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{model} {name} {key}")
+        np.testing.assert_allclose(got[key][0], want[key][0], rtol=1e-5, err_msg=f"{model} {name} step 1")
     weights = sorted(k for k in want if k.startswith("w:"))
     assert (".experts." in " ".join(weights)) != ("LoRA" in model)  # LoRA saves the adapters only
     assert sorted(k for k in got if k.startswith("w:")) == weights

@@ -193,7 +193,11 @@ def test_lora_on_the_attention_leaves_the_experts_frozen():
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
+        (
+            "parallel_config.tensor_parallel=2 model_config.family=deepseek_v3",
+            "parallel_config.tensor_parallel",
+        ),
+        ("parallel_config.tensor_parallel=2 model_config.family=glm4_moe", "parallel_config.tensor_parallel"),
         ("parallel_config.pipeline_parallel=2 train_config.stage=dpo", "train_config.stage"),
         ("train_config.to_static=true", "train_config.to_static"),
     ],
@@ -209,6 +213,29 @@ def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where
     moe = [p for p in exc.value.problems if "mixture" in p.message or "mixture" in str(p.format())]
     assert moe and any(p.path == where for p in moe), [p.format() for p in exc.value.problems]
     assert "quickstart.yaml" in moe[0].format() or "--set" in moe[0].format()  # placed: file:line or --set
+
+
+@pytest.mark.parametrize(
+    "family, reason",
+    [("qwen3_moe", None), ("deepseek_v3", "latent attention"), ("glm4_moe", "shared experts")],
+)
+def test_tensor_parallel_splits_attention_beside_whole_routed_experts(family, reason):
+    """tp2 runs an MoE whose attention the layer factory splits and whose experts stay whole; latent
+    attention and shared experts, not split yet, are refused with the part named."""
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.errors import ConfigError
+
+    quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+    sets = [f"model_config.family={family}", "parallel_config.tensor_parallel=2"]
+    try:
+        load_config(quickstart, sets, mode="validate", world_size=2)
+        problems = []
+    except ConfigError as exc:
+        problems = [p.message for p in exc.problems if p.path == "parallel_config.tensor_parallel"]
+    if reason is None:
+        assert not problems, problems
+    else:
+        assert any(reason in m and "mixture of experts" in m for m in problems), problems
 
 
 def test_ernie4_5_moe_layers_shared_experts_and_score_bias():

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from bmtrain_cli.methods import method_of
+from bmtrain_cli.models.moe import unsplit_under_tensor_parallel
 
 
 def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -17,11 +18,11 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
         return
     p, t = config.parallel, config.train
     what = f"the {arch.family} mixture of experts"
-    if p.tensor_parallel > 1 and (arch.kv_lora_rank or arch.moe_shared_experts):
-        part = "multi-head latent attention is" if arch.kv_lora_rank else "shared experts are"
+    unsplit = unsplit_under_tensor_parallel(arch)
+    if p.tensor_parallel > 1 and unsplit:
         err(
             "parallel_config.tensor_parallel",
-            f"{what} does not support tensor_parallel > 1 yet (its {part} not split over the "
+            f"{what} does not support tensor_parallel > 1 yet (its {unsplit} not split over the "
             "tensor-parallel group; attention and routed experts without them are)",
             "use data_parallel, expert_parallel or pipeline_parallel",
         )

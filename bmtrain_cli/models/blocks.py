@@ -18,7 +18,7 @@ from bmtrain_cli.models.attention import attend
 from bmtrain_cli.models.families import family
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.models.linear_attention import GatedDeltaNet
-from bmtrain_cli.models.moe import SparseMoE
+from bmtrain_cli.models.moe import SparseMoE, unsplit_under_tensor_parallel
 from bmtrain_cli.models.rope import latent_attention_mscale
 from bmtrain_cli.ops import OpSet, reference
 
@@ -327,8 +327,11 @@ class DecoderLayer(nn.Layer):
         # the mixture of experts on the layers the family makes sparse; under tensor parallel its router
         # and routed experts are whole on every rank of the group (shared experts are not split yet)
         self.sparse = arch.is_sparse(layer_idx)
-        if self.sparse and factory.tp_degree > 1 and arch.moe_shared_experts:
-            raise UserError(f"the {arch.family} shared experts do not support tensor_parallel > 1 yet")
+        unsplit = unsplit_under_tensor_parallel(arch)
+        if self.sparse and factory.tp_degree > 1 and unsplit:
+            raise UserError(
+                f"the {arch.family} mixture of experts' {unsplit} not split by tensor_parallel yet"
+            )
         self.mlp = SparseMoE(arch, ops) if self.sparse else MLP(arch, factory, ops)
 
     def _norm(self, role: str, x: paddle.Tensor) -> paddle.Tensor:

@@ -20,6 +20,7 @@ excluded through the attention mask as transformers does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import paddle
@@ -184,6 +185,28 @@ class SparseMoE(nn.Layer):
 
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+AUX_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
+
+
+def with_aux_loss_settings(model: Any, model_config: Any) -> Any:
+    """A loaded ``model`` with model_config's load-balancing loss settings over its checkpoint's (they
+    shape the training loss, not the weights)."""
+    aux = {k: getattr(model_config, k) for k in AUX_LOSS_KEYS if getattr(model_config, k, None) is not None}
+    if aux:
+        model.arch = replace(model.arch, **aux)
+    return model
+
+
+def unsplit_under_tensor_parallel(arch: ModelArch) -> Optional[str]:
+    """The part of a mixture of experts that tensor parallel does not split yet ("... is/are"), or None:
+    the layer factory splits the attention, the router and the routed experts stay whole on every rank."""
+    if not arch.num_experts:
+        return None
+    if arch.kv_lora_rank:
+        return "multi-head latent attention is"
+    return "shared experts are" if arch.moe_shared_experts else None
 
 
 def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:

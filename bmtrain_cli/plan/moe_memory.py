@@ -2,8 +2,8 @@
 router, every routed expert and the shared experts (weights), and per token the router's scores, the k
 dispatched rows, the experts' kept pre-activations and weighted outputs (activations); the dispatch
 buffers (the rows, the expert outputs and their gradients, the pre-activations' gradients) make the MLP's
-backward working set. Dense and sparse layers differ: each term is the mean over the decoder's layers
-(tensor and pipeline parallel are refused for these models, so a stage is every layer)."""
+backward working set. Dense and sparse layers differ: each term is the mean over the decoder's layers.
+Under tensor parallel the router and the routed experts are whole on every rank (models/moe.py)."""
 
 from __future__ import annotations
 

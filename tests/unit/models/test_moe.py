@@ -364,3 +364,22 @@ def test_glm4_moe_refuses_groups_that_cannot_hold_the_top_k():
         arch_from_hf_dict({**cfg, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3})
     with pytest.raises(UserError, match="equal groups"):
         arch_from_hf_dict({**cfg, "n_group": 3})
+
+
+def test_model_config_turns_the_load_balancing_loss_on_for_a_checkpoint():
+    """The checkpoint's config.json has output_router_logits false; model_config's true and coefficient
+    reach the loaded model's loss (train/setup.py), which then adds coef x aux per token."""
+    from bmtrain_cli.models.moe import with_aux_loss_settings
+
+    ref = _ref("qwen3_moe")
+    ids, labels = paddle.to_tensor(ref["input_ids"]), paddle.to_tensor(ref["labels"])
+    model = load_pretrained(FIXTURES / "qwen3_moe")
+    assert not model.arch.output_router_logits
+    plain, count = model.loss_sum(ids, labels)
+    settings = ModelConfig(output_router_logits=True, router_aux_loss_coef=0.5)
+    model = with_aux_loss_settings(model, settings)
+    assert model.arch.output_router_logits and model.arch.router_aux_loss_coef == 0.5
+    total, _ = model.loss_sum(ids, labels)
+    aux = float(model.last_aux_loss)
+    np.testing.assert_allclose(float(total), float(plain) + 0.5 * aux * float(count), rtol=1e-6)
+    assert aux > 0

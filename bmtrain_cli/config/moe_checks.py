@@ -1,16 +1,16 @@
 """validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral, ...): what runs today.
 The experts are per-expert layers (models/moe.py), split between ranks by expert parallel
 (config/expert_checks.py); pipeline parallel carries the load-balancing sums between stages
-(parallel/pipeline_moe.py); tensor parallel splits the attention and keeps the router and the routed
-experts whole on every rank of its group (each computes them alike), so models with shared experts or
-latent attention, not split yet, are refused; no static graph."""
+(parallel/pipeline_moe.py); tensor parallel splits the attention and the shared experts and keeps the
+router and the routed experts whole on every rank of its group (each computes them alike); no static
+graph."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from bmtrain_cli.methods import method_of
-from bmtrain_cli.models.moe import unsplit_under_tensor_parallel
+from bmtrain_cli.models.moe import tensor_parallel_problem
 
 
 def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -18,13 +18,12 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
         return
     p, t = config.parallel, config.train
     what = f"the {arch.family} mixture of experts"
-    unsplit = unsplit_under_tensor_parallel(arch)
-    if p.tensor_parallel > 1 and unsplit:
+    problem = tensor_parallel_problem(arch, p.tensor_parallel)
+    if problem:
         err(
             "parallel_config.tensor_parallel",
-            f"{what} does not support tensor_parallel > 1 yet (its {unsplit} not split over the "
-            "tensor-parallel group; attention and routed experts without them are)",
-            "use data_parallel, expert_parallel or pipeline_parallel",
+            f"{what}: {problem}",
+            "use a tensor_parallel degree that divides it",
         )
     if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":
         err(

@@ -29,6 +29,7 @@ from paddle import nn
 
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.families import family
+from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.ops import OpSet
 from bmtrain_cli.ops.moe_experts import reference_experts, resolve
 
@@ -37,12 +38,12 @@ class Expert(nn.Layer):
     """One SwiGLU expert, named as Hugging Face's per-expert checkpoints name it (biases: ERNIE's shared
     experts under use_bias)."""
 
-    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False):
+    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False, factory: Any = None):
         super().__init__()
-        b = None if bias else False
-        self.gate_proj = nn.Linear(hidden, inter, bias_attr=b)
-        self.up_proj = nn.Linear(hidden, inter, bias_attr=b)
-        self.down_proj = nn.Linear(inter, hidden, bias_attr=b)
+        linear = PlainFactory().linear if factory is None else factory.linear  # the shared experts': split
+        self.gate_proj = linear(hidden, inter, bias, tp="column")
+        self.up_proj = linear(hidden, inter, bias, tp="column")
+        self.down_proj = linear(inter, hidden, bias, tp="row")
         self.ops = ops
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -98,7 +99,7 @@ class SparseMoE(nn.Layer):
     """The MLP of a sparse layer: ``gate`` [hidden -> num_experts] and ``experts.{e}``. The router logits
     of the last forward stay in ``router_logits`` [tokens, num_experts] for the auxiliary loss."""
 
-    def __init__(self, arch: ModelArch, ops: OpSet):
+    def __init__(self, arch: ModelArch, ops: OpSet, factory: Any = None):
         super().__init__()
         h, f = arch.hidden_size, arch.moe_intermediate_size
         self.num_experts = arch.num_experts
@@ -112,8 +113,10 @@ class SparseMoE(nn.Layer):
         self.experts: Union[nn.LayerList, HeldExperts] = nn.LayerList(
             [Expert(h, f, ops) for _ in range(arch.num_experts)]
         )
-        self.shared_experts = (
-            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
+        self.shared_experts = (  # split over tensor parallel by ``factory`` (the routed experts whole)
+            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias, factory)
+            if arch.moe_shared_experts
+            else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
         self.last_counts: List[int] = []  # tokens routed to each expert in the last forward (monitoring)
@@ -199,14 +202,13 @@ def with_aux_loss_settings(model: Any, model_config: Any) -> Any:
     return model
 
 
-def unsplit_under_tensor_parallel(arch: ModelArch) -> Optional[str]:
-    """The part of a mixture of experts that tensor parallel does not split yet ("... is/are"), or None:
-    the layer factory splits the attention, the router and the routed experts stay whole on every rank."""
-    if not arch.num_experts:
-        return None
-    if arch.kv_lora_rank:
-        return "multi-head latent attention is"
-    return "shared experts are" if arch.moe_shared_experts else None
+def tensor_parallel_problem(arch: ModelArch, tp: int) -> Optional[str]:
+    """Why tensor parallel ``tp`` cannot split a mixture of experts' shared experts (None: it can; the
+    router and the routed experts stay whole on every rank)."""
+    width = arch.moe_intermediate_size * arch.moe_shared_experts
+    if arch.num_experts and tp > 1 and width % tp:
+        return f"the shared experts' width ({width}) is not divisible by tensor_parallel ({tp})"
+    return None
 
 
 def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:

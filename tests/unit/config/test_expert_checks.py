@@ -48,7 +48,11 @@ def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
             "the 6 experts of every MoE layer do not split evenly over expert_parallel 4",
         ),
         ({"family": "llama", "experts": None}, 11, "needs a mixture-of-experts model; llama has no experts"),
-        ({"family": "glm4_moe", "parallel": "  tensor_parallel: 2\n"}, 14, "shared experts are not split"),
+        (
+            {"family": "glm4_moe", "parallel": "  tensor_parallel: 3\n"},
+            14,
+            "shared experts' width (32) is not divisible by tensor_parallel (3)",
+        ),
         (
             {"parallel": "  context_parallel: 2\n"},
             14,

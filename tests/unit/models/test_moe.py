@@ -194,10 +194,9 @@ def test_lora_on_the_attention_leaves_the_experts_frozen():
     "override, where",
     [
         (
-            "parallel_config.tensor_parallel=2 model_config.family=deepseek_v3",
+            "parallel_config.tensor_parallel=2 model_config.family=glm4_moe model_config.moe_intermediate_size=33",
             "parallel_config.tensor_parallel",
         ),
-        ("parallel_config.tensor_parallel=2 model_config.family=glm4_moe", "parallel_config.tensor_parallel"),
         ("parallel_config.pipeline_parallel=2 train_config.stage=dpo", "train_config.stage"),
         ("train_config.to_static=true", "train_config.to_static"),
     ],
@@ -216,17 +215,23 @@ def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where
 
 
 @pytest.mark.parametrize(
-    "family, reason",
-    [("qwen3_moe", None), ("deepseek_v3", "latent attention"), ("glm4_moe", "shared experts")],
+    "family, sets, reason",
+    [
+        ("qwen3_moe", [], None),
+        ("deepseek_v3", [], None),
+        ("glm4_moe", [], None),
+        ("qwen3_moe", ["model_config.moe_intermediate_size=33"], None),  # no shared experts to split
+        ("glm4_moe", ["model_config.moe_intermediate_size=33"], "shared experts' width (33)"),
+    ],
 )
-def test_tensor_parallel_splits_attention_beside_whole_routed_experts(family, reason):
-    """tp2 runs an MoE whose attention the layer factory splits and whose experts stay whole; latent
-    attention and shared experts, not split yet, are refused with the part named."""
+def test_tensor_parallel_splits_attention_and_shared_experts(family, sets, reason):
+    """tp2 runs an MoE whose attention (latent attention too) and shared experts the layer factory splits
+    and whose router and routed experts stay whole; a shared-expert width tp does not divide is refused."""
     from bmtrain_cli.config.load import load_config
     from bmtrain_cli.errors import ConfigError
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
-    sets = [f"model_config.family={family}", "parallel_config.tensor_parallel=2"]
+    sets = [f"model_config.family={family}", "parallel_config.tensor_parallel=2", *sets]
     try:
         load_config(quickstart, sets, mode="validate", world_size=2)
         problems = []

@@ -116,10 +116,10 @@ def test_expert_parallel_keeps_a_ranks_share_of_the_routed_experts(name):
     assert abs(planned - held) <= 2 * arch.num_hidden_layers + arch.num_experts * 3
 
 
-@pytest.mark.parametrize("name, split", [("qwen3_moe", True), ("deepseek_v3", False), ("glm4_moe", False)])
-def test_the_search_proposes_tensor_parallel_where_it_splits_the_model(repo_root, name, split):
-    """Tensor parallel splits a mixture of experts' attention (routed experts whole); latent attention and
-    shared experts are not split yet, so the search leaves tp out there, as validate-config does."""
+@pytest.mark.parametrize("name, width, split", [("deepseek_v3", 48, True), ("glm4_moe", 33, False)])
+def test_the_search_proposes_tensor_parallel_where_it_splits_the_model(repo_root, name, width, split):
+    """Tensor parallel splits a mixture of experts' attention and shared experts (routed experts whole):
+    the search proposes tp2 unless the shared experts' width is odd, as validate-config refuses it."""
     from bmtrain_cli.config import load_config
     from bmtrain_cli.plan.devices import get_device
     from bmtrain_cli.plan.search import enumerate_layouts
@@ -128,5 +128,6 @@ def test_the_search_proposes_tensor_parallel_where_it_splits_the_model(repo_root
     w = Workload.from_config(
         load_config(str(repo_root / "configs" / "quickstart.yaml")).config, read_data=False
     )
-    degrees = {lay.tp for lay in enumerate_layouts(replace(w, arch=_arch(name)), 2, get_device("A100-80GB"))}
+    arch = replace(_arch(name), moe_intermediate_size=width)
+    degrees = {lay.tp for lay in enumerate_layouts(replace(w, arch=arch), 2, get_device("A100-80GB"))}
     assert 1 in degrees and (2 in degrees) == split

@@ -22,12 +22,14 @@ def _mean(arch: ModelArch, dense: float, sparse: float) -> float:
 
 def mlp_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
     """Matrix elements of one layer's MLP on one device (the mean over the layers); under expert parallel
-    ``ep`` a rank holds 1/ep of the routed experts, the router and the shared experts whole."""
+    ``ep`` a rank holds 1/ep of the routed experts and the router whole, under tensor parallel ``tp``
+    1/tp of the shared experts (the routed ones whole)."""
     dense = 3 * arch.hidden_size * arch.intermediate_size // tp
     if not arch.num_experts:
         return dense
     routed = arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
-    return int(_mean(arch, dense, moe_parameters(arch) - routed + routed // ep))
+    shared = 3 * arch.hidden_size * arch.moe_intermediate_size * arch.moe_shared_experts
+    return int(_mean(arch, dense, moe_parameters(arch) - routed - shared + routed // ep + shared // tp))
 
 
 def all_to_all_bytes(arch: ModelArch, tokens: int, elem_bytes: int) -> int:

@@ -1,6 +1,6 @@
 """validate-config checks of expert parallel (parallel_config.expert_parallel > 1): what
-parallel/expert_parallel.py runs today. Each refusal says why. Tensor and pipeline parallel beside it are
-refused by config/moe_checks.py (for every MoE model)."""
+parallel/expert_parallel.py runs today. Each refusal says why. Data, tensor and pipeline parallel compose
+with it; what tensor and pipeline parallel need of an MoE model is checked by config/moe_checks.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
-"""validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral): what this first slice runs.
-The experts are per-expert layers (models/moe.py), split between ranks by expert parallel only
-(config/expert_checks.py): no tensor or pipeline parallelism, no static graph."""
+"""validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral, ...): what runs today.
+The experts are per-expert layers (models/moe.py), split between ranks by expert parallel
+(config/expert_checks.py); pipeline parallel carries the load-balancing sums between stages
+(parallel/pipeline_moe.py); tensor parallel splits the attention and the shared experts and keeps the
+router and the routed experts whole on every rank of its group (each computes them alike); no static
+graph."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from bmtrain_cli.config.refusals import refuse_model_parallel
+from bmtrain_cli.methods import method_of
+from bmtrain_cli.models.moe import tensor_parallel_problem
 
 
 def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -14,14 +18,20 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
         return
     p, t = config.parallel, config.train
     what = f"the {arch.family} mixture of experts"
-    refuse_model_parallel(
-        p,
-        what,
-        "the MoE block has no tensor-parallel experts or attention beside them, and the expert-parallel "
-        "dispatch no group per pipeline stage",
-        "use data_parallel, sharding_parallel or expert_parallel",
-        err,
-    )
+    problem = tensor_parallel_problem(arch, p.tensor_parallel)
+    if problem:
+        err(
+            "parallel_config.tensor_parallel",
+            f"{what}: {problem}",
+            "use a tensor_parallel degree that divides it",
+        )
+    if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":
+        err(
+            "train_config.stage",
+            f"{what} under pipeline parallel trains on single token sequences (stage sft) yet; stage "
+            f"{t.stage!r} computes its loss on the last stage without the routers' load-balancing sums",
+            "use data_parallel or expert_parallel for this stage",
+        )
     if t.to_static:
         err(
             "train_config.to_static",

@@ -223,10 +223,11 @@ class LatentAttention(AttentionCore):
 
     def __init__(self, arch: ModelArch, factory: Any, ops: OpSet, layer_idx: int, implementation: str):
         super().__init__(arch, ops, layer_idx, implementation)
-        if factory.tp_degree > 1:
-            raise UserError("multi-head latent attention (deepseek_v3) does not support tensor_parallel > 1")
+        # tensor parallel: each rank its heads (q_b/q, kv_b split by columns, o by rows); the latent
+        # projections and norms whole, the shared rope key's gradient summed over the group
         h, n = arch.hidden_size, arch.num_attention_heads
-        self.num_heads, self.rank = n, arch.kv_lora_rank
+        self.num_heads = _local_heads(n, factory.tp_degree, "num_attention_heads")
+        self.rank, self.shared_key = arch.kv_lora_rank, factory.sum_grad_over_group
         self.nope, self.rope, self.v_dim = arch.qk_nope_head_dim, arch.head_dim, arch.v_head_dim
         qk = self.nope + self.rope
         self.width = max(qk, self.v_dim)
@@ -236,13 +237,13 @@ class LatentAttention(AttentionCore):
             self.q_a_proj = factory.linear(h, arch.q_lora_rank, bias)
             # transformers gives the latent norms their default eps (1e-6), not rms_norm_eps
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, 1e-6, ops)
-            self.q_b_proj = factory.linear(arch.q_lora_rank, n * qk, False)
+            self.q_b_proj = factory.linear(arch.q_lora_rank, n * qk, False, tp="column")
         else:
-            self.q_proj = factory.linear(h, n * qk, False)
+            self.q_proj = factory.linear(h, n * qk, False, tp="column")
         self.kv_a_proj_with_mqa = factory.linear(h, self.rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, ops)
-        self.kv_b_proj = factory.linear(self.rank, n * (self.nope + self.v_dim), False)
-        self.o_proj = factory.linear(n * self.v_dim, h, bias)
+        self.kv_b_proj = factory.linear(self.rank, n * (self.nope + self.v_dim), False, tp="column")
+        self.o_proj = factory.linear(n * self.v_dim, h, bias, tp="row")
         self.rotate = reference.rotary_interleaved if arch.rope_interleaved else ops.rotary
         # scores scale by qk^-1/2 (times YaRN's mscale squared); the core divides by sqrt(width)
         self.q_scale = latent_attention_mscale(arch.rope_scaling) * math.sqrt(self.width / qk)
@@ -260,6 +261,8 @@ class LatentAttention(AttentionCore):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_pass, q_rot = paddle.split(q.reshape([b, s, n, self.nope + self.rope]), [self.nope, self.rope], -1)
         latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope], axis=-1)
+        if self.shared_key is not None:  # every head of every rank reads it
+            k_rot = self.shared_key(k_rot)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape([b, s, n, self.nope + self.v_dim])
         k_pass, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
         q_rot, k_rot = self.rotate(
@@ -324,11 +327,10 @@ class DecoderLayer(nn.Layer):
         else:
             attention = LatentAttention if arch.kv_lora_rank else Attention
             self.self_attn = attention(arch, factory, ops, layer_idx, implementation)
-        # the mixture of experts on the layers the family makes sparse (single device only: arch rules)
+        # the mixture of experts on the layers the family makes sparse; under tensor parallel its router
+        # and routed experts are whole on every rank of the group, its shared experts split as an MLP
         self.sparse = arch.is_sparse(layer_idx)
-        if self.sparse and factory.tp_degree > 1:
-            raise UserError(f"the {arch.family} mixture of experts does not support tensor_parallel > 1 yet")
-        self.mlp = SparseMoE(arch, ops) if self.sparse else MLP(arch, factory, ops)
+        self.mlp = SparseMoE(arch, ops, factory) if self.sparse else MLP(arch, factory, ops)
 
     def _norm(self, role: str, x: paddle.Tensor) -> paddle.Tensor:
         name = self.norm_names.get(role)

@@ -20,6 +20,7 @@ excluded through the attention mask as transformers does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import paddle
@@ -28,6 +29,7 @@ from paddle import nn
 
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.families import family
+from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.ops import OpSet
 from bmtrain_cli.ops.moe_experts import reference_experts, resolve
 
@@ -36,12 +38,12 @@ class Expert(nn.Layer):
     """One SwiGLU expert, named as Hugging Face's per-expert checkpoints name it (biases: ERNIE's shared
     experts under use_bias)."""
 
-    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False):
+    def __init__(self, hidden: int, inter: int, ops: OpSet, bias: bool = False, factory: Any = None):
         super().__init__()
-        b = None if bias else False
-        self.gate_proj = nn.Linear(hidden, inter, bias_attr=b)
-        self.up_proj = nn.Linear(hidden, inter, bias_attr=b)
-        self.down_proj = nn.Linear(inter, hidden, bias_attr=b)
+        linear = PlainFactory().linear if factory is None else factory.linear  # the shared experts': split
+        self.gate_proj = linear(hidden, inter, bias, tp="column")
+        self.up_proj = linear(hidden, inter, bias, tp="column")
+        self.down_proj = linear(inter, hidden, bias, tp="row")
         self.ops = ops
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -97,7 +99,7 @@ class SparseMoE(nn.Layer):
     """The MLP of a sparse layer: ``gate`` [hidden -> num_experts] and ``experts.{e}``. The router logits
     of the last forward stay in ``router_logits`` [tokens, num_experts] for the auxiliary loss."""
 
-    def __init__(self, arch: ModelArch, ops: OpSet):
+    def __init__(self, arch: ModelArch, ops: OpSet, factory: Any = None):
         super().__init__()
         h, f = arch.hidden_size, arch.moe_intermediate_size
         self.num_experts = arch.num_experts
@@ -111,8 +113,10 @@ class SparseMoE(nn.Layer):
         self.experts: Union[nn.LayerList, HeldExperts] = nn.LayerList(
             [Expert(h, f, ops) for _ in range(arch.num_experts)]
         )
-        self.shared_experts = (
-            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias) if arch.moe_shared_experts else None
+        self.shared_experts = (  # split over tensor parallel by ``factory`` (the routed experts whole)
+            Expert(h, f * arch.moe_shared_experts, ops, arch.mlp_bias, factory)
+            if arch.moe_shared_experts
+            else None
         )
         self.router_logits: Optional[paddle.Tensor] = None
         self.last_counts: List[int] = []  # tokens routed to each expert in the last forward (monitoring)
@@ -186,6 +190,27 @@ class SparseMoE(nn.Layer):
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
+AUX_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
+
+
+def with_aux_loss_settings(model: Any, model_config: Any) -> Any:
+    """A loaded ``model`` with model_config's load-balancing loss settings over its checkpoint's (they
+    shape the training loss, not the weights)."""
+    aux = {k: getattr(model_config, k) for k in AUX_LOSS_KEYS if getattr(model_config, k, None) is not None}
+    if aux:
+        model.arch = replace(model.arch, **aux)
+    return model
+
+
+def tensor_parallel_problem(arch: ModelArch, tp: int) -> Optional[str]:
+    """Why tensor parallel ``tp`` cannot split a mixture of experts' shared experts (None: it can; the
+    router and the routed experts stay whole on every rank)."""
+    width = arch.moe_intermediate_size * arch.moe_shared_experts
+    if arch.num_experts and tp > 1 and width % tp:
+        return f"the shared experts' width ({width}) is not divisible by tensor_parallel ({tp})"
+    return None
+
+
 def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:
     """The [in, out] weight a projection is (a LoRA-wrapped one: base + its update, differentiable in the
     adapters, lora/layers.py); None where it is no bias-free single weight."""
@@ -193,6 +218,31 @@ def _grouped_weight(proj: nn.Layer) -> Optional[paddle.Tensor]:
         return proj.weight if proj.bias is None else None
     as_weight = getattr(proj, "grouped_weight", None)
     return as_weight() if as_weight is not None else None
+
+
+def router_sums(
+    logits: paddle.Tensor, num_experts: int, top_k: int, mask: Optional[paddle.Tensor] = None
+) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """One sparse layer's part of the load-balancing loss: (top-k assignments per expert, router
+    probabilities summed per expert, counted tokens), fp32; ``mask`` [tokens, 1] (1.0 = counted) or None."""
+    probs = F.softmax(logits.astype("float32"), axis=-1)
+    _, chosen = paddle.topk(probs, top_k, axis=-1)
+    assigned = F.one_hot(chosen, num_experts).sum(axis=1)  # [tokens, experts], no gradient
+    if mask is None:
+        return assigned.sum(axis=0), probs.sum(axis=0), paddle.full([], float(probs.shape[0]), "float32")
+    return (assigned * mask).sum(axis=0), (probs * mask).sum(axis=0), mask.sum()
+
+
+def token_mask(attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
+    """[tokens, 1] fp32: 1.0 where ``attention_mask`` is not 0 (None stays None)."""
+    if attention_mask is None:
+        return None
+    return (attention_mask.reshape([-1, 1]) != 0).astype("float32")
+
+
+def balance_loss(tokens: Any, probs_sum: Any, rows: Any, num_experts: int) -> paddle.Tensor:
+    """The load-balancing loss from the sparse layers' :func:`router_sums` added up."""
+    return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)
 
 
 def load_balancing_loss(
@@ -206,19 +256,8 @@ def load_balancing_loss(
     tokens: Any = 0.0
     probs_sum: Any = 0.0
     rows: Any = 0.0
-    mask = None
-    if attention_mask is not None:
-        mask = (attention_mask.reshape([-1, 1]) != 0).astype("float32")
+    mask = token_mask(attention_mask)
     for logits in router_logits:
-        probs = F.softmax(logits.astype("float32"), axis=-1)
-        _, chosen = paddle.topk(probs, top_k, axis=-1)
-        assigned = F.one_hot(chosen, num_experts).sum(axis=1)  # [tokens, experts], no gradient
-        if mask is None:
-            tokens = tokens + assigned.sum(axis=0)
-            probs_sum = probs_sum + probs.sum(axis=0)
-            rows = rows + float(probs.shape[0])
-        else:
-            tokens = tokens + (assigned * mask).sum(axis=0)
-            probs_sum = probs_sum + (probs * mask).sum(axis=0)
-            rows = rows + mask.sum()
-    return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)
+        t, p, r = router_sums(logits, num_experts, top_k, mask)
+        tokens, probs_sum, rows = tokens + t, probs_sum + p, rows + r
+    return balance_loss(tokens, probs_sum, rows, num_experts)

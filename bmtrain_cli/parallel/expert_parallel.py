@@ -179,6 +179,7 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
         shard(owned, lambda rows, counts, run, g=group: dispatch(g, rows, counts, run))
         for p in layer.experts.parameters():
             setattr(p, EXPERT_ATTR, True)
+            p.no_sync = True  # fleet's start-up broadcast over the data ranks leaves it alone
         layers += 1
     held = sum(int(p.size) for p in model.parameters())
     return (
@@ -189,6 +190,29 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
 
 def is_expert(p: Any) -> bool:
     return bool(getattr(p, EXPERT_ATTR, False))
+
+
+def reduce_expert_gradients(fleet_optimizer: Any, group: ExpertGroup, data_world: int) -> None:
+    """Under fleet's hybrid optimizer (tensor or pipeline parallel beside): its data-parallel reduction
+    averages gradients that the layout scaled by the data-rank count; it now leaves the experts out, whose
+    gradient (already the sum over the group's tokens) is divided by that count and summed over the
+    expert's replicas."""
+    opt = fleet_optimizer
+    while not hasattr(type(opt), "_hybrid_sync_grad"):
+        opt = opt._inner_opt
+    fleet_sync = opt._hybrid_sync_grad
+
+    def sync(params: List[Any]) -> None:
+        import paddle.distributed as dist
+
+        fleet_sync([p for p in params if not is_expert(p)])
+        for p in params:
+            if is_expert(p) and p.grad is not None:
+                p.grad.scale_(1.0 / data_world)
+                if group.replicas is not None:
+                    dist.all_reduce(p.grad, group=group.replicas)
+
+    opt._hybrid_sync_grad = sync
 
 
 def global_grad_norm(

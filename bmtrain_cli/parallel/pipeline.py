@@ -1,17 +1,14 @@
 """Pipeline parallel: the decoder as a fleet PipelineLayer, stage boundaries, and a 1F1B training step.
 
 The built CausalLM is cut into a list of pipeline items: the embedding, one item per decoder layer and
-the head (final norm + LM head). Between stages travels the tuple (hidden, attention_mask, position_ids);
-each stage recomputes the rotary tables and the attention bias from the masks, so no float masks are
-sent. Partition methods (parallel_config.pipeline_partition):
-
-* ``uniform``: the same number of decoder layers per stage;
-* ``parameters``: balance parameter counts (the embedding and head weigh in);
-* ``measured``: time forward+backward of every item on a sample batch (rank 0 measures, everyone uses
-  its numbers) and balance the measured cost.
-
-The cut minimises the most expensive stage; the imbalance (max stage cost / mean) is reported. Training
-uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's micro-batches."""
+the head (final norm + LM head). Between stages travels the tuple (hidden, attention_mask, position_ids)
+(and a mixture of experts' load-balancing sums, parallel/pipeline_moe.py); each stage recomputes the
+rotary tables and the attention bias from the masks, so no float masks are sent. Partition methods
+(parallel_config.pipeline_partition): ``uniform``, the same number of decoder layers per stage;
+``parameters``, balance parameter counts (the embedding and head weigh in); ``measured``, time
+forward+backward of every item on a sample batch (rank 0 measures, everyone uses its numbers) and balance
+the measured cost. The cut minimises the most expensive stage; the imbalance (max stage cost / mean) is
+reported. Training uses fleet's PipelineParallel.train_batch (1F1B) with the trainer's micro-batches."""
 
 from __future__ import annotations
 
@@ -101,6 +98,7 @@ def _build_items(model: Any) -> PipelineItems:
 
     from bmtrain_cli.models.attention import ContextShard
     from bmtrain_cli.models.decoder import embed, project_to_vocab
+    from bmtrain_cli.parallel.pipeline_moe import add_layer_sums, join_sums, split_sums, start_sums
 
     arch = model.arch
     factory = model.factory
@@ -119,7 +117,7 @@ def _build_items(model: Any) -> PipelineItems:
             input_ids, mask, pos = args
             mask.stop_gradient = True
             pos.stop_gradient = True
-            return embed(arch, self.embed_tokens, input_ids), mask, pos
+            return (embed(arch, self.embed_tokens, input_ids), mask, pos, *start_sums(arch))
 
     class DecoderStage(nn.Layer):
         def __init__(self, layer: Any, recompute: bool) -> None:
@@ -128,7 +126,7 @@ def _build_items(model: Any) -> PipelineItems:
             self.recompute = recompute
 
         def forward(self, args: Any) -> Any:
-            x, mask, pos = args
+            x, mask, pos, *sums = args  # sums: a mixture of experts' (parallel/pipeline_moe.py)
             kind = self.layer.layer_type
             # context parallel: x is a share of each row, mask the rows' ids (copied: fleet frees sent outputs)
             core = getattr(model, "context_attention", None)
@@ -140,7 +138,7 @@ def _build_items(model: Any) -> PipelineItems:
                 x = recompute(self.layer, x, cos, sin, bias)
             else:
                 x = self.layer(x, cos, sin, bias)
-            return x, mask, pos
+            return (x, mask, pos, *add_layer_sums(self.layer, mask, sums))
 
     class NormStage(nn.Layer):
         def __init__(self, norm: Any) -> None:
@@ -148,7 +146,8 @@ def _build_items(model: Any) -> PipelineItems:
             self.norm = norm
 
         def forward(self, args: Any) -> Any:
-            return self.norm(args[0])
+            x, rest = split_sums(args)
+            return join_sums(self.norm(x), rest[2:])
 
     class HeadStage(nn.Layer):
         def __init__(self, lm_head: Any) -> None:
@@ -156,13 +155,15 @@ def _build_items(model: Any) -> PipelineItems:
             self.lm_head = lm_head
 
         def forward(self, hidden: Any) -> Any:
-            return project_to_vocab(hidden, arch, factory, self.lm_head, None)
+            hidden, sums = split_sums(hidden)
+            return join_sums(project_to_vocab(hidden, arch, factory, self.lm_head, None), sums)
 
     class TiedHeadStage(EmbedStage):
         """The head over the tied embedding's weight (the last stage's copy of the shared layer)."""
 
         def forward(self, hidden: Any) -> Any:
-            return project_to_vocab(hidden, arch, factory, None, self.weight)
+            hidden, sums = split_sums(hidden)
+            return join_sums(project_to_vocab(hidden, arch, factory, None, self.weight), sums)
 
     recompute_layers: Set[int] = getattr(model, "_recompute_layers", set())
     embed_tokens = model.model.embed_tokens
@@ -227,8 +228,7 @@ def measure_item_costs(items: Sequence[Any], x: Any, steps: int = 3) -> List[flo
 
 
 def item_parameter_names(model: Any) -> List[List[str]]:
-    """The single-process names of each pipeline item's parameters (the tied embedding is in the first
-    and the last item)."""
+    """The single-process names of each pipeline item's parameters (the tied embedding in the first and last)."""
     items = _build_items(model)
     return [[items.names[id(p)] for p in layer.parameters()] for layer in items.layers]
 
@@ -242,8 +242,7 @@ def stage_layers(bounds: Sequence[int], decoder_layers: int) -> List[List[int]]:
 
 
 def measured_costs(items: Sequence[Any], sample: Any) -> List[float]:
-    """``measured`` partition costs: every rank times the items (tensor-parallel layers talk to their
-    group), rank 0's numbers are used by all."""
+    """``measured`` partition costs: every rank times the items (tp layers talk), rank 0's are used."""
     import paddle.distributed as dist
 
     box = [measure_item_costs(items, sample)]
@@ -308,7 +307,7 @@ def to_pipeline_layer(
         method = f"{method}, the checkpoint's cut"
     else:
         bounds = None
-    loss_fn = _PipelineLoss(ctx)
+    loss_fn = _PipelineLoss(ctx, model.arch)
     pipe = cut_into_stages(items.descs, costs, ctx, loss_fn, method, bounds)
     info = ctx.pipeline_info
     info["stage_layers"] = stage_layers(info["boundaries"], layers)
@@ -357,23 +356,27 @@ class _PipelineLoss:
     so return loss_sum x micro_batches / (the step's denominator over all data ranks): its tokens for the
     token loss, the objective's (e.g. pairs) when one is set for the step."""
 
-    def __init__(self, ctx: ParallelCtx) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: ParallelCtx, arch: Any = None) -> None:
+        self.ctx, self.arch = ctx, arch
         self.scale = 1.0
         self.sums: List[Any] = []
         self.objective: Optional[PipelineObjective] = None
 
     def __call__(self, logits: Any, target: Any) -> Any:
+        from bmtrain_cli.parallel.pipeline_moe import split_sums, with_aux
+
+        logits, sums = split_sums(logits)  # a mixture of experts' load-balancing sums
         if self.objective is not None:
             loss_sum = self.objective.loss_sum(logits, target)
         else:
             flat, labels = logits.reshape([-1, logits.shape[-1]]), target.reshape([-1])
             if self.ctx.wrapping.factory.tp_degree > 1:
-                loss_sum, _ = self.ctx.wrapping.factory.vocab_cross_entropy_sum(flat, labels)
+                loss_sum, count = self.ctx.wrapping.factory.vocab_cross_entropy_sum(flat, labels)
             else:
                 from bmtrain_cli.ops import reference
 
-                loss_sum, _ = reference.cross_entropy_sum(flat, labels)
+                loss_sum, count = reference.cross_entropy_sum(flat, labels)
+            loss_sum = with_aux(loss_sum, count, sums, self.arch)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 
@@ -407,10 +410,7 @@ def stack_micro_batches(
     ]
     length = max([length or 0] + [a["input_ids"].shape[1] for a in arrays])
     out: Dict[str, List[np.ndarray]] = {
-        "input_ids": [],
-        "attention_mask": [],
-        "position_ids": [],
-        "target": [],
+        k: [] for k in ("input_ids", "attention_mask", "position_ids", "target")
     }
     for a in arrays:
         s = a["input_ids"].shape[1]

@@ -155,7 +155,11 @@ def wrap_sharded_optimizer(optimizer: Any, ctx: ParallelCtx) -> Any:
     if getattr(optimizer, "_grad_clip", None) is not None:
         from bmtrain_cli.parallel.grad_norm import install_recorder
 
-        recorder = install_recorder(fleet_optimizer)
+        recorder = install_recorder(fleet_optimizer, ctx.expert_group)
+    if ctx.expert_group is not None:  # expert parallel beside tensor or pipeline parallel
+        from bmtrain_cli.parallel.expert_parallel import reduce_expert_gradients
+
+        reduce_expert_gradients(fleet_optimizer, ctx.expert_group, ctx.data_world)
     return GradSumOptimizer(fleet_optimizer, ctx, recorder)
 
 

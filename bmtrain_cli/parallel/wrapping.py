@@ -121,8 +121,14 @@ class ModelWrapper:
 
         from bmtrain_cli.parallel.expert_parallel import shard_experts
 
+        group, src = None, 0  # under tensor parallel each rank's shards: over its data ranks
+        if self._ctx.tp_degree > 1:
+            group, src = (
+                self._ctx.hcg.get_data_parallel_group(),
+                self._ctx.hcg.get_data_parallel_group_src_rank(),
+            )
         for p in model.parameters():
-            dist.broadcast(p, src=0)
+            dist.broadcast(p, src=src, group=group)
         return shard_experts(model, self._ctx.expert_group)
 
     def _reinit_duplicated_shards(self, model: Any) -> None:

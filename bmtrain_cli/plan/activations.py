@@ -40,10 +40,14 @@ def layer_params(arch: ModelArch, tp: int, ep: int = 1) -> Tuple[int, int]:
     experts' layers hold the mean over its dense and sparse layers' MLPs, 1/ep of the routed experts under
     expert parallel (plan/moe_memory.py)."""
     h, hd = arch.hidden_size, arch.head_dim
-    if arch.kv_lora_rank:  # multi-head latent attention (one device: tensor parallel is refused)
-        shapes = mla.mla_shapes(arch)
-        attn = sum(i * o for name, (i, o) in shapes.items() if name in mla.mla_projections(arch))
-        return attn + moe_memory.mlp_params(arch, 1, ep), mla.mla_parameters(arch) - attn + 2 * h
+    if arch.kv_lora_rank:  # multi-head latent attention: tp splits the heads' projections, not the latent's
+        shapes = {n: i * o for n, (i, o) in mla.mla_shapes(arch).items() if n in mla.mla_projections(arch)}
+        attn = sum(
+            e // (tp if n in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj") else 1) for n, e in shapes.items()
+        )
+        return attn + moe_memory.mlp_params(arch, tp, ep), mla.mla_parameters(arch) - sum(
+            shapes.values()
+        ) + 2 * h
     q = arch.num_attention_heads * hd
     kv = arch.num_key_value_heads * hd
     mixer = (h * (q * (2 if arch.attn_output_gate else 1) + 2 * kv) + q * h) // tp

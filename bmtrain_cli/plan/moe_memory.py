@@ -2,8 +2,8 @@
 router, every routed expert and the shared experts (weights), and per token the router's scores, the k
 dispatched rows, the experts' kept pre-activations and weighted outputs (activations); the dispatch
 buffers (the rows, the expert outputs and their gradients, the pre-activations' gradients) make the MLP's
-backward working set. Dense and sparse layers differ: each term is the mean over the decoder's layers
-(tensor and pipeline parallel are refused for these models, so a stage is every layer)."""
+backward working set. Dense and sparse layers differ: each term is the mean over the decoder's layers.
+Under tensor parallel the router and the routed experts are whole on every rank (models/moe.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ def _mean(arch: ModelArch, dense: float, sparse: float) -> float:
 
 def mlp_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
     """Matrix elements of one layer's MLP on one device (the mean over the layers); under expert parallel
-    ``ep`` a rank holds 1/ep of the routed experts, the router and the shared experts whole."""
+    ``ep`` a rank holds 1/ep of the routed experts and the router whole, under tensor parallel ``tp``
+    1/tp of the shared experts (the routed ones whole)."""
     dense = 3 * arch.hidden_size * arch.intermediate_size // tp
     if not arch.num_experts:
         return dense
     routed = arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
-    return int(_mean(arch, dense, moe_parameters(arch) - routed + routed // ep))
+    shared = 3 * arch.hidden_size * arch.moe_intermediate_size * arch.moe_shared_experts
+    return int(_mean(arch, dense, moe_parameters(arch) - routed - shared + routed // ep + shared // tp))
 
 
 def all_to_all_bytes(arch: ModelArch, tokens: int, elem_bytes: int) -> int:

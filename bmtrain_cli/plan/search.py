@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from bmtrain_cli.models.moe import tensor_parallel_problem
 from bmtrain_cli.models.param_count import count_parameters, sparse_layers
 from bmtrain_cli.plan.activations import lora_layer_params
 from bmtrain_cli.plan.devices import Device
@@ -249,7 +250,7 @@ def enumerate_layouts(w: Workload, world: int, device: Device) -> List[Layout]:
     for tp in _divisors(world):
         if tp > device.gpus_per_node or a.num_attention_heads % tp or a.num_key_value_heads % tp:
             continue
-        if tp > 1 and (a.vocab_size % tp or a.intermediate_size % tp):
+        if tp > 1 and (a.vocab_size % tp or a.intermediate_size % tp or tensor_parallel_problem(a, tp)):
             continue
         for pp in _divisors(world // tp):
             if pp > a.num_hidden_layers:

@@ -76,8 +76,7 @@ TOKEN_DEMO = DemoData(
 
 
 def prepare_data(rt: Runtime, ctx: ParallelCtx, demo: DemoData) -> Dict[str, Any]:
-    """Training/eval paths; the method's demo task is generated under output_dir/data when no data_path
-    is set."""
+    """Training/eval paths (the method's demo task generated under output_dir/data without data_path)."""
     t = rt.config.train
     paths: Dict[str, Any] = {"train": t.data_path, "eval": t.eval_data_path, "heldout": None}
     if t.data_path is None and t.demo_data:
@@ -220,12 +219,13 @@ def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:
     from bmtrain_cli.config.checks import fresh_vocab_size, tokenizer_fits
     from bmtrain_cli.models import build
     from bmtrain_cli.models.arch import arch_from_model_config
+    from bmtrain_cli.models.moe import with_aux_loss_settings
 
     m = rt.config.model
     if m.model_name_or_path or rt.resume_from is not None:
         model = _load_model(rt, ctx)
         tokenizer_fits(model.arch.vocab_size, tokenizer.vocab_size, "the tokenizer")
-        return model
+        return with_aux_loss_settings(model, m)
     arch = dataclasses.replace(
         arch_from_model_config(m),
         vocab_size=fresh_vocab_size(m.vocab_size, tokenizer.vocab_size, "the tokenizer"),

@@ -1,10 +1,11 @@
 """Expert parallel through `bmtrain run` logs the single process's per-step loss AND grad_norm (1e-5
 relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
-groups, sigmoid routing, a shared expert; no auxiliary loss) and ERNIE 4.5 MoE parity checkpoints
-(tests/fixtures/hf), and the Qwen3-MoE with LoRA on its attention, the demo task's records, 4 optimizer steps of 4 rows with a max_grad_norm below every
-step's norm (asserted), so a layout whose norm or clip is off diverges from step 2. The eval loss (each rank
-evaluates its shard on a copy with every expert gathered) and the checkpoint each layout writes (the experts
-gathered from their ranks) equal the single process's.
+groups, sigmoid routing, a shared expert, latent attention; no auxiliary loss) and ERNIE 4.5 MoE parity
+checkpoints (tests/fixtures/hf), and the Qwen3-MoE with LoRA on its attention; expert parallel alone and
+beside data, pipeline and tensor parallel; the demo task's records, 4 optimizer steps of 4 rows with a
+max_grad_norm below every step's norm (asserted), so a layout whose norm or clip is off diverges from step
+2. The eval loss (each rank evaluates its shard on a copy with every expert gathered) and the checkpoint
+each layout writes (the experts gathered from their ranks) equal the single process's.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_expert_parallel`` prints it).
 """
@@ -56,11 +57,22 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
 }
 EP2 = ["parallel_config.expert_parallel=2"]
+PP2 = ["parallel_config.pipeline_parallel=2"]
+TP2 = ["parallel_config.tensor_parallel=2"]
+# Under tensor parallel the attention's halves are summed across the group: step 1 agrees to 1e-5 (asserted),
+# then Adam turns the rounding into lr-sized moves of near-zero gradient entries and the tiny Qwen3-MoE's
+# grad_norm drifts (3e-5 at step 3 at lr 1e-2; its loss stays within 1e-5, DeepSeek-V3's norm too), as for
+# Gemma 3 in tests/integration/test_parallel_matrix.py; a wrong shard or a doubled expert is off from step 1
+RTOL = {("qwen3_moe", "ep2 x tp2"): {"grad_norm": 1e-4}}
 LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_moe", "ep2", EP2),
     ("qwen3_moe", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
     ("deepseek_v3", "ep2", EP2),
     ("deepseek_v3", "dp2 x ep2", EP2 + ["parallel_config.data_parallel=2"]),
+    ("qwen3_moe", "ep2 x pp2", EP2 + PP2),
+    ("qwen3_moe", "ep2 x tp2", EP2 + TP2),
+    ("deepseek_v3", "ep2 x pp2", EP2 + PP2),
+    ("deepseek_v3", "ep2 x tp2", EP2 + TP2),
     ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
     ("qwen3_moe + LoRA", "ep2", EP2),
 ]
@@ -103,7 +115,7 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
     got["eval_loss"] = np.array([float(r["eval_loss"]) for r in rows if "eval_loss" in r])
     assert got["eval_loss"].size == 1
     ckpt = out / "run" / "checkpoints" / f"step-{STEPS}"
-    for f in sorted(ckpt.glob("*.safetensors")):
+    for f in sorted(ckpt.glob("model*.safetensors")):  # the weights (not each rank's optimizer part)
         got.update({f"w:{k}": v for k, v in load_file(str(f)).items()})
     return got
 
@@ -130,7 +142,9 @@ def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name
     assert np.all(want["grad_norm"] > MODELS[model][2]), want["grad_norm"]  # the clip scales every step
     got = run_layout(data, tmp_path, model, layout)
     for key in ("loss", "grad_norm", "eval_loss"):
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+        rtol = RTOL.get((model, name), {}).get(key, 1e-5)
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{model} {name} {key}")
+        np.testing.assert_allclose(got[key][0], want[key][0], rtol=1e-5, err_msg=f"{model} {name} step 1")
     weights = sorted(k for k in want if k.startswith("w:"))
     assert (".experts." in " ".join(weights)) != ("LoRA" in model)  # LoRA saves the adapters only
     assert sorted(k for k in got if k.startswith("w:")) == weights

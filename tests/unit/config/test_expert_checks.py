@@ -34,6 +34,11 @@ def test_expert_ranks_are_data_ranks(write_yaml):
         load_config(write_yaml(_text(batch=3)))
 
 
+def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
+    cfg = load_config(write_yaml(_text(parallel="  pipeline_parallel: 2\n")), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, line, message",
     [
@@ -43,8 +48,11 @@ def test_expert_ranks_are_data_ranks(write_yaml):
             "the 6 experts of every MoE layer do not split evenly over expert_parallel 4",
         ),
         ({"family": "llama", "experts": None}, 11, "needs a mixture-of-experts model; llama has no experts"),
-        ({"parallel": "  tensor_parallel: 2\n"}, 14, "tensor_parallel > 1 yet"),
-        ({"parallel": "  pipeline_parallel: 2\n"}, 14, "pipeline_parallel > 1 yet"),
+        (
+            {"family": "glm4_moe", "parallel": "  tensor_parallel: 3\n"},
+            14,
+            "shared experts' width (32) is not divisible by tensor_parallel (3)",
+        ),
         (
             {"parallel": "  context_parallel: 2\n"},
             14,

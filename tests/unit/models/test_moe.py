@@ -193,8 +193,11 @@ def test_lora_on_the_attention_leaves_the_experts_frozen():
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("parallel_config.tensor_parallel=2", "parallel_config.tensor_parallel"),
-        ("parallel_config.pipeline_parallel=2", "parallel_config.pipeline_parallel"),
+        (
+            "parallel_config.tensor_parallel=2 model_config.family=glm4_moe model_config.moe_intermediate_size=33",
+            "parallel_config.tensor_parallel",
+        ),
+        ("parallel_config.pipeline_parallel=2 train_config.stage=dpo", "train_config.stage"),
         ("train_config.to_static=true", "train_config.to_static"),
     ],
 )
@@ -203,12 +206,41 @@ def test_validate_config_refuses_what_the_moe_slice_does_not_run(override, where
     from bmtrain_cli.errors import ConfigError
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
-    sets = ["model_config.family=qwen3_moe", override]
+    sets = ["model_config.family=qwen3_moe", *override.split()]
     with pytest.raises(ConfigError) as exc:
         load_config(quickstart, sets, mode="validate")
     moe = [p for p in exc.value.problems if "mixture" in p.message or "mixture" in str(p.format())]
     assert moe and any(p.path == where for p in moe), [p.format() for p in exc.value.problems]
     assert "quickstart.yaml" in moe[0].format() or "--set" in moe[0].format()  # placed: file:line or --set
+
+
+@pytest.mark.parametrize(
+    "family, sets, reason",
+    [
+        ("qwen3_moe", [], None),
+        ("deepseek_v3", [], None),
+        ("glm4_moe", [], None),
+        ("qwen3_moe", ["model_config.moe_intermediate_size=33"], None),  # no shared experts to split
+        ("glm4_moe", ["model_config.moe_intermediate_size=33"], "shared experts' width (33)"),
+    ],
+)
+def test_tensor_parallel_splits_attention_and_shared_experts(family, sets, reason):
+    """tp2 runs an MoE whose attention (latent attention too) and shared experts the layer factory splits
+    and whose router and routed experts stay whole; a shared-expert width tp does not divide is refused."""
+    from bmtrain_cli.config.load import load_config
+    from bmtrain_cli.errors import ConfigError
+
+    quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+    sets = [f"model_config.family={family}", "parallel_config.tensor_parallel=2", *sets]
+    try:
+        load_config(quickstart, sets, mode="validate", world_size=2)
+        problems = []
+    except ConfigError as exc:
+        problems = [p.message for p in exc.problems if p.path == "parallel_config.tensor_parallel"]
+    if reason is None:
+        assert not problems, problems
+    else:
+        assert any(reason in m and "mixture of experts" in m for m in problems), problems
 
 
 def test_ernie4_5_moe_layers_shared_experts_and_score_bias():
@@ -337,3 +369,22 @@ def test_glm4_moe_refuses_groups_that_cannot_hold_the_top_k():
         arch_from_hf_dict({**cfg, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3})
     with pytest.raises(UserError, match="equal groups"):
         arch_from_hf_dict({**cfg, "n_group": 3})
+
+
+def test_model_config_turns_the_load_balancing_loss_on_for_a_checkpoint():
+    """The checkpoint's config.json has output_router_logits false; model_config's true and coefficient
+    reach the loaded model's loss (train/setup.py), which then adds coef x aux per token."""
+    from bmtrain_cli.models.moe import with_aux_loss_settings
+
+    ref = _ref("qwen3_moe")
+    ids, labels = paddle.to_tensor(ref["input_ids"]), paddle.to_tensor(ref["labels"])
+    model = load_pretrained(FIXTURES / "qwen3_moe")
+    assert not model.arch.output_router_logits
+    plain, count = model.loss_sum(ids, labels)
+    settings = ModelConfig(output_router_logits=True, router_aux_loss_coef=0.5)
+    model = with_aux_loss_settings(model, settings)
+    assert model.arch.output_router_logits and model.arch.router_aux_loss_coef == 0.5
+    total, _ = model.loss_sum(ids, labels)
+    aux = float(model.last_aux_loss)
+    np.testing.assert_allclose(float(total), float(plain) + 0.5 * aux * float(count), rtol=1e-6)
+    assert aux > 0

@@ -114,3 +114,20 @@ def test_expert_parallel_keeps_a_ranks_share_of_the_routed_experts(name):
     )
     assert held < count_parameters(arch)
     assert abs(planned - held) <= 2 * arch.num_hidden_layers + arch.num_experts * 3
+
+
+@pytest.mark.parametrize("name, width, split", [("deepseek_v3", 48, True), ("glm4_moe", 33, False)])
+def test_the_search_proposes_tensor_parallel_where_it_splits_the_model(repo_root, name, width, split):
+    """Tensor parallel splits a mixture of experts' attention and shared experts (routed experts whole):
+    the search proposes tp2 unless the shared experts' width is odd, as validate-config refuses it."""
+    from bmtrain_cli.config import load_config
+    from bmtrain_cli.plan.devices import get_device
+    from bmtrain_cli.plan.search import enumerate_layouts
+    from bmtrain_cli.plan.workload import Workload
+
+    w = Workload.from_config(
+        load_config(str(repo_root / "configs" / "quickstart.yaml")).config, read_data=False
+    )
+    arch = replace(_arch(name), moe_intermediate_size=width)
+    degrees = {lay.tp for lay in enumerate_layouts(replace(w, arch=arch), 2, get_device("A100-80GB"))}
+    assert 1 in degrees and (2 in degrees) == split

@@ -1,0 +1,62 @@
+"""A mixture of experts' load-balancing loss across pipeline stages (parallel/pipeline.py).
+
+The loss is not a sum over layers: transformers adds up every sparse layer's top-k assignments and router
+probabilities per expert (and the counted tokens) first, and takes their product at the end
+(models/moe.py). So when ``output_router_logits`` adds it to the training loss, the pipeline items carry
+those running sums from stage to stage as one more tensor [3, experts] (assignments, probabilities, tokens
+in every column) beside the hidden state: the embedding starts it at zero, each sparse decoder layer adds
+its own, the final norm hands it on with the normed hidden state, and the loss on the last stage adds
+``router_aux_loss_coef x aux x tokens`` to the micro-batch's summed cross entropy, as the single process's
+``loss_sum`` does. The probabilities' gradient travels back with the hidden state's, to the routers of
+every stage. Additions start from an exact zero and run in layer order: the value is the single process's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import paddle
+
+from bmtrain_cli.models.moe import balance_loss, router_sums, token_mask
+
+
+def carries_router_sums(arch: Any) -> bool:
+    """Whether the pipeline items of ``arch`` carry the load-balancing sums."""
+    return bool(arch.num_experts and arch.output_router_logits)
+
+
+def start_sums(arch: Any) -> List[paddle.Tensor]:
+    """What the embedding item adds to its output: [zeros [3, experts]], or nothing."""
+    return [paddle.zeros([3, arch.num_experts], "float32")] if carries_router_sums(arch) else []
+
+
+def add_layer_sums(layer: Any, mask: Any, sums: List[paddle.Tensor]) -> List[paddle.Tensor]:
+    """``sums`` plus the sparse decoder ``layer``'s part from its last forward (``mask``: the rows'
+    attention mask, 0 = padding)."""
+    if not sums or not layer.sparse:
+        return sums
+    mlp = layer.mlp
+    t, p, r = router_sums(mlp.router_logits, mlp.num_experts, mlp.top_k, token_mask(mask))
+    return [sums[0] + paddle.stack([t, p, r.reshape([1]).expand([mlp.num_experts])])]
+
+
+def split_sums(out: Any) -> Tuple[Any, List[Any]]:
+    """(hidden state or logits, the carried sums) of an item's output (a tensor, or a tuple ending with them)."""
+    if isinstance(out, (tuple, list)):
+        return out[0], list(out[1:])
+    return out, []
+
+
+def join_sums(out: Any, sums: List[Any]) -> Any:
+    """An item's output: ``out`` alone, or followed by the carried sums."""
+    return (out, *sums) if sums else out
+
+
+def with_aux(loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any) -> Any:
+    """The micro-batch's summed loss with ``router_aux_loss_coef x aux x count`` added (aux from the last
+    stage's ``sums``; ``loss_sum`` itself without them)."""
+    if not sums:
+        return loss_sum
+    s = sums[0]
+    aux = balance_loss(s[0], s[1], s[2][0], arch.num_experts)
+    return loss_sum + arch.router_aux_loss_coef * aux * count

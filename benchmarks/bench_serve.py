@@ -130,7 +130,8 @@ def start_server(model: Path, new: int, repo: Path = REPO) -> Tuple[subprocess.P
     cmd += ["--max-batch", "32", "--max-queue", "64", "--max-tokens", str(new)]
     log = model.parent / f"serve-{port}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # run from the repo root: `python -m` puts the working directory ahead of PYTHONPATH
+        proc = subprocess.Popen(cmd, env=env, cwd=str(repo), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -33,6 +33,7 @@ from bmtrain_cli.grpo.prompts import PromptSet, read_prompts
 from bmtrain_cli.grpo.rewards import build_rewards
 from bmtrain_cli.grpo.rollout import RolloutSource, Sampling
 from bmtrain_cli.grpo.shard import DataShard
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.preference.reference import FrozenCopy, load_reference_model
 from bmtrain_cli.train.parts import Console, ModelParts, OptimParts, Parts, TrainData, TrainState
@@ -70,12 +71,14 @@ def prompt_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Paralle
 
     sampling = Sampling(
         num_generations=g.num_generations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        top_p=g.top_p,
         mask_truncated_completions=g.mask_truncated_completions,
         scale_rewards=g.scale_rewards,
-        eos_id=tokenizer.eos_id,
+        decoding=SamplingOptions(
+            max_new_tokens=g.max_completion_length,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            eos_token_id=tokenizer.eos_id,
+        ),
     )
     source = RolloutSource(
         read(paths["train"]),

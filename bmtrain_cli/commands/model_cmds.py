@@ -110,6 +110,7 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Generate text from a prompt (KV-cached incremental decoding)."""
+        from bmtrain_cli.models.decoding import SamplingOptions
         from bmtrain_cli.models.generate import generate
 
         model, tok = load_model_and_tokenizer(model_path, tokenizer_path, dtype)
@@ -137,13 +138,14 @@ def register(app: typer.Typer) -> None:
                 err=True,
             )
             max_new_tokens = room
+        options = SamplingOptions(max_new_tokens, temperature, top_p, tok.eos_id, seed)
         t0 = time.perf_counter()
         if _is_static(model):
             from bmtrain_cli.export.loading import generate_static
 
-            new = generate_static(model, [ids], max_new_tokens, temperature, top_p, tok.eos_id, seed)[0]
+            new = generate_static(model, [ids], options)[0]
         else:
-            new = generate(model, [ids], max_new_tokens, temperature, top_p, tok.eos_id, seed)[0]
+            new = generate(model, [ids], options)[0]
         dt = time.perf_counter() - t0
         text_ids = new[:-1] if new and new[-1] == tok.eos_id else new
         typer.echo(tok.decode(text_ids))

@@ -121,6 +121,7 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     ) -> None:
         """Chat with the model in the terminal (streamed replies, multi-turn)."""
+        from bmtrain_cli.models.decoding import SamplingOptions
         from bmtrain_cli.serve.engine import Sampling
         from bmtrain_cli.serve.terminal import ChatSession, run_chat
 
@@ -130,7 +131,9 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        session = ChatSession(engine, Sampling(max_tokens, temperature, top_p, [], seed), write, _note)
+        session = ChatSession(
+            engine, Sampling(SamplingOptions(max_tokens, temperature, top_p, seed=seed)), write, _note
+        )
         session.system = system
         interactive = sys.stdin.isatty()
         run_chat(session, lambda: input("> ") if interactive else _read_line())

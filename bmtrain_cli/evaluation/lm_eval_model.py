@@ -87,6 +87,7 @@ class BmtrainLM(TemplateLM):
         return out
 
     def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
+        from bmtrain_cli.models.decoding import SamplingOptions
         from bmtrain_cli.models.generate import generate
 
         out = []
@@ -97,9 +98,10 @@ class BmtrainLM(TemplateLM):
             room = max(1, self.max_length - len(ids))
             n = min(int(gen_kwargs.get("max_gen_toks", 256)), room)
             temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
-            new = generate(
-                self.model, [ids[-self.max_length + 1 :]], n, temperature, 1.0, self.eot_token_id, 0
+            options = SamplingOptions(
+                max_new_tokens=n, temperature=temperature, eos_token_id=self.eot_token_id
             )
+            new = generate(self.model, [ids[-self.max_length + 1 :]], options)
             text = self.tokenizer.decode([t for t in new[0] if t != self.eot_token_id])
             for stop in until:
                 text = text.split(stop)[0]

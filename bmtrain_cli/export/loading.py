@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 
 from bmtrain_cli.checkpoint_layout import STATE_FILE, holds_checkpoints, is_step_dir_name, latest_under
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.export.meta import read_export_meta
+
+if TYPE_CHECKING:
+    from bmtrain_cli.models.decoding import SamplingOptions, TokenCallback
 
 LORA_ADAPTER_CONFIG = "adapter_config.json"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
@@ -173,31 +176,20 @@ def is_paddle_inference_export(path: Any) -> bool:
 def generate_static(
     model: InferenceModel,
     prompts: Any,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    eos_token_id: Optional[int] = None,
-    seed: int = 0,
-    on_token: Any = None,
-) -> list:
+    options: SamplingOptions,
+    on_token: Optional[TokenCallback] = None,
+) -> List[List[int]]:
     """Generation over logits only (a paddle-inference predictor has no KV cache and no mask input):
-    each prompt runs alone and the whole sequence is recomputed per new token. Same sampling (and
-    ``on_token`` callback) as models.generate, so greedy output matches it."""
-    from bmtrain_cli.models.generate import sample_next
+    each prompt runs alone and the whole sequence is recomputed per new token. Tokens are picked and rows
+    stopped by the same ``DecodeStep`` as models.generate, so its output (greedy or seeded) matches it."""
+    from bmtrain_cli.models.decoding import DecodeStep
 
-    rng = np.random.default_rng(seed)
-    outs = []
+    step = DecodeStep(options, len(prompts), on_token)
     for row, prompt in enumerate(prompts):
         ids = list(prompt)
-        new: list = []
-        for _ in range(max_new_tokens):
+        for _ in range(options.max_new_tokens):
             logits = model.logits(np.asarray([ids], dtype=np.int64))[:, -1]
-            t = int(sample_next(logits.astype(np.float32), temperature, top_p, rng)[0])
-            new.append(t)
-            ids.append(t)
-            if on_token is not None and on_token(row, t):
+            ids.append(int(step(logits.astype(np.float32), [row])[0]))
+            if step.done[row]:
                 break
-            if eos_token_id is not None and t == eos_token_id:
-                break
-        outs.append(new)
-    return outs
+    return step.tokens

@@ -28,6 +28,7 @@ from bmtrain_cli.grpo.rollout import (
     score_completions,
 )
 from bmtrain_cli.methods import GRPO_EVAL_ROWS
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.preference.logps import model_inputs, token_logps
 from bmtrain_cli.preference.reference import adapters_disabled
 
@@ -163,12 +164,9 @@ class GrpoObjective:
         s = self.source.sampling
         greedy = Sampling(
             num_generations=1,
-            max_completion_length=s.max_completion_length,
-            temperature=0.0,
-            top_p=1.0,
             mask_truncated_completions=False,
             scale_rewards="none",
-            eos_id=s.eos_id,
+            decoding=SamplingOptions(max_new_tokens=s.decoding.max_new_tokens, eos_token_id=s.eos_id),
         )
         completions = sample_completions(model, [p.ids for p in prompts], greedy, 0, GRPO_EVAL_ROWS)
         texts = [decode_completion(tokenizer, c, s.eos_id) for c in completions]

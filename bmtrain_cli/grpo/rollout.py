@@ -15,7 +15,7 @@ a resumed run samples exactly what an uninterrupted one does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,6 +24,7 @@ from bmtrain_cli.grpo.loss import group_advantages
 from bmtrain_cli.grpo.prompts import Prompt, PromptSet
 from bmtrain_cli.grpo.rewards import Reward, score
 from bmtrain_cli.grpo.shard import DataShard
+from bmtrain_cli.models.decoding import SamplingOptions
 
 Batch = Dict[str, np.ndarray]
 LogpsFn = Callable[[Batch], np.ndarray]  # per-token log-probs [rows, T] of a batch, without gradient
@@ -70,13 +71,18 @@ def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[
 
 @dataclass(frozen=True)
 class Sampling:
+    """A rollout batch's sampling: ``num_generations`` completions per prompt, each decoded as
+    ``decoding`` says (max_completion_length as its max_new_tokens; its seed is replaced per generate
+    call), and how truncated completions and rewards count."""
+
     num_generations: int
-    max_completion_length: int
-    temperature: float
-    top_p: float
     mask_truncated_completions: bool
     scale_rewards: str
-    eos_id: Optional[int]
+    decoding: SamplingOptions
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.decoding.eos_token_id
 
 
 def sample_completions(
@@ -95,17 +101,7 @@ def sample_completions(
     out: List[List[int]] = []
     for k, start in enumerate(range(0, len(prompt_ids), rows_per_call), start=first_call):
         chunk = prompt_ids[start : start + rows_per_call]
-        out.extend(
-            generate(
-                model,
-                chunk,
-                max_new_tokens=s.max_completion_length,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                eos_token_id=s.eos_id,
-                seed=rollout_seed(seed, k),
-            )
-        )
+        out.extend(generate(model, chunk, replace(s.decoding, seed=rollout_seed(seed, k))))
     return out
 
 
@@ -175,7 +171,7 @@ class RolloutSource:
         self.shard = shard
         # a step's prompts over all data ranks; each rank trains on its block of their completions
         self.prompts_per_step = micro_batch_size * micro_per_step * shard.world // sampling.num_generations
-        self.longest = max(len(p.ids) for p in prompts.prompts) + sampling.max_completion_length
+        self.longest = max(len(p.ids) for p in prompts.prompts) + sampling.decoding.max_new_tokens
         self.cursor = 0  # prompts drawn so far (epoch = cursor // len(prompts))
         self.rollouts = 0  # rollout batches sampled so far
         self.served = 0  # micro-batches of the current rollout batch handed out

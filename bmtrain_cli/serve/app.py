@@ -106,8 +106,7 @@ class Server:
         cancel = threading.Event()
         with self.engine.admit():
             runs = [
-                self._generate(ids, Sampling(**{**sampling.__dict__, "seed": sampling.seed + i}), cancel)
-                for i in range(n)
+                self._generate(ids, sampling.but(seed=sampling.decoding.seed + i), cancel) for i in range(n)
             ]
             results = await _unless_disconnected(request, asyncio.gather(*runs), cancel)
         return JSONResponse(self._full(rid, results, chat))

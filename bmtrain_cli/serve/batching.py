@@ -7,9 +7,10 @@ right-aligned and left-padded to the longest: its attention mask marks each row'
 padding (0, which no query sees) and each row has its own positions, so a row computes what it would
 alone. Each decode step feeds every active row its last token as one batched forward, writing the new
 keys and values in place; a row leaves on EOS, a stop string, max_tokens or cancellation (the last row
-takes its place), and the columns every remaining row pads are dropped. Sampling is per row with the
-row's own seeded generator (``models.generate.sample_next``): a request's tokens do not depend on who
-shares its batch. One host sync per step: the last position's logits, read once for all rows.
+takes its place), and the columns every remaining row pads are dropped. Each row picks its tokens and
+stops through its own ``models.decoding.DecodeStep`` (its request's options and seed, the same step
+``models.generate`` runs): a request's tokens do not depend on who shares its batch. One host sync per
+step: the last position's logits (``models.decoding.next_logits``), read once for all rows.
 
 Models whose rotary tables depend on the whole batch's longest position (dynamic NTK, LongRoPE), models
 with linear-attention layers (their cache is a recurrent state) and paddle-inference exports (no cache input) are not batched: their requests run one at a time through
@@ -27,7 +28,15 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.models.blocks import KVCache
-from bmtrain_cli.models.generate import TokenCallback, generate, left_pad, sample_next
+from bmtrain_cli.models.decoding import (
+    DecodeStep,
+    SamplingOptions,
+    TokenCallback,
+    left_pad,
+    next_logits,
+    prompt_positions,
+)
+from bmtrain_cli.models.generate import generate
 from bmtrain_cli.serve.kv_slots import SlotCache, prefilled
 
 UNBATCHED_ROPE = ("dynamic", "longrope")  # rotary tables computed from the batch's largest position
@@ -35,20 +44,17 @@ UNBATCHED_ROPE = ("dynamic", "longrope")  # rotary tables computed from the batc
 
 @dataclass
 class Job:
-    """One generation: prompt ids, sampling, ``on_token(row, token) -> stop`` and ``cancelled``."""
+    """One generation: prompt ids, its decoding options, ``on_token(row, token) -> stop`` and
+    ``cancelled``."""
 
     ids: List[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
+    options: SamplingOptions
     on_token: TokenCallback
     cancelled: Callable[[], bool]
     done: Future[None] = field(default_factory=Future)
-    rng: Any = None
+    step: Optional[DecodeStep] = None  # from the prefill on
     length: int = 0  # tokens in this row's cache
     last: int = -1  # the token to feed next
-    produced: int = 0
 
 
 def batchable(model: Any) -> bool:
@@ -85,9 +91,8 @@ class Scheduler:
     """The thread that owns the model: ``submit`` queues a job; the thread prefills waiting jobs
     (at most ``max_batch`` rows at once) and runs decode steps over all active rows."""
 
-    def __init__(self, model: Any, eos_id: Optional[int], max_batch: int = 32) -> None:
+    def __init__(self, model: Any, max_batch: int = 32) -> None:
         self.model = model
-        self.eos_id = eos_id
         self.max_batch = max_batch
         self.batched = batchable(model)
         self.steps = 0  # decode steps run (each one forward over all active rows)
@@ -161,15 +166,11 @@ class Scheduler:
         """Run the prompts as one left-padded batch (padding masked, positions counting real tokens, as
         ``models.generate`` does), take each row's first token and add the rows that go on to the batch."""
         ids, mask = left_pad([job.ids for job in jobs])
-        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         cache = KVCache(len(self.model.layers))
-        hidden = self.model.hidden_states(
-            paddle.to_tensor(ids), paddle.to_tensor(mask), paddle.to_tensor(pos), cache=cache
-        )
-        logits = self.model.logits_from_hidden(hidden[:, -1:])[:, -1].astype("float32").numpy()
+        logits = next_logits(self.model, ids, mask, prompt_positions(mask), cache)
         going = []
         for i, job in enumerate(jobs):
-            job.rng = np.random.default_rng(job.seed)
+            job.step = DecodeStep(job.options, 1, job.on_token)
             job.length = len(job.ids)
             if self._take(job, logits[i : i + 1]):
                 going.append(i)
@@ -193,15 +194,15 @@ class Scheduler:
         if not batch:
             return
         batch.cache.reserve(1)
-        logits = self.model(
-            paddle.to_tensor([[job.last] for job in batch.jobs], dtype="int64"),
-            attention_mask=paddle.to_tensor(batch.cache.step_mask()),
-            position_ids=paddle.to_tensor([[job.length] for job in batch.jobs], dtype="int64"),
-            cache=batch.cache,
+        rows = next_logits(
+            self.model,
+            np.asarray([[job.last] for job in batch.jobs], dtype=np.int64),
+            batch.cache.step_mask(),
+            np.asarray([[job.length] for job in batch.jobs], dtype=np.int64),
+            batch.cache,
         )
         self.steps += 1
         self.widest = max(self.widest, len(batch))
-        rows = logits[:, -1].astype("float32").numpy()
         ended = []
         for i, job in enumerate(batch.jobs):
             job.length += 1
@@ -210,30 +211,28 @@ class Scheduler:
         batch.drop(ended)
 
     def _take(self, job: Job, logits: np.ndarray) -> bool:
-        """Sample the row's next token and hand it over; False (and the job done) when the row ends."""
-        token = int(sample_next(logits, job.temperature, job.top_p, job.rng)[0])
-        job.produced += 1
+        """The row's next token, handed over by its decode step; False (and the job done) when the row
+        ends."""
+        assert job.step is not None
+        job.last = int(job.step(logits, [0])[0])
         self.tokens += 1
-        job.last = token
-        stop = job.on_token(0, token) or token == self.eos_id or job.produced >= job.max_tokens
-        if stop:
+        if job.step.done[0]:
             self.cancelled += int(job.cancelled())
             job.done.set_result(None)
-        return not stop
+        return not job.step.done[0]
 
     def _alone(self, job: Job) -> None:
         """A request of an unbatched model, start to end (the paddle-inference path or a batch-dependent rope)."""
         if job.cancelled():
             job.done.set_result(None)
             return
-        args = (job.max_tokens, job.temperature, job.top_p, self.eos_id, job.seed)
         try:
             if getattr(self.model, "predictor", None) is not None:
                 from bmtrain_cli.export.loading import generate_static
 
-                generate_static(self.model, [job.ids], *args, on_token=job.on_token)
+                generate_static(self.model, [job.ids], job.options, on_token=job.on_token)
             else:
-                generate(self.model, [job.ids], *args, on_token=job.on_token)
+                generate(self.model, [job.ids], job.options, on_token=job.on_token)
         except Exception as exc:
             _fail(job, exc)
             return

@@ -1,6 +1,7 @@
 """One loaded model behind the server and the terminal chat: messages or text to prompt ids (the model's
 chat template, as `bmtrain generate --chat`), request bounds against the context, and generation through
-``models.generate`` (the KV-cached loop) with a token callback that turns ids into streamed text and
+``models.generate`` / the scheduler's batched steps (both picking tokens with ``models.decoding``) with a
+token callback that turns ids into streamed text and
 applies stop strings. Generations go to the continuous-batching scheduler (serve/batching.py), which
 decodes concurrent requests together; ``acquire`` bounds how many may run or wait."""
 
@@ -9,10 +10,11 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from bmtrain_cli.data.formats import BadRecord, parse_chat
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.serve.batching import Job, Scheduler
 
 OnText = Optional[Callable[[str], None]]  # gets each streamed text delta
@@ -38,13 +40,17 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: List[str] = field(default_factory=list)
-    seed: int = 0
+    """A request's decoding options (its max_tokens as ``max_new_tokens``; the end-of-sequence token is
+    the tokenizer's, the engine sets it) and its stop strings."""
+
+    decoding: SamplingOptions
+    stop: Tuple[str, ...] = ()
+
+    def but(self, **changes: Any) -> Sampling:
+        """The same request with some decoding options changed (``seed``, ``max_new_tokens``)."""
+        return replace(self, decoding=replace(self.decoding, **changes))
 
 
 @dataclass
@@ -126,7 +132,7 @@ class Engine:
         self.encoder = make_encoder(tokenizer, template)
         self.context = int(model.arch.max_position_embeddings)
         self.max_queue = max_queue
-        self.scheduler = Scheduler(model, tokenizer.eos_id, max_batch)
+        self.scheduler = Scheduler(model, max_batch)
         self._count_lock = threading.Lock()
         self._pending = 0
 
@@ -214,9 +220,7 @@ class Engine:
             reason = "stop" if state["eos"] or stream.stopped else "length"
             out.set_result(Result(text, len(ids), state["n"], reason))
 
-        job = Job(
-            ids, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed, on_token, cancelled
-        )
+        job = Job(ids, replace(sampling.decoding, eos_token_id=eos), on_token, cancelled)
         self.scheduler.submit(job).add_done_callback(finish)
         return out
 

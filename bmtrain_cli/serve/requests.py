@@ -7,6 +7,7 @@ import json
 import secrets
 from typing import Any, Dict, List, Optional
 
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.serve.engine import Engine, RequestError, Sampling
 
 MAX_N = 8
@@ -88,13 +89,13 @@ def sampling(body: Dict[str, Any], room: int, cap: int, token_key: str = "max_to
             code="context_length_exceeded",
         )
     seed = _integer(body, "seed", None, 0, 2**63 - 1)
-    return Sampling(
-        max_tokens=max_tokens,
+    decoding = SamplingOptions(
+        max_new_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        stop=_stops(body),
         seed=secrets.randbits(63) if seed is None else seed,
     )
+    return Sampling(decoding, tuple(_stops(body)))
 
 
 def choices(body: Dict[str, Any]) -> int:

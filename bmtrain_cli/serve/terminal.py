@@ -32,7 +32,10 @@ class ChatSession:
         dropped = 0
         while True:
             ids = self.engine.chat_ids(self._messages())
-            if self.engine.context - len(ids) >= min(self.sampling.max_tokens, 16) or len(self.turns) <= 1:
+            if (
+                self.engine.context - len(ids) >= min(self.sampling.decoding.max_new_tokens, 16)
+                or len(self.turns) <= 1
+            ):
                 break
             self.turns = self.turns[2:]
             dropped += 1
@@ -73,7 +76,7 @@ class ChatSession:
             self.turns.pop()
             return
         room = self.engine.context - len(ids)
-        s = Sampling(**{**self.sampling.__dict__, "max_tokens": min(self.sampling.max_tokens, room)})
+        s = self.sampling.but(max_new_tokens=min(self.sampling.decoding.max_new_tokens, room))
         parts: List[str] = []
 
         def on_text(delta: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.models.generate import generate
 
 
@@ -31,7 +32,8 @@ def greedy_complete(
             return give_up is not None and give_up(start + row, so_far[row])
 
         chunk = prompts[start : start + batch_size]
-        outs = generate(model, chunk, max_new_tokens, eos_token_id=eos_id, on_token=on_token)
+        greedy = SamplingOptions(max_new_tokens=max_new_tokens, eos_token_id=eos_id)
+        outs = generate(model, chunk, greedy, on_token=on_token)
         results.extend(o[:-1] if eos_id is not None and o and o[-1] == eos_id else o for o in outs)
     return results
 

@@ -190,12 +190,15 @@ def test_greedy_generation_matches(exports):
     """transformers' greedy continuation of held-out demo prompts from the f16 GGUF is ours token for
     token; from q8_0 it is reported (and must agree on most prompts)."""
     from bmtrain_cli.export.loading import generate_static, load_for_inference
+    from bmtrain_cli.models.decoding import SamplingOptions
 
     d = exports[("demo", "f16")][0]
     spec = json.loads((d / "prompts.json").read_text())
     model = load_for_inference(str(d.parent.parent / "demo" / "run"), kernels="reference")
     eos = model.tokenizer.eos_id
-    ours = generate_static(model, spec["prompts"], max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+    ours = generate_static(
+        model, spec["prompts"], SamplingOptions(max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+    )
     assert json.loads((d / "ref.json").read_text())["greedy"] == ours
     q8 = json.loads((exports[("demo", "q8_0")][0] / "ref.json").read_text())["greedy"]
     same = sum(a == b for a, b in zip(q8, ours))

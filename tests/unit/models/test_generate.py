@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.models import build, load_pretrained, save_pretrained
-from bmtrain_cli.models.generate import STRIDE_FLAG, dense_transposes, generate, sample_next
+from bmtrain_cli.models.decoding import STRIDE_FLAG, SamplingOptions, dense_transposes, sample_next
+from bmtrain_cli.models.generate import generate
 from tests.unit.models.tiny import TINY
 
 
@@ -34,15 +35,17 @@ def _model(arch=TINY):
 def test_cached_decoding_equals_recomputation(arch):
     m = _model(arch)
     prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
-    cached = generate(m, prompts, max_new_tokens=10)
-    full = generate(m, prompts, max_new_tokens=10, use_cache=False)
+    cached = generate(m, prompts, SamplingOptions(max_new_tokens=10))
+    full = generate(m, prompts, SamplingOptions(max_new_tokens=10), use_cache=False)
     assert cached == full
     assert all(len(o) == 10 for o in cached)
     # a left-padded batch gives what each prompt gives alone
-    assert generate(m, [prompts[1]], max_new_tokens=10) == [cached[1]]
+    assert generate(m, [prompts[1]], SamplingOptions(max_new_tokens=10)) == [cached[1]]
     # sampling: same seed, same tokens, with or without cache
-    s1 = generate(m, prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
-    s2 = generate(m, prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, use_cache=False)
+    s1 = generate(m, prompts, SamplingOptions(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3))
+    s2 = generate(
+        m, prompts, SamplingOptions(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3), use_cache=False
+    )
     assert s1 == s2
 
 
@@ -52,12 +55,17 @@ def test_decoding_runs_on_dense_transposes_and_restores_paddles_setting():
     m = _model()
     prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
     seen = []
-    generate(m, prompts, max_new_tokens=3, on_token=lambda i, t: seen.append(paddle.get_flags([STRIDE_FLAG])))
+    generate(
+        m,
+        prompts,
+        SamplingOptions(max_new_tokens=3),
+        on_token=lambda i, t: seen.append(paddle.get_flags([STRIDE_FLAG])),
+    )
     assert paddle.get_flags([STRIDE_FLAG])[STRIDE_FLAG] is True
     assert seen and all(f[STRIDE_FLAG] is paddle.is_compiled_with_cuda() for f in seen)
     with dense_transposes():
-        inside = generate(m, prompts, max_new_tokens=6, temperature=0.8, seed=3)
-    assert inside == generate(m, prompts, max_new_tokens=6, temperature=0.8, seed=3)
+        inside = generate(m, prompts, SamplingOptions(max_new_tokens=6, temperature=0.8, seed=3))
+    assert inside == generate(m, prompts, SamplingOptions(max_new_tokens=6, temperature=0.8, seed=3))
     assert paddle.get_flags([STRIDE_FLAG])[STRIDE_FLAG] is True
 
 
@@ -84,7 +92,9 @@ def test_a_prompt_samples_the_same_whenever_the_others_stop(use_cache):
     with every prompt still decoding."""
     m = _model()
     prompts = [[5, 9, 11, 3, 7, 8], [4, 2], [7, 7, 1], [9]]
-    free = generate(m, prompts, max_new_tokens=8, temperature=1.0, seed=5, use_cache=use_cache)
+    free = generate(
+        m, prompts, SamplingOptions(max_new_tokens=8, temperature=1.0, seed=5), use_cache=use_cache
+    )
     assert all(len(o) == 8 for o in free)
     stop_after = {0: 1, 2: 4}  # prompt -> tokens it keeps
     kept = {row: 0 for row in stop_after}
@@ -95,7 +105,13 @@ def test_a_prompt_samples_the_same_whenever_the_others_stop(use_cache):
         kept[row] += 1
         return kept[row] >= stop_after[row]
 
-    cut = generate(m, prompts, max_new_tokens=8, temperature=1.0, seed=5, use_cache=use_cache, on_token=stop)
+    cut = generate(
+        m,
+        prompts,
+        SamplingOptions(max_new_tokens=8, temperature=1.0, seed=5),
+        use_cache=use_cache,
+        on_token=stop,
+    )
     assert [len(o) for o in cut] == [1, 8, 4, 8]
     assert cut[1] == free[1] and cut[3] == free[3]
     assert cut[0] == free[0][:1] and cut[2] == free[2][:4]
@@ -132,7 +148,7 @@ def test_decoding_stops_where_the_positions_end():
 
     m = _model(replace(TINY, max_position_embeddings=12))
     prompts = [[5, 9, 11, 3, 7, 8], [4, 2]]
-    outs = generate(m, prompts, max_new_tokens=10**22)
+    outs = generate(m, prompts, SamplingOptions(max_new_tokens=10**22))
     assert [len(o) for o in outs] == [6, 6]
     assert greedy_complete(m, prompts, max_new_tokens=10**22, eos_id=None) == outs
     assert [len(o) for o in greedy_complete(m, prompts[1:], max_new_tokens=10**22, eos_id=None)] == [10]
@@ -144,8 +160,8 @@ def test_decoding_stops_where_the_positions_end():
 
 def test_eos_stops_and_sampling_rules():
     m = _model()
-    greedy = generate(m, [[5, 9, 11]], max_new_tokens=6)[0]
-    stop = generate(m, [[5, 9, 11]], max_new_tokens=6, eos_token_id=greedy[2])[0]
+    greedy = generate(m, [[5, 9, 11]], SamplingOptions(max_new_tokens=6))[0]
+    stop = generate(m, [[5, 9, 11]], SamplingOptions(max_new_tokens=6, eos_token_id=greedy[2]))[0]
     assert stop == greedy[: greedy.index(greedy[2]) + 1]
     rng = np.random.default_rng(0)
     logits = np.array([[0.0, 5.0, 1.0, 4.9]])

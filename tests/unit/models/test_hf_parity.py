@@ -85,13 +85,14 @@ def test_loss_matches_transformers(name):
 def test_greedy_generation_matches_transformers(name):
     """transformers' greedy tokens (generate, KV cache) from the first tokens of each row, ours the same
     (ours stop where the positions end; transformers runs on past max_position_embeddings)."""
+    from bmtrain_cli.models.decoding import SamplingOptions
     from bmtrain_cli.models.generate import generate
 
     ref = _ref(name)
     model = load_pretrained(FIXTURES / name)
     new = ref["generated"]
     prompts = [[int(t) for t in row[:6]] for row in ref["input_ids"]]  # PROMPT in make_fixtures.py
-    got = generate(model, prompts, max_new_tokens=new.shape[1])
+    got = generate(model, prompts, SamplingOptions(max_new_tokens=new.shape[1]))
     room = min(new.shape[1], model.arch.max_position_embeddings - 6)
     assert got == [row[:room] for row in new.tolist()]
 

@@ -18,6 +18,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.models import load_pretrained
 from bmtrain_cli.models.arch import arch_from_hf_dict, arch_from_model_config, arch_to_hf_dict, lora_targets
 from bmtrain_cli.models.blocks import LatentAttention
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.models.generate import generate
 from bmtrain_cli.models.hf import build
 from bmtrain_cli.models.param_count import count_parameters
@@ -73,8 +74,8 @@ def test_cached_generation_equals_recomputing_every_step():
     for name in ("deepseek_v3", "deepseek_v3_yarn"):
         model = load_pretrained(FIXTURES / name)
         prompts = [[5, 9, 11, 40], [7, 3]]
-        cached = generate(model, prompts, max_new_tokens=8)
-        assert cached == generate(model, prompts, max_new_tokens=8, use_cache=False)
+        cached = generate(model, prompts, SamplingOptions(max_new_tokens=8))
+        assert cached == generate(model, prompts, SamplingOptions(max_new_tokens=8), use_cache=False)
 
 
 def test_config_round_trip_and_kimi_k2():

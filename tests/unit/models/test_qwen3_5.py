@@ -59,16 +59,19 @@ def _ref() -> dict:
 
 
 def test_left_padded_greedy_generation_equals_transformers():
+    from bmtrain_cli.models.decoding import SamplingOptions
     from bmtrain_cli.models.generate import generate
 
     ref = _ref()
     model = load_pretrained(FIXTURE)
     prompts = [[int(t) for t, m in zip(row, row != 0) if m] for row in ref["left_prompts"]]
     assert [len(p) for p in prompts] == [6, 3]
-    got = generate(model, prompts, max_new_tokens=ref["generated_left"].shape[1])
+    got = generate(model, prompts, SamplingOptions(max_new_tokens=ref["generated_left"].shape[1]))
     assert got == ref["generated_left"].tolist()
     # and the cache path equals recomputing the whole sequence every step
-    assert generate(model, prompts, max_new_tokens=5, use_cache=False) == [row[:5] for row in got]
+    assert generate(model, prompts, SamplingOptions(max_new_tokens=5), use_cache=False) == [
+        row[:5] for row in got
+    ]
 
 
 def test_save_pretrained_writes_transformers_names_and_values(tmp_path):

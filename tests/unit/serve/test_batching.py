@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
+from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.models.generate import generate
 from bmtrain_cli.serve.batching import Job, Scheduler, batchable
 from tests.unit.models.tiny import TINY
@@ -30,11 +31,20 @@ def model():
 class Row:
     """A job and the tokens it produced; ``then(k, fn)`` calls fn once the row has k tokens."""
 
-    def __init__(self, ids: List[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        ids: List[int],
+        n: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos: Optional[int] = None,
+    ):
         self.tokens: List[int] = []
         self.cancel = threading.Event()
         self.hooks: List[tuple] = []
-        self.job = Job(ids, n, temperature, top_p, seed, self._on_token, self.cancel.is_set)
+        options = SamplingOptions(n, temperature, top_p, eos, seed)
+        self.job = Job(ids, options, self._on_token, self.cancel.is_set)
 
     def _on_token(self, _row: int, token: int) -> bool:
         self.tokens.append(token)
@@ -49,7 +59,7 @@ class Row:
 
 
 def _alone(model, ids, n, temperature=0.0, top_p=1.0, seed=0, eos: Optional[int] = None) -> List[int]:
-    return generate(model, [ids], n, temperature, top_p, eos, seed)[0]
+    return generate(model, [ids], SamplingOptions(n, temperature, top_p, eos, seed))[0]
 
 
 def _wait(rows: List[Row]) -> None:
@@ -60,7 +70,7 @@ def _wait(rows: List[Row]) -> None:
 def test_rows_joining_mid_decode_equal_each_prompt_alone(model):
     """Each prompt joins once the previous row has 3 tokens (the last one longer than every row in the
     batch, so the batch's cache grows on the left); all four decode together and equal generate alone."""
-    sched = Scheduler(model, eos_id=None)
+    sched = Scheduler(model)
     rows = [Row(p, 10 + 2 * i) for i, p in enumerate(PROMPTS)]
     for prev, nxt in zip(rows, rows[1:]):
         prev.then(3, lambda nxt=nxt: sched.submit(nxt.job))
@@ -75,7 +85,7 @@ def test_rows_joining_mid_decode_equal_each_prompt_alone(model):
 def test_seeded_sampling_is_the_same_alone_and_batched(model):
     args = [(p, 12, 1.0, 0.9, 100 + i) for i, p in enumerate(PROMPTS)]
     want = [_alone(model, *a) for a in args]
-    sched = Scheduler(model, eos_id=None)
+    sched = Scheduler(model)
     rows = [Row(*a) for a in args]
     for r in rows:
         sched.submit(r.job)
@@ -89,7 +99,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(model):
 
 
 def test_a_cancelled_row_leaves_and_the_others_are_unchanged(model):
-    sched = Scheduler(model, eos_id=None)
+    sched = Scheduler(model)
     gone = Row(PROMPTS[1], 40)
     gone.then(3, gone.cancel.set)
     stays = [Row(PROMPTS[0], 20), Row(PROMPTS[3], 20)]
@@ -108,8 +118,8 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(model):
 def test_eos_ends_a_row_and_max_batch_bounds_the_batch(model):
     ref = _alone(model, PROMPTS[1], 12)
     eos = ref[4]  # the fifth greedy token of this prompt plays EOS
-    sched = Scheduler(model, eos_id=eos, max_batch=2)
-    rows = [Row(p, 12) for p in PROMPTS]
+    sched = Scheduler(model, max_batch=2)
+    rows = [Row(p, 12, eos=eos) for p in PROMPTS]
     for r in rows:
         sched.submit(r.job)
     _wait(rows)
@@ -119,7 +129,7 @@ def test_eos_ends_a_row_and_max_batch_bounds_the_batch(model):
 
 
 def test_a_failing_row_fails_its_batch_and_the_scheduler_keeps_serving(model):
-    sched = Scheduler(model, eos_id=None)
+    sched = Scheduler(model)
     bad = Row(PROMPTS[0], 10)
 
     def boom() -> None:
@@ -145,7 +155,7 @@ def test_batch_dependent_rope_runs_one_request_at_a_time(model):
     paddle.seed(3)
     dyn = build(replace(TINY, vocab_size=300, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert batchable(model) and not batchable(dyn)
-    sched = Scheduler(dyn, eos_id=None)
+    sched = Scheduler(dyn)
     rows = [Row(p, 6) for p in PROMPTS[:2]]
     for r in rows:
         sched.submit(r.job)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,7 @@ def write_yaml(tmp_path):
 
 def pytest_configure(config):
     os.environ.setdefault("FLAGS_cudnn_deterministic", "1")
+    # kernels: auto's measured choices (ops/choice.py) go to a record of this session, not the user's
+    os.environ.setdefault(
+        "BMTRAIN_KERNEL_CHOICES", str(Path(tempfile.mkdtemp(prefix="bmtrain-kernels-")) / "choices.json")
+    )

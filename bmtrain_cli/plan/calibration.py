@@ -204,9 +204,6 @@ def run_case(
     cfg_path.write_text(yaml.safe_dump(case_config(name, work, data, tokenizer)), encoding="utf-8")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    # the estimate models the static kernel order; auto's timing on a CPU may take a reference composition
-    # that keeps more activations (docs/plan.md), which is a choice, not an error of the memory model
-    env.setdefault("BMTRAIN_KERNEL_CHOICE", "static")
     launch = "run" if CASES[name][8].get("parallel", {}).get("context_parallel", 1) > 1 else "train"
     proc = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", launch, "--config", str(cfg_path)],

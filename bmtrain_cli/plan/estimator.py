@@ -33,6 +33,7 @@ from bmtrain_cli.plan.activations import (
     act_bytes,
     attention_kernel,
     dequantization_workspace,
+    kernel_choice,
     layer_activations,
     layer_params,
     lora_layer_params,
@@ -90,6 +91,11 @@ def _stage_estimate(  # noqa: C901
         notes.append(
             f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
             "(the ring attention's; calibrated against `bmtrain run` on CPU)"
+        )
+    if kernel_choice(w, device, layout).origin == "unmeasured":
+        notes.append(
+            "kernels: auto times the ops on this machine's first run with these shapes and records the "
+            "choice (docs/kernels.md); none is recorded yet, so the static order (our kernels) is counted"
         )
 
     # --- parameters of this stage

@@ -121,15 +121,21 @@ def _processes() -> int:
 
 
 def _measure(shapes: OpShapes, impls: Dict[str, Dict[str, Callable]]) -> Callable:
-    """auto's timing on ``shapes`` (ops/measure.py) over the implementations by source."""
+    """auto's timing on ``shapes`` (ops/measure.py) over the implementations by source. Paddle's random
+    state is put back after it: a run that reads a recorded choice and one that times initialise a fresh
+    model with the same weights."""
 
     def run(static: Dict[str, str]) -> Dict[str, Any]:
         import paddle
 
         from bmtrain_cli.ops import measure
 
-        with paddle.set_grad_enabled(True):
-            return measure.choose(shapes, impls, default=static)
+        rng = paddle.get_rng_state()
+        try:
+            with paddle.set_grad_enabled(True):
+                return measure.choose(shapes, impls, default=static)
+        finally:
+            paddle.set_rng_state(rng)
 
     return run
 

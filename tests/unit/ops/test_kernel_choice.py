@@ -133,3 +133,17 @@ def test_the_run_and_the_plan_resolve_the_same_choice(ext, record, monkeypatch, 
     assert kept - static == 2 * w.arch.hidden_size * 4 * tokens  # the two norms' fp32 inputs
     # a layout of two ranks does not time: the plan of it counts the static order
     assert kernel_choice(w, cpu, Layout(micro_batch=2, dp=2)).sources == before.sources
+
+
+def test_timing_leaves_the_random_stream_as_it_was(ext, record) -> None:
+    """A run that times the ops and one that reads the record draw the same initial weights."""
+    import paddle
+
+    paddle.seed(7)
+    opset = ops.select("auto", device="cpu", shapes=TINY)
+    assert opset.timings  # it timed
+    timed = paddle.randn([4]).numpy()
+    paddle.seed(7)
+    ops._cache.clear()
+    assert ops.select("auto", device="cpu", shapes=TINY).timings == {}  # read from the record
+    assert (paddle.randn([4]).numpy() == timed).all()

@@ -344,8 +344,9 @@ def training_estimate(
     config: Any, vocab_size: Optional[int] = None, device: Any = None, seq_len: Optional[int] = None
 ) -> Optional[MemoryEstimate]:
     """The memory plan of the run the trainer is about to build, or None when it cannot be estimated.
-    ``device`` defaults to the device this process trains on (imports Paddle); ``seq_len`` is the
-    longest batch the trainer's loader will produce."""
+    ``device`` defaults to the device this process trains on (imports Paddle; the run's kernel choice is
+    then resolved first: :func:`resolve_kernels`); ``seq_len`` is the longest batch the trainer's loader
+    will produce."""
     from bmtrain_cli.plan.devices import detect_device
 
     dev = detect_device() if device is None else device
@@ -354,11 +355,25 @@ def training_estimate(
     from bmtrain_cli.errors import UserError
 
     try:
-        return estimate(
-            config, dev, arch=training_arch(config, vocab_size), seq_len=seq_len or config.model.max_seq_len
-        )
+        arch = training_arch(config, vocab_size)
+        if device is None:
+            resolve_kernels(config.model.kernels, arch)
+        return estimate(config, dev, arch=arch, seq_len=seq_len or config.model.max_seq_len)
     except (UserError, ValueError, KeyError, ZeroDivisionError):  # a plan must never stop training
         return None
+
+
+def resolve_kernels(kernels: str, arch: ModelArch) -> None:
+    """The kernel choice of the model this process is about to build (ops.select; with ``kernels: auto``
+    on a CPU the choice recorded for its shapes, or a timing that records it: ops/choice.py), resolved
+    before its memory plan reads it and before the trainer's memory meter starts, so that the timing's
+    tensors (48.6 MiB on the h256 calibration shape), freed before the model is built, are not counted as
+    training memory; the freed pages go back to the OS. The model's own select() then finds it resolved."""
+    from bmtrain_cli.ops import OpShapes, select
+    from bmtrain_cli.plan import host_memory
+
+    if select(kernels, shapes=OpShapes.of(arch)).timings:
+        host_memory.trim()
 
 
 def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:

@@ -398,34 +398,14 @@ def _set_host_memory(policy: str, plan: Any, ctx: Topology, console: Console) ->
         )
 
 
-def resolve_kernels(config: Any, vocab: Optional[int]) -> None:
-    """The model's kernel choice (ops.select; with ``kernels: auto`` on a CPU the choice recorded for its
-    shapes, or a timing that records it: ops/choice.py), resolved before the memory plan reads it and before
-    the memory meter starts, so that the timing's tensors, gone before the model is built, are not counted
-    as training memory (48.6 MiB on the h256 calibration shape, docs/kernels.md). The model's own
-    select() then finds it resolved."""
-    from bmtrain_cli.ops import OpShapes, select
-    from bmtrain_cli.plan import host_memory
-    from bmtrain_cli.plan.estimator import training_arch
-
-    try:
-        arch = training_arch(config, vocab)
-    except (UserError, ValueError, KeyError):  # the model build reports it (and resolves the choice)
-        return
-    if select(config.model.kernels, shapes=OpShapes.of(arch)).timings:
-        host_memory.trim()  # the timing's freed tensors leave the resident set too
-
-
 def memory_plan(rt: Runtime, tokenizer: Any, data: TrainData, ctx: ParallelCtx, console: Console) -> Any:
-    """The memory plan of the run (plan/estimator.py), with the kernel choice resolved first: refuses
-    weights that cannot fit, warns when the whole run may not, and sets the CPU's host-memory policy from
-    it."""
+    """The memory plan of the run (plan/estimator.py): refuses weights that cannot fit, warns when the
+    whole run may not, and sets the CPU's host-memory policy from it."""
     from bmtrain_cli.plan.estimator import check_memory_fits, check_weights_fit, training_estimate
 
     t = rt.config.train
     longest = data.loader.longest if t.batching == "longest" else None  # other modes fill max_seq_len
     vocab = getattr(tokenizer, "vocab_size", None)
-    resolve_kernels(rt.config, vocab)
     plan = training_estimate(rt.config, vocab_size=vocab, seq_len=longest)
     check_weights_fit(plan)
     warning = check_memory_fits(plan, t.allow_memory_overcommit)

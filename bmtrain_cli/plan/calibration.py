@@ -5,8 +5,10 @@ batching modes, accumulation, offload, LoRA, reference kernels, context parallel
 `bmtrain train` in its own process (`bmtrain run` for context parallel: rank 0's summary); summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
 started to be built) is compared with :func:`bmtrain_cli.plan.estimator.estimate`, which is what
 `bmtrain plan --config <case> --device cpu` prints (tokenizer and data read as the trainer reads them).
-Used by tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir
-[case ...]]` (the table in docs/plan.md).
+The cases run ``kernels: auto`` as users do: a new shape's first run times the ops and records the choice
+(ops/choice.py), and the estimate, made after the run, counts that recorded choice. Used by
+tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir [case ...]]`
+(the table in docs/plan.md).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ import os
 import shutil
 from typing import Optional
 
+# the size of the CPU's matmul throughput probe (MFU's "peak": train/monitoring/metrics.measured_matmul_flops);
+# the memory plan counts its matrices, which it holds beside the weights before the first step
+MATMUL_PROBE_N = 1536
+
 
 def paddle_distribution() -> Optional[str]:
     """Name of the installed Paddle distribution (paddlepaddle, paddlepaddle-gpu, ...) or None."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+_session_dirs: list = []  # temporary folders this session made (removed at its end)
 
 
 @pytest.fixture
@@ -31,3 +34,12 @@ def write_yaml(tmp_path):
 
 def pytest_configure(config):
     os.environ.setdefault("FLAGS_cudnn_deterministic", "1")
+    # kernels: auto's measured choices (ops/choice.py) go to a record of this session, not the user's
+    if "BMTRAIN_KERNEL_CHOICES" not in os.environ:
+        _session_dirs.append(tempfile.mkdtemp(prefix="bmtrain-kernels-"))
+        os.environ["BMTRAIN_KERNEL_CHOICES"] = str(Path(_session_dirs[-1]) / "choices.json")
+
+
+def pytest_unconfigure(config):
+    for path in _session_dirs:
+        shutil.rmtree(path, ignore_errors=True)

@@ -5,11 +5,13 @@ uses our kernels from kernels/ (C++ on CPU, CUDA on GPU) and fails with a UserEr
 built; ``paddle`` uses Paddle's built-in fused ops where the device has them (reference elsewhere);
 ``auto`` picks, op by op, custom where built, else paddle where it exists, else reference, and warns once
 when the custom build is unavailable; on a CPU, given the model's shapes (``shapes=OpShapes.of(arch)``)
-and in a single process, it instead times the candidates of each op on those shapes and takes the fastest
-(ops/measure.py), so it never picks an implementation that is slower there. Models call ``self.ops.rms_norm(...)`` and never know which one
-they got; ``OpSet.sources`` says which implementation each op uses. Where our kernels run on a CPU
-(``custom``, or ``auto`` with the extension built) the set also carries the fused attention core
-(``OpSet.attention``, ops/fused_attention.py), which the attention runs instead of Paddle's.
+and in a single process, it instead takes the choice recorded for those shapes on this machine, or times
+the candidates of each op on them, takes the fastest (ops/measure.py) and records it. Which source each
+op gets is decided by ops/choice.resolve, the function the memory plan calls too. Models call
+``self.ops.rms_norm(...)`` and never know which one they got; ``OpSet.sources`` says which implementation
+each op uses. Where our kernels run on a CPU (``custom``, or ``auto`` with the extension built) the set
+also carries the fused attention core (``OpSet.attention``, ops/fused_attention.py), which the attention
+runs instead of Paddle's.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ from typing import Any, Callable, Dict, Optional, Set
 
 from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.ops import reference
-from bmtrain_cli.ops.measure import OpShapes
+from bmtrain_cli.ops.choice import MODES, OP_NAMES, OpShapes, measuring, resolve
 
-OP_NAMES = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy", "cross_entropy_sum")
-MODES = ("auto", "custom", "paddle", "reference")
+__all__ = ["MODES", "OP_NAMES", "OpSet", "OpShapes", "REFERENCE", "select", "warn_fallback"]
 
 
 class KernelFallbackWarning(NoticeWarning):
@@ -114,41 +115,29 @@ def _launch_checked(ours: Dict[str, Callable], ref: Dict[str, Callable]) -> Dict
     return kept
 
 
-def _compose(name: str, layers: list) -> OpSet:
-    chosen: Dict[str, Any] = {}  # OpSet's op fields
-    sources: Dict[str, str] = {}
-    for op in OP_NAMES:
-        for source, ops in layers:
-            if op in ops:
-                chosen[op], sources[op] = ops[op], source
-                break
-    return OpSet(name=name, sources=sources, **chosen)
+def _processes() -> int:
+    """Ranks of this job (``PADDLE_TRAINERS_NUM``): auto times the ops in a single process only."""
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
 
 
-def _measured(shapes: OpShapes, layers: list) -> OpSet:
-    """auto by timing: each op's fastest candidate on ``shapes`` (layers: [(source, ops)] in static order)."""
-    import paddle
+def _measure(shapes: OpShapes, impls: Dict[str, Dict[str, Callable]]) -> Callable:
+    """auto's timing on ``shapes`` (ops/measure.py) over the implementations by source. Paddle's random
+    state is put back after it: a run that reads a recorded choice and one that times initialise a fresh
+    model with the same weights."""
 
-    from bmtrain_cli.ops import measure
+    def run(static: Dict[str, str]) -> Dict[str, Any]:
+        import paddle
 
-    opset = _compose("auto", layers)
-    with paddle.set_grad_enabled(True):
-        picks = measure.choose(shapes, dict(layers), default=opset.sources)
-    chosen = {op: dict(layers)[src][op] for op, (src, _) in picks.items()}
-    sources = dict(opset.sources, **{op: src for op, (src, _) in picks.items()})
-    fields = {n: chosen.get(n, getattr(opset, n)) for n in OP_NAMES}
-    return OpSet(name="auto", sources=sources, timings={op: t for op, (_, t) in picks.items()}, **fields)
+        from bmtrain_cli.ops import measure
 
+        rng = paddle.get_rng_state()
+        try:
+            with paddle.set_grad_enabled(True):
+                return measure.choose(shapes, impls, default=static)
+        finally:
+            paddle.set_rng_state(rng)
 
-def _single_process() -> bool:
-    """Ranks of one job must run the same ops (replicated activations stay identical under tensor
-    parallel), and each rank timing for itself could disagree: measurement is single-process only."""
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1) <= 1
-
-
-def _measuring_allowed() -> bool:
-    """``BMTRAIN_KERNEL_CHOICE=static`` turns the timing off (auto then takes the static order)."""
-    return os.environ.get("BMTRAIN_KERNEL_CHOICE", "measure") != "static" and _single_process()
+    return run
 
 
 def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[OpShapes] = None) -> OpSet:
@@ -160,43 +149,39 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
     if mode == "reference":
         return REFERENCE
     device = device or _device()
-    measure = mode == "auto" and shapes is not None and device.startswith("cpu") and _measuring_allowed()
-    measured = shapes if measure else None  # the shapes the ops are timed on (auto on a CPU)
-    key = (mode, device, measured)
+    key = (mode, device, shapes if measuring(mode, device, shapes, _processes()) else None)
     if key in _cache:
         return _cache[key]
     from bmtrain_cli.ops import build, paddle_fused
 
-    ref = {n: getattr(reference, n) for n in OP_NAMES}
-    fused = paddle_fused.available(device)
+    impls: Dict[str, Dict[str, Callable]] = {
+        "reference": {n: getattr(reference, n) for n in OP_NAMES},
+        "paddle": paddle_fused.available(device),
+    }
     ours: Dict[str, Callable] = {}
-    if mode == "paddle":
-        opset = _compose("paddle", [("paddle", fused), ("reference", ref)])
-    elif mode == "custom":
+    if mode in ("auto", "custom"):
         try:
             ours = _custom_ops(device)
         except build.KernelBuildError as exc:
-            from bmtrain_cli.errors import UserError
+            if mode == "custom":
+                from bmtrain_cli.errors import UserError
 
-            raise UserError(
-                f"model_config.kernels is 'custom' but the custom kernels are unavailable: {exc}"
-            ) from exc
-        opset = _compose("custom", [("custom", ours)])
-    else:
-        try:
-            ours = _custom_ops(device)
-        except build.KernelBuildError as exc:
-            ours = {}
+                raise UserError(
+                    f"model_config.kernels is 'custom' but the custom kernels are unavailable: {exc}"
+                ) from exc
             if not _warned:
                 _warned = True
                 warn_fallback(
                     str(exc) or type(exc).__name__,
                     "using Paddle's own ops instead (same results, slower)",
                 )
-        if ours and device.startswith("gpu"):
-            ours = _launch_checked(ours, ref)
-        layers = [("custom", ours), ("paddle", fused), ("reference", ref)]
-        opset = _measured(measured, layers) if measured is not None else _compose("auto", layers)
+        if ours and mode == "auto" and device.startswith("gpu"):
+            ours = _launch_checked(ours, impls["reference"])
+    impls["custom"] = ours
+    timing = _measure(shapes, impls) if shapes is not None else None
+    choice = resolve(mode, device, shapes, tuple(ours), _processes(), timing)
+    fields = {op: impls[src][op] for op, src in choice.sources.items()}
+    opset = OpSet(name=mode, sources=dict(choice.sources), timings=choice.timings, **fields)
     if ours and device.startswith("cpu"):
         from bmtrain_cli.ops.delta_rule import gated_delta_rule
         from bmtrain_cli.ops.fused_attention import fused_attention

@@ -2,7 +2,7 @@
 
 On the Paddle 3.3 CPU wheel only swiglu (forward and backward) and softmax_with_cross_entropy have CPU
 kernels; fused_rms_norm has no CPU backward and fused_rotary_position_embedding no CPU kernel at all, so
-``available(device)`` leaves those out on CPU and the caller falls back to the reference. The GPU entries
+``available(device)`` leaves those out on CPU (ops/choice.PADDLE_FUSED_CPU) and the caller falls back to the reference. The GPU entries
 follow Paddle's documented signatures; they cannot run on this CPU-only machine (see docs/kernels.md).
 """
 
@@ -15,6 +15,7 @@ import paddle
 import paddle.nn.functional as F
 
 from bmtrain_cli.labels import IGNORE_INDEX
+from bmtrain_cli.ops.choice import PADDLE_FUSED_CPU, PADDLE_FUSED_GPU
 
 # Paddle 3.x marks its one fused softmax + cross-entropy op deprecated (cross_entropy wraps it); the
 # warning reached users of `kernels: auto`, whose CPU timing tries this op
@@ -66,7 +67,5 @@ def cross_entropy_sum(
 
 def available(device: str) -> Dict[str, Callable]:
     """The built-in fused ops this device has (OpSet field name -> function)."""
-    ops: Dict[str, Callable] = {"swiglu": swiglu, "cross_entropy_sum": cross_entropy_sum}
-    if device.startswith("gpu"):
-        ops.update(rms_norm=rms_norm, rotary=rotary)
-    return ops
+    names = PADDLE_FUSED_GPU if device.startswith("gpu") else PADDLE_FUSED_CPU
+    return {n: globals()[n] for n in names}

@@ -10,6 +10,7 @@ from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, RING_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.models.families import deepseek_v3 as mla
 from bmtrain_cli.models.families._linear import LinearAttention
+from bmtrain_cli.ops import choice
 from bmtrain_cli.ops.loss_chunks import chunk_tokens
 from bmtrain_cli.plan import moe_memory
 from bmtrain_cli.plan.devices import Device
@@ -124,10 +125,17 @@ def stage_layers(num_layers: int, pp: int) -> List[int]:
 # activations
 
 
+def _custom_ops(device: Device) -> Tuple[str, ...]:
+    """The ops our kernels provide where the run builds them: on a CPU with a C++ compiler; a GPU is
+    assumed to build them."""
+    return choice.OP_NAMES if device.kind != "cpu" or find_cxx() is not None else ()
+
+
 def fused_cpu_attention(w: Workload, device: Device) -> bool:
-    """Whether the model's op set carries the fused CPU attention core (ops.select): our kernels on a CPU,
-    i.e. ``kernels`` custom, or auto with a C++ compiler to build them."""
-    return device.kind == "cpu" and w.kernels in ("auto", "custom") and find_cxx() is not None
+    """Whether the model's op set carries the fused CPU attention core (ops.select): our kernels take part
+    on a CPU, i.e. ``kernels`` custom, or auto with a C++ compiler to build them."""
+    offered = choice.layers(w.kernels, device.kind, _custom_ops(device))
+    return device.kind == "cpu" and any(src == "custom" for src, _ in offered)
 
 
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
@@ -159,24 +167,30 @@ def _keeps_scores(kernel: str, device: Device) -> bool:
     return kernel == "eager" or (kernel.startswith("sdpa") and device.kind == "cpu")
 
 
-def _unfused_elems(w: Workload, device: Device, tp: int) -> float:
-    """Elements per token a layer keeps beyond the fused kernels' when ops run as compositions of Paddle
-    ops (bmtrain_cli/ops/reference.py): ``kernels: reference`` everywhere; ``kernels: paddle`` on a CPU,
-    which has Paddle's fused SwiGLU but not its RMSNorm or rotary kernels."""
+def kernel_choice(w: Workload, device: Device, layout: Layout) -> choice.KernelChoice:
+    """The implementation of each fused op the run takes: ops/choice.resolve, the function ops.select
+    calls, with our kernels where they build (on a CPU: with a C++ compiler; a GPU is assumed to build
+    them). ``auto`` on a CPU in one process reads the choice a run on this machine measured and recorded
+    for the model's shapes; without a record it is the static order, marked ``unmeasured``."""
+    shapes = choice.OpShapes.of(w.arch)
+    return choice.resolve(w.kernels, device.kind, shapes, _custom_ops(device), layout.world_size)
+
+
+def _unfused_elems(w: Workload, device: Device, layout: Layout) -> float:
+    """Elements per token a layer keeps beyond the fused kernels' for the ops that run as compositions of
+    Paddle ops (bmtrain_cli/ops/reference.py) in the resolved kernel choice: ``kernels: reference``
+    everywhere; ``paddle`` (or ``auto`` without a compiler) on a CPU, which has Paddle's fused SwiGLU but
+    not its RMSNorm or rotary kernels; ``auto`` where the recorded measurement took the reference."""
     a = w.arch
-    kernels = w.kernels
-    if kernels == "auto" and device.kind == "cpu" and find_cxx() is None:
-        kernels = "paddle"  # what ops.select("auto") falls back to without a compiler
-    ref_all = kernels == "reference"
-    ref_norm_rotary = ref_all or (kernels == "paddle" and device.kind == "cpu")
+    tp = layout.tp
+    sources = kernel_choice(w, device, layout).sources
     extra = 0.0
-    if ref_norm_rotary:
-        # each RMSNorm keeps its fp32 normalised input for the weight's gradient; rotary keeps the
-        # rotated-half copies of q and k
+    if sources["rms_norm"] == "reference":  # each RMSNorm keeps its fp32 normalised input (weight's gradient)
         extra += 2 * a.hidden_size * 4 / act_bytes(w)
+    if sources["rotary"] == "reference":  # the rotated-half copies of q and k
         extra += (a.num_attention_heads + a.num_key_value_heads) * a.head_dim / tp
-    if ref_all:
-        extra += a.intermediate_size / tp  # silu(gate), kept for the product with up
+    if sources["swiglu"] == "reference":  # silu(gate), kept for the product with up
+        extra += a.intermediate_size / tp
     return extra
 
 
@@ -213,7 +227,7 @@ def _layer_activation_elems(w: Workload, device: Device, layout: Layout, mode: s
             core = heads  # log-sum-exp
     if a.qk_norm:
         core_in += (q + kv) / tp  # q/k before their norm
-    core_in += _unfused_elems(w, device, tp)
+    core_in += _unfused_elems(w, device, layout)
     if w.finetuning == "lora":
         n_targets = len([t for t in w.lora_targets if t in LORA_PROJECTIONS])
         core_in += n_targets * w.lora_rank + (n_targets * h if w.lora_dropout > 0 else 0)
@@ -339,7 +353,7 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
         logits = n * vocab
         entropy = 3 * logits * 4 if w.method.sample == "completion" else 0
         return int(final + n * h * e + logits * 4), int(max(logits * (e + 4), entropy))
-    if layout.tp == 1 and w.kernels != "reference":
+    if layout.tp == 1 and kernel_choice(w, device, layout).sources["linear_cross_entropy"] == "custom":
         # fused linear + cross-entropy in chunks (ops/custom.py, ops/loss_chunks.chunk_tokens): keeps
         # d(hidden) and d(weight) (the weight's accumulator is fp32 for fp32 weights, the compute dtype for
         # fp16/bf16); transient: a contiguous copy of the hidden states, a chunk's fp32 logits and their
@@ -352,7 +366,7 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
             kept -= head_elems * w_acc
             transient -= head_elems * w_acc
         return int(kept), int(transient)
-    # materialised logits (vocab-parallel cross-entropy, or the reference ops): logits, fp32 softmax,
-    # and their gradient
+    # materialised logits (vocab-parallel cross-entropy, or the reference linear + cross-entropy): logits,
+    # fp32 softmax, and their gradient
     logits = n * vocab
     return int(final + logits * (e + 4)), int(logits * 4 * 2)

@@ -5,8 +5,10 @@ batching modes, accumulation, offload, LoRA, reference kernels, context and expe
 `bmtrain train` in its own process (`bmtrain run` for context and expert parallel: rank 0's summary); summary.json's ``peak_memory_bytes`` (the peak of Paddle's allocator since the model
 started to be built) is compared with :func:`bmtrain_cli.plan.estimator.estimate`, which is what
 `bmtrain plan --config <case> --device cpu` prints (tokenizer and data read as the trainer reads them).
-Used by tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir
-[case ...]]` (the table in docs/plan.md).
+The cases run ``kernels: auto`` as users do: a new shape's first run times the ops and records the choice
+(ops/choice.py), and the estimate, made after the run, counts that recorded choice. Used by
+tests/unit/plan/test_calibration.py and `python -m bmtrain_cli.plan.calibration [work_dir [case ...]]`
+(the table in docs/plan.md).
 """
 
 from __future__ import annotations
@@ -229,9 +231,6 @@ def run_case(
     cfg_path.write_text(yaml.safe_dump(case_config(name, work, data, tokenizer)), encoding="utf-8")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    # the estimate models the static kernel order; auto's timing on a CPU may take a reference composition
-    # that keeps more activations (docs/plan.md), which is a choice, not an error of the memory model
-    env.setdefault("BMTRAIN_KERNEL_CHOICE", "static")
     degrees = [n for n in CASES[name][8].get("parallel", {}).values() if isinstance(n, int)]
     launch = "run" if any(n > 1 for n in degrees) else "train"
     proc = subprocess.run(

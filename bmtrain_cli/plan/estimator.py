@@ -27,6 +27,7 @@ import itertools
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple
 
+from bmtrain_cli.machine import MATMUL_PROBE_N
 from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.param_count import count_parameters
 from bmtrain_cli.plan.activations import (
@@ -34,6 +35,7 @@ from bmtrain_cli.plan.activations import (
     attention_kernel,
     attention_row,
     dequantization_workspace,
+    kernel_choice,
     layer_activations,
     layer_params,
     lora_layer_params,
@@ -92,6 +94,11 @@ def _stage_estimate(  # noqa: C901
         notes.append(
             f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
             f"({how}; calibrated against `bmtrain run` on CPU)"
+        )
+    if kernel_choice(w, device, layout).origin == "unmeasured":
+        notes.append(
+            "kernels: auto times the ops on this machine's first run with these shapes and records the "
+            "choice (docs/kernels.md); none is recorded yet, so the static order (our kernels) is counted"
         )
 
     # --- parameters of this stage
@@ -240,9 +247,17 @@ def _stage_estimate(  # noqa: C901
         alloc_peak += host  # offloaded states are host memory: on a CPU the same memory as the rest
         states = opt + master + host
         save = params + reference + states + comm + max(states, 2 * trainable * 4)
-        if save > alloc_peak:
-            notes.append("the peak is the checkpoint save (host copies of weights and optimizer states)")
-        peak = max(alloc_peak, save)
+        # the matmul throughput probe behind the MFU figure (measured_matmul_flops), run before the first
+        # step while the weights are live (the optimizer's states come with the first step): measured
+        # 36.0 MiB at n 1536, four n x n fp32 matrices (the inputs, their product and a copy)
+        probe = params + reference + 4 * MATMUL_PROBE_N**2 * 4
+        if max(save, probe) > alloc_peak:
+            notes.append(
+                "the peak is the checkpoint save (host copies of weights and optimizer states)"
+                if save >= probe
+                else "the peak is the matmul throughput probe before the first step (MFU's CPU figure)"
+            )
+        peak = max(alloc_peak, save, probe)
         runtime = CPU_RUNTIME_BYTES
         required = peak + runtime
     else:
@@ -332,8 +347,9 @@ def training_estimate(
     config: Any, vocab_size: Optional[int] = None, device: Any = None, seq_len: Optional[int] = None
 ) -> Optional[MemoryEstimate]:
     """The memory plan of the run the trainer is about to build, or None when it cannot be estimated.
-    ``device`` defaults to the device this process trains on (imports Paddle); ``seq_len`` is the
-    longest batch the trainer's loader will produce."""
+    ``device`` defaults to the device this process trains on (imports Paddle; the run's kernel choice is
+    then resolved first: :func:`resolve_kernels`); ``seq_len`` is the longest batch the trainer's loader
+    will produce."""
     from bmtrain_cli.plan.devices import detect_device
 
     dev = detect_device() if device is None else device
@@ -342,11 +358,25 @@ def training_estimate(
     from bmtrain_cli.errors import UserError
 
     try:
-        return estimate(
-            config, dev, arch=training_arch(config, vocab_size), seq_len=seq_len or config.model.max_seq_len
-        )
+        arch = training_arch(config, vocab_size)
+        if device is None:
+            resolve_kernels(config.model.kernels, arch)
+        return estimate(config, dev, arch=arch, seq_len=seq_len or config.model.max_seq_len)
     except (UserError, ValueError, KeyError, ZeroDivisionError):  # a plan must never stop training
         return None
+
+
+def resolve_kernels(kernels: str, arch: ModelArch) -> None:
+    """The kernel choice of the model this process is about to build (ops.select; with ``kernels: auto``
+    on a CPU the choice recorded for its shapes, or a timing that records it: ops/choice.py), resolved
+    before its memory plan reads it and before the trainer's memory meter starts, so that the timing's
+    tensors (48.6 MiB on the h256 calibration shape), freed before the model is built, are not counted as
+    training memory; the freed pages go back to the OS. The model's own select() then finds it resolved."""
+    from bmtrain_cli.ops import OpShapes, select
+    from bmtrain_cli.plan import host_memory
+
+    if select(kernels, shapes=OpShapes.of(arch)).timings:
+        host_memory.trim()
 
 
 def memory_warning(est: Optional[MemoryEstimate]) -> Optional[str]:

@@ -36,17 +36,34 @@ REUSE_HEADROOM = 2.0
 _applied: Optional[str] = None
 
 
-def _mallopt() -> Optional[Callable[[int, int], int]]:
+def _libc() -> Optional[ctypes.CDLL]:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _mallopt() -> Optional[Callable[[int, int], int]]:
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+def trim() -> bool:
+    """Return the malloc heap's free pages to the OS now (glibc ``malloc_trim``; False elsewhere). Called
+    after ``kernels: auto``'s timing (before the policy is chosen), whose freed tensors would otherwise stay
+    resident and be counted in none of the run's memory figures but its resident set."""
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))
 
 
 def choose(policy: str, estimate_bytes: Optional[int], host_bytes: int, ranks: int = 1) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, TextIO
 
 from bmtrain_cli.checkpoint_layout import write_atomic, write_text_atomic
+from bmtrain_cli.machine import MATMUL_PROBE_N
 from bmtrain_cli.methods import PREFERENCE_KEYS
 from bmtrain_cli.models.scoring import perplexity
 from bmtrain_cli.train.monitoring.expert_load import COLLAPSE_SHARE, TOP_SHARE, collapsed_layers
@@ -166,7 +167,7 @@ def peak_flops(on_gpu: bool, dtype: str = "float32", threads: Optional[int] = No
 _measured: Dict[int, float] = {}
 
 
-def measured_matmul_flops(n: int = 1536, repeats: int = 3) -> float:
+def measured_matmul_flops(n: int = MATMUL_PROBE_N, repeats: int = 3) -> float:
     """FLOP/s of an n x n x n fp32 matmul on the CPU with Paddle (best of ``repeats``, after one warm-up;
     measured once per process, about 0.5 s on 2 cores). A CPU's "peak" in MFU is this measured figure: the
     clock x FMA-width bound is not reachable by any BLAS and depends on which code path the BLAS takes

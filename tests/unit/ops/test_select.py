@@ -154,8 +154,9 @@ def test_measured_choice_takes_the_faster_candidate():
     assert same["rms_norm"][0] == "custom"  # equal speed: the static order stays
 
 
-def test_auto_with_shapes_on_cpu_picks_each_ops_fastest(ext, monkeypatch):
+def test_auto_with_shapes_on_cpu_picks_each_ops_fastest(ext, monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "_cache", {})
+    monkeypatch.setenv("BMTRAIN_KERNEL_CHOICES", str(tmp_path / "choices.json"))  # no earlier record
     monkeypatch.delenv("BMTRAIN_KERNEL_CHOICE", raising=False)
     opset = ops.select("auto", device="cpu", shapes=TINY)
     assert set(opset.timings) == set(ops.OP_NAMES)  # every op has our kernel and the reference at least

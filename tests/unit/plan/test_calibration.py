@@ -3,8 +3,9 @@
 partial, batching max_length / longest / packed, accumulation, optimizer offload, LoRA, reference
 kernels, LLaMA, Qwen2 and the Qwen3.5 hybrid with its linear-attention layers, a qwen3_moe mixture of experts (grouped GEMM, LoRA, reference), a stage grpo run, context
 parallel 2 and 4 (ring) and 2 (ulysses) and expert parallel 2 through `bmtrain run`: rank 0's peak). The estimate is the one `bmtrain plan --device cpu`
-prints for the case; the runs use the static kernel order the estimate models (BMTRAIN_KERNEL_CHOICE=static,
-docs/plan.md)."""
+prints for the case after its run; the runs use `kernels: auto` as users run it: on a CPU each new model
+shape times the ops and records the choice (ops/choice.py; the test session's own record,
+tests/conftest.py), and the plan counts that recorded choice (docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_cpu_estimate_within_15_percent_of_bmtrain_train(tmp_path) -> None:
         f"process RSS {r['process_rss']}"
         for r in rows
     )
+    print(report)  # the table behind docs/plan.md (pytest -s)
     for r in rows:
         assert r["source"] == "host_allocator", report  # Paddle's allocator peak, not an RSS fallback
         assert r["measured"] > 20 << 20, report  # a real peak, not an empty measurement

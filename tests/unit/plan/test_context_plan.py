@@ -116,7 +116,7 @@ def test_the_longest_sequence_runs_at_the_devices_budget(tmp_path) -> None:
     assert 8192 <= longest < 9000
     est = estimate(load(longest), device)
     budget = device.memory_bytes - (est.required - est.peak)  # what the plan leaves for live tensors
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BMTRAIN_KERNEL_CHOICE": "static"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", "run", "--config", str(path)],
         capture_output=True,

@@ -266,3 +266,16 @@ def test_context_parallel_splits_the_activations(seven_b) -> None:
     assert cp[2].activations < 0.6 * one.activations and cp[4].activations < 0.35 * one.activations
     assert cp[4].parameters == one.parameters and cp[4].optimizer_states == one.optimizer_states
     assert any("activations of 16384 tokens per row on each rank" in n for n in cp[2].notes)
+
+
+def test_cpu_peak_counts_the_matmul_throughput_probe(repo_root) -> None:
+    """MFU's CPU figure times a 1536^3 matmul before the first step, beside the weights: on the
+    quickstart model those four fp32 matrices are the peak (a run measured 37.7 MiB, docs/plan.md)."""
+    from bmtrain_cli.machine import MATMUL_PROBE_N
+
+    config = load_config(str(repo_root / "configs/quickstart.yaml")).config
+    cpu = estimate(config, "cpu")
+    assert cpu.peak == cpu.parameters + 4 * MATMUL_PROBE_N**2 * 4
+    assert any("matmul throughput probe" in n for n in cpu.notes)
+    gpu = estimate(config, "A100-80GB")  # no probe on a GPU (a table of peaks)
+    assert gpu.peak < cpu.peak and not any("probe" in n for n in gpu.notes)

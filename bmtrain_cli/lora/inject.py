@@ -10,6 +10,7 @@ holds no state for them.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -19,6 +20,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
+from bmtrain_cli.lora.split_parts import split_projections, wrap_parts
 from bmtrain_cli.models.arch import LORA_PROJECTIONS
 from bmtrain_cli.quant.layer import QuantLinear
 
@@ -69,6 +71,7 @@ def available_targets(model: nn.Layer) -> List[str]:
     """Projection names this model has (in PROJECTIONS order)."""
     present = {attr for _, _, attr, _ in _decoder_projections(model)}
     present |= {n.rsplit(".", 1)[-1] for n, layer in model.named_sublayers() if isinstance(layer, LoRALinear)}
+    present |= {fused for _, _, fused, _ in split_projections(model)}  # held as its parts (tensor parallel)
     return [p for p in PROJECTIONS if p in present]
 
 
@@ -114,12 +117,20 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
         p.stop_gradient = True
     wrapped = []
     seed = int(getattr(train_config, "seed", 0) or 0)
+
+    def wrap(full: str, layer: nn.Layer) -> LoRALinear:
+        lora = LoRALinear(layer, rank, alpha, dropout)
+        # A from (seed, layer name) alone: the same adapters under every tensor-parallel degree
+        lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
+        return lora
+
     for full, parent, attr, layer in _decoder_projections(model):
         if attr in targets:
-            lora = LoRALinear(layer, rank, alpha, dropout)
-            # A from (seed, layer name) alone: the same adapters under every tensor-parallel degree
-            lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
-            setattr(parent, attr, lora)
+            setattr(parent, attr, wrap(full, layer))
+            wrapped.append(full)
+    for full, parent, fused, parts in split_projections(model):
+        if fused in targets:  # one adapter on the parts, named and drawn as the fused projection's
+            wrap_parts(parent, parts, functools.partial(wrap, full))
             wrapped.append(full)
     if not wrapped:
         raise UserError(f"LoRA: no layer matched {targets}")

@@ -69,9 +69,11 @@ def _decoder_projections(model: nn.Layer) -> List[Tuple[str, nn.Layer, str, nn.L
 
 def available_targets(model: nn.Layer) -> List[str]:
     """Projection names this model has (in PROJECTIONS order)."""
+    split = split_projections(model)  # fused projections held as their parts (tensor parallel)
+    parts = {p for _, _, _, names in split for p in names}
     present = {attr for _, _, attr, _ in _decoder_projections(model)}
     present |= {n.rsplit(".", 1)[-1] for n, layer in model.named_sublayers() if isinstance(layer, LoRALinear)}
-    present |= {fused for _, _, fused, _ in split_projections(model)}  # held as its parts (tensor parallel)
+    present = (present - parts) | {fused for _, _, fused, _ in split}
     return [p for p in PROJECTIONS if p in present]
 
 
@@ -85,13 +87,9 @@ def resolve_targets(requested: Union[str, Sequence[str]], model: nn.Layer) -> Li
     available = available_targets(model)
     if ALL_LINEAR in names:
         return available
-    fused = bool(getattr(getattr(model, "arch", None), "fused_qkv", False))
-    fused_split = fused and "W_pack" in names and "W_pack" not in available and "q_proj" in available
     out: List[str] = []
     for n in names:
-        if n == "W_pack" and fused_split:  # Baichuan under tensor parallel: W_pack is split into q/k/v
-            out += ["q_proj", "k_proj", "v_proj"]
-        elif n in available:
+        if n in available:
             out.append(n)
         else:
             kind = "unknown target module" if n not in PROJECTIONS else "target module not in this model:"
@@ -124,11 +122,13 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
         lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
         return lora
 
+    split = split_projections(model)
+    held_as_parts = {(id(parent), p) for _, parent, _, parts in split for p in parts}
     for full, parent, attr, layer in _decoder_projections(model):
-        if attr in targets:
+        if attr in targets and (id(parent), attr) not in held_as_parts:
             setattr(parent, attr, wrap(full, layer))
             wrapped.append(full)
-    for full, parent, fused, parts in split_projections(model):
+    for full, parent, fused, parts in split:
         if fused in targets:  # one adapter on the parts, named and drawn as the fused projection's
             wrap_parts(parent, parts, functools.partial(wrap, full))
             wrapped.append(full)

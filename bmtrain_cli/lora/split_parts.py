@@ -1,13 +1,15 @@
 """LoRA on a fused projection that tensor parallel holds as its parts.
 
-Qwen3.5's linear-attention ``in_proj_qkv`` ([q; k; v], models/linear_attention.py) is held as
-``in_proj_q``, ``in_proj_k`` and ``in_proj_v`` under tensor parallel, each split by columns over the ranks.
-The one-device adapter of ``in_proj_qkv`` is A [in, r] and B [r, q + k + v]. On the parts it is that same
-A, one parameter shared by the three wrappers (drawn from the fused layer's name, so it is the one-device
-A), and B cut into the parts' columns, each split over the ranks like its part: the parts compute the
-one-device adapter's function, and A's gradient is the sum of the three parts' (each whole after its
-``c_identity``). Checkpoints hold the fused adapter under the transformers module's name (PEFT's layout):
-:func:`fuse_adapter_arrays` on the way out, :func:`split_adapter_arrays` on the way in.
+Under tensor parallel a fused projection is held as its parts, each split by columns over the ranks:
+Qwen3.5's linear-attention ``in_proj_qkv`` ([q; k; v], models/linear_attention.py) as ``in_proj_q/k/v``,
+Baichuan's ``W_pack`` and Phi-3's ``qkv_proj`` as ``q_proj/k_proj/v_proj``, Phi-3's and GLM-4's
+``gate_up_proj`` as ``gate_proj/up_proj`` (models/blocks.py). The one-device adapter of the fused
+projection is A [in, r] and B [r, sum of the parts]. On the parts it is that same A, one parameter shared
+by the wrappers (drawn from the fused layer's name, so it is the one-device A), and B cut into the parts'
+columns, each split over the ranks like its part: the parts compute the one-device adapter's function,
+and A's gradient is the sum of the parts' (each whole after its ``c_identity``). Checkpoints hold the
+fused adapter under the transformers module's name (PEFT's layout): :func:`fuse_adapter_arrays` on the way
+out, :func:`split_adapter_arrays` on the way in.
 """
 
 from __future__ import annotations
@@ -19,17 +21,29 @@ from paddle import nn
 
 from bmtrain_cli.models.linear_attention import QKV_PARTS
 
-# fused projection -> its parts under tensor parallel (the same module, the same order as the fused output)
-SPLIT_PROJECTIONS: Dict[str, Tuple[str, ...]] = {"in_proj_qkv": tuple(f"in_proj_{p}" for p in QKV_PARTS)}
+_LINEAR_QKV = tuple(f"in_proj_{p}" for p in QKV_PARTS)
+
+
+def split_map(arch: Any) -> Dict[str, Tuple[str, ...]]:
+    """{fused projection: its parts under tensor parallel, in the fused output's order} of ``arch``."""
+    out: Dict[str, Tuple[str, ...]] = {}
+    if getattr(arch, "fused_qkv", False):
+        out[str(arch.qkv_name)] = ("q_proj", "k_proj", "v_proj")
+    if getattr(arch, "fused_gate_up", False):
+        out["gate_up_proj"] = ("gate_proj", "up_proj")
+    if getattr(arch, "linear_attention", None) is not None:
+        out["in_proj_qkv"] = _LINEAR_QKV
+    return out
 
 
 def split_projections(model: nn.Layer) -> List[Tuple[str, nn.Layer, str, Tuple[str, ...]]]:
     """(full fused name, parent, fused attribute, part attributes) of every fused projection that this
-    model holds as its parts."""
+    model (its ``arch`` says which it fuses) holds as its parts."""
+    fusions = split_map(getattr(model, "arch", None))
     found = []
-    for name, layer in model.named_sublayers(include_self=True):
-        for fused, parts in SPLIT_PROJECTIONS.items():
-            held = layer._sub_layers
+    for name, layer in model.named_sublayers(include_self=True) if fusions else []:
+        held = layer._sub_layers
+        for fused, parts in fusions.items():
             if fused not in held and all(p in held for p in parts):
                 found.append((f"{name}.{fused}" if name else fused, layer, fused, parts))
     return found
@@ -47,11 +61,11 @@ def wrap_parts(parent: nn.Layer, parts: Tuple[str, ...], wrap: Callable[[nn.Laye
         setattr(parent, attr, lora)
 
 
-def fuse_adapter_arrays(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Whole adapter arrays (our names, [in, out]) with the parts' adapters as the fused projection's: A
-    once, B the parts' B side by side."""
+def fuse_adapter_arrays(arrays: Dict[str, np.ndarray], arch: Any) -> Dict[str, np.ndarray]:
+    """Whole adapter arrays (our names, [in, out]) with the parts' adapters as the fused projection's
+    (the fused projections of ``arch``): A once, B the parts' B side by side."""
     out = dict(arrays)
-    for fused, parts in SPLIT_PROJECTIONS.items():
+    for fused, parts in split_map(arch).items():
         suffix = f".{parts[0]}.lora_A.weight"
         for name in [n for n in arrays if n.endswith(suffix)]:
             prefix = name[: -len(suffix)]

@@ -41,7 +41,7 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
         return adapter_arrays(inner)
     if ctx.pp_degree > 1:
         full = ctx.wrapping.full_state_dict(model)
-        return fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)})
+        return fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)}, inner.arch)
     import paddle.distributed as dist
 
     group = ctx.hcg.get_model_parallel_group()
@@ -55,7 +55,9 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
             out[name] = np.concatenate([x.numpy() for x in parts], axis=int(p.split_axis))
         else:
             out[name] = p.numpy()
-    return fuse_adapter_arrays(out)  # a fused projection's parts (lora/split_parts.py) as one adapter
+    return fuse_adapter_arrays(
+        out, inner.arch
+    )  # a fused projection's parts (lora/split_parts.py) as one adapter
 
 
 # ----------------------------------------------------------------------------- the trainer's side

@@ -75,6 +75,14 @@ MODELS: Dict[str, List[str]] = {
     # LoRA on every projection of both layer kinds: under tp2 the linear attention's [q; k; v] adapter is
     # one A shared by the three split parts and B split with them; a small max_grad_norm makes the clip
     # fire (the adapters' gradient is small: B starts at zero)
+    # Phi-3 (fused qkv_proj and gate_up_proj, held as q/k/v and gate/up parts under tp) with LoRA on every
+    # projection: under tp2 each fused projection's adapter is one A shared by its parts, B split with them
+    "phi3-lora": [
+        "model_config.model_name_or_path={phi3}",
+        "model_config.tokenizer_path={qwen3_5_text}",
+        "train_config.finetuning=lora",
+        "train_config.lora_target_modules=all-linear",
+    ],
     # the same model's loss_sum compiled by paddle.jit.to_static (one process; unpacked rows)
     "qwen3_5-hybrid-static": [
         "model_config.model_name_or_path={qwen3_5_text}",
@@ -118,6 +126,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_5-hybrid", "dp2", DP2),
     ("qwen3_5-hybrid-packed", "tp2", TP2),
     ("qwen3_5-hybrid-lora", "tp2", TP2),
+    ("phi3-lora", "tp2", TP2),
 ]
 _CHECKPOINTS: Dict[str, str] = {}
 
@@ -125,7 +134,8 @@ _CHECKPOINTS: Dict[str, str] = {}
 def _checkpoints() -> Dict[str, str]:
     """{name: directory} of the fresh checkpoints the models load, written on first use: a tied
     qwen3_5_text of the parity fixture's shape (tests/fixtures/hf/qwen3_5_text) with our initialisation,
-    and the quickstart's demo tokenizer."""
+    and the quickstart's demo tokenizer; a phi3 of tests/fixtures/hf/phi3_window's shape (the same
+    tokenizer's vocabulary)."""
     if not _CHECKPOINTS:
         import dataclasses
 
@@ -146,6 +156,11 @@ def _checkpoints() -> Dict[str, str]:
         paddle.seed(0)
         save_pretrained(build(arch, kernels="reference"), out / "model")
         _CHECKPOINTS["qwen3_5_text"] = str(out / "model")
+        # Phi-3 of the phi3_window fixture's shape (fused qkv_proj and gate_up_proj, window 8), untied
+        paddle.seed(0)
+        phi3 = read_hf_config(str(REPO / "tests" / "fixtures" / "hf" / "phi3_window"))
+        save_pretrained(build(phi3, kernels="reference"), out / "phi3")
+        _CHECKPOINTS["phi3"] = str(out / "phi3")
     return _CHECKPOINTS
 
 
@@ -206,8 +221,8 @@ def test_layout_matches_one_process(tmp_path, single, model, name, layout):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
     assert want["loss"][-1] < want["loss"][0]  # it trains
     ckpt = tmp_path / "run" / "checkpoints" / f"step-{STEPS}"
-    if model == "qwen3_5-hybrid-lora":
-        _check_gathered_adapters(ckpt, want["dir"] / "checkpoints" / f"step-{STEPS}")
+    if model in FUSED_ADAPTERS:
+        _check_gathered_adapters(ckpt, want["dir"] / "checkpoints" / f"step-{STEPS}", FUSED_ADAPTERS[model])
     elif model.startswith(
         "qwen3_5-hybrid"
     ):  # the split linear-attention parts are saved whole, under one-device names
@@ -226,9 +241,13 @@ with torch.no_grad():
 """
 
 
-def _check_gathered_adapters(ckpt: Path, single_ckpt: Path) -> None:
+# the fused projections whose adapters a tp2 run holds on their parts and saves fused
+FUSED_ADAPTERS = {"qwen3_5-hybrid-lora": ("in_proj_qkv",), "phi3-lora": ("qkv_proj", "gate_up_proj")}
+
+
+def _check_gathered_adapters(ckpt: Path, single_ckpt: Path, fused: Tuple[str, ...]) -> None:
     """The tp2 run's adapters are saved whole in PEFT's layout under transformers' module names
-    (``in_proj_qkv``, not its split parts): the single process's tensors (Adam moves near-zero gradients'
+    (the fused ``fused``, not their split parts): the single process's tensors (Adam moves near-zero gradients'
     elements by up to a few % of lr on rounding alone, as tests/integration/test_lora_parallel.py
     measures), and PEFT loads them onto the transformers model with the logits of our merged model."""
     import os
@@ -239,7 +258,7 @@ def _check_gathered_adapters(ckpt: Path, single_ckpt: Path) -> None:
     from bmtrain_cli.lora.merge import load_adapter_arrays
 
     got, want = load_adapter_arrays(ckpt), load_adapter_arrays(single_ckpt)
-    assert set(got) == set(want) and any(".in_proj_qkv.lora_B." in n for n in got)
+    assert set(got) == set(want) and all(any(f".{f}.lora_B." in n for n in got) for f in fused)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, atol=1e-2 * 5e-2, err_msg=name)
     ref = os.environ.get("BMTRAIN_REF_PYTHON")

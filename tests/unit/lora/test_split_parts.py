@@ -16,6 +16,7 @@ from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_weights
 from bmtrain_cli.lora.split_parts import fuse_adapter_arrays, split_adapter_arrays
 
 H, SIZES = 6, (4, 4, 5)
+ARCH = SimpleNamespace(fused_qkv=False, fused_gate_up=False, linear_attention=object())
 CFG = SimpleNamespace(
     lora_rank=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["in_proj_qkv"], seed=3
 )
@@ -42,6 +43,7 @@ class _Mixer(nn.Layer):
 def _model(parts: bool) -> nn.Layer:
     model = nn.Layer()
     model.linear_attn = _Mixer(parts)
+    model.arch = ARCH
     return model
 
 
@@ -62,14 +64,14 @@ def test_the_parts_adapters_are_the_fused_adapter():
     assert len([p for p in split.parameters() if not p.stop_gradient]) == 4  # A once, three B
     b = rng.standard_normal((2, sum(SIZES))).astype(np.float32)
     load_adapter_weights(fused, {**adapter_arrays(fused), "linear_attn.in_proj_qkv.lora_B.weight": b})
-    whole = fuse_adapter_arrays(adapter_arrays(fused))
+    whole = fuse_adapter_arrays(adapter_arrays(fused), ARCH)
     load_adapter_weights(split, whole)  # the fused arrays onto the parts
     x = paddle.to_tensor(rng.standard_normal((3, H)).astype(np.float32))
     got, want = split.linear_attn(x).numpy(), fused.linear_attn(x).numpy()
     assert np.abs(want - x.numpy() @ w).max() > 0.1  # the adapter counts
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # and back to the fused names, as a checkpoint holds them
-    back = fuse_adapter_arrays(adapter_arrays(split))
+    back = fuse_adapter_arrays(adapter_arrays(split), ARCH)
     assert set(back) == {"linear_attn.in_proj_qkv.lora_A.weight", "linear_attn.in_proj_qkv.lora_B.weight"}
     for name, value in whole.items():
         np.testing.assert_array_equal(back[name], value)

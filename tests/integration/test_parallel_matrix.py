@@ -5,7 +5,10 @@ grad_norm (1e-5 relative) on real settings.
   4 optimizer steps of a global batch of 8. Its gradient norm is ~5 at step 1, so clipping scales every
   step (asserted): a layout whose norm or clip is off diverges from step 2.
 * An untied grouped-query model (4 heads, 2 KV heads) with full recompute and packed rows.
-* LoRA adapters under tensor parallel.
+* LoRA adapters under tensor parallel, also on fused projections held as their parts (Qwen3.5's
+  ``in_proj_qkv``, Phi-3's ``qkv_proj`` and ``gate_up_proj``): the gathered adapters equal the single
+  process's and PEFT loads them onto the transformers model.
+* Qwen3.5's loss_sum compiled by to_static against dygraph.
 * The 2026 dense families: ERNIE 4.5, Gemma 3 and the Qwen3.5 hybrid (Gated DeltaNet linear attention and
   gated full attention, tied), the last from a fresh checkpoint written once per session (the linear
   attention's sizes are a checkpoint's, not model_config's).

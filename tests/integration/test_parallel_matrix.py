@@ -78,6 +78,9 @@ MODELS: Dict[str, List[str]] = {
     # LoRA on every projection of both layer kinds: under tp2 the linear attention's [q; k; v] adapter is
     # one A shared by the three split parts and B split with them; a small max_grad_norm makes the clip
     # fire (the adapters' gradient is small: B starts at zero)
+    # a fresh Phi-3 (fused qkv_proj and gate_up_proj): under tp each fused weight is drawn whole and cut into
+    # its parts, so tp2 starts from the single process's weights
+    "phi3-fresh": ["model_config.family=phi3"],
     # Phi-3 (fused qkv_proj and gate_up_proj, held as q/k/v and gate/up parts under tp) with LoRA on every
     # projection: under tp2 each fused projection's adapter is one A shared by its parts, B split with them
     "phi3-lora": [
@@ -129,6 +132,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_5-hybrid", "dp2", DP2),
     ("qwen3_5-hybrid-packed", "tp2", TP2),
     ("qwen3_5-hybrid-lora", "tp2", TP2),
+    ("phi3-fresh", "tp2", TP2),
     ("phi3-lora", "tp2", TP2),
 ]
 _CHECKPOINTS: Dict[str, str] = {}

@@ -1,6 +1,7 @@
 """validate-config checks of models with Gated DeltaNet linear-attention layers (Qwen3.5,
-models/linear_attention.py): tensor parallel splits their key and value heads, pipeline and data
-parallel take them as any layer, packed rows run one sample per row there; they train in dygraph."""
+models/linear_attention.py): tensor parallel splits their key and value heads (LoRA on their [q; k; v]
+projection too, lora/split_parts.py), pipeline and data parallel take them as any layer, packed rows run
+one sample per row there (in dygraph: to_static takes unpacked rows, the delta rule then in Paddle ops)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,10 @@ def check_linear_attention(config: Any, arch: Any, err: Callable[..., None]) -> 
             "key heads (and with each its value heads) over the ranks",
             "use a tensor_parallel degree that divides the number of linear-attention key heads",
         )
-    if tp > 1 and t.finetuning == "lora":
-        err(
-            "train_config.finetuning",
-            f"LoRA on {what} under tensor_parallel > 1 is not supported yet (its fused [q; k; v] projection "
-            "is held as three split parts there)",
-            "use tensor_parallel: 1 with LoRA (data_parallel and pipeline_parallel work)",
-        )
-    if t.to_static:
+    if t.to_static and t.batching == "packed":
         err(
             "train_config.to_static",
-            f"{what} is not trained as a static graph yet (its chunk loop is only exported for inference)",
-            "set to_static: false",
+            f"{what} runs each sample of a packed row as its own row, cut where the segment ids change: a "
+            "static program cannot re-cut its rows by their values",
+            "use batching: max_length or longest with to_static, or set to_static: false",
         )

@@ -10,6 +10,7 @@ holds no state for them.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -19,6 +20,7 @@ from paddle import nn
 
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
+from bmtrain_cli.lora.split_parts import split_projections, wrap_parts
 from bmtrain_cli.models.arch import LORA_PROJECTIONS
 from bmtrain_cli.quant.layer import QuantLinear
 
@@ -67,8 +69,11 @@ def _decoder_projections(model: nn.Layer) -> List[Tuple[str, nn.Layer, str, nn.L
 
 def available_targets(model: nn.Layer) -> List[str]:
     """Projection names this model has (in PROJECTIONS order)."""
+    split = split_projections(model)  # fused projections held as their parts (tensor parallel)
+    parts = {p for _, _, _, names in split for p in names}
     present = {attr for _, _, attr, _ in _decoder_projections(model)}
     present |= {n.rsplit(".", 1)[-1] for n, layer in model.named_sublayers() if isinstance(layer, LoRALinear)}
+    present = (present - parts) | {fused for _, _, fused, _ in split}
     return [p for p in PROJECTIONS if p in present]
 
 
@@ -82,13 +87,9 @@ def resolve_targets(requested: Union[str, Sequence[str]], model: nn.Layer) -> Li
     available = available_targets(model)
     if ALL_LINEAR in names:
         return available
-    fused = bool(getattr(getattr(model, "arch", None), "fused_qkv", False))
-    fused_split = fused and "W_pack" in names and "W_pack" not in available and "q_proj" in available
     out: List[str] = []
     for n in names:
-        if n == "W_pack" and fused_split:  # Baichuan under tensor parallel: W_pack is split into q/k/v
-            out += ["q_proj", "k_proj", "v_proj"]
-        elif n in available:
+        if n in available:
             out.append(n)
         else:
             kind = "unknown target module" if n not in PROJECTIONS else "target module not in this model:"
@@ -114,12 +115,22 @@ def apply_lora(model: nn.Layer, train_config: Any) -> List[str]:
         p.stop_gradient = True
     wrapped = []
     seed = int(getattr(train_config, "seed", 0) or 0)
+
+    def wrap(full: str, layer: nn.Layer) -> LoRALinear:
+        lora = LoRALinear(layer, rank, alpha, dropout)
+        # A from (seed, layer name) alone: the same adapters under every tensor-parallel degree
+        lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
+        return lora
+
+    split = split_projections(model)
+    held_as_parts = {(id(parent), p) for _, parent, _, parts in split for p in parts}
     for full, parent, attr, layer in _decoder_projections(model):
-        if attr in targets:
-            lora = LoRALinear(layer, rank, alpha, dropout)
-            # A from (seed, layer name) alone: the same adapters under every tensor-parallel degree
-            lora.reset_lora_parameters(np.random.default_rng([seed, zlib.crc32(full.encode("utf-8"))]))
-            setattr(parent, attr, lora)
+        if attr in targets and (id(parent), attr) not in held_as_parts:
+            setattr(parent, attr, wrap(full, layer))
+            wrapped.append(full)
+    for full, parent, fused, parts in split:
+        if fused in targets:  # one adapter on the parts, named and drawn as the fused projection's
+            wrap_parts(parent, parts, functools.partial(wrap, full))
             wrapped.append(full)
     if not wrapped:
         raise UserError(f"LoRA: no layer matched {targets}")

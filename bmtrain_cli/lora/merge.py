@@ -19,6 +19,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.inject import HOOK_ATTR, LoRASettings, is_lora_name, lora_layers, lora_settings
 from bmtrain_cli.lora.layers import LoRALinear
 from bmtrain_cli.lora.peft_experts import mlp_targets, split_expert_layout
+from bmtrain_cli.lora.split_parts import split_adapter_arrays
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -179,7 +180,9 @@ def load_adapter_arrays(path: Any) -> Dict[str, np.ndarray]:
 
 def load_adapter_weights(model: nn.Layer, arrays: Dict[str, np.ndarray], source: str = "adapters") -> None:
     """Copy whole adapter arrays (our names, [in, out]) into a model with adapters, slicing this rank's
-    shard of tensor-parallel-split adapters."""
+    shard of tensor-parallel-split adapters (a fused projection's adapter onto the parts tensor parallel
+    holds it as, lora/split_parts.py)."""
+    arrays = split_adapter_arrays(model, arrays)
     params = {n: p for n, p in model.state_dict().items() if is_lora_name(n)}
     missing = sorted(set(params) - set(arrays))
     unexpected = sorted(set(arrays) - set(params))

@@ -33,7 +33,7 @@ touching this file; head counts are divided by ``factory.tp_degree``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -248,11 +248,22 @@ class CausalLM(nn.Layer):
         ones = nn.initializer.Constant(1.0)
         tp = self.factory.tp_degree
         tp_rank = self.factory.tp_rank
-        for name, p in self.named_parameters():
+        params = dict(self.named_parameters())
+        drawn: Set[str] = set()  # the later parts of a fused projection, drawn with the first
+        for name, p in params.items():
             axis = getattr(p, "split_axis", None) if getattr(p, "is_distributed", False) else None
-            if ".linear_attn." in name:  # drawn by the layer below (its [q; k; v] is whole on one device)
+            if ".linear_attn." in name or name in drawn:  # linear attention: drawn by the layer below
                 continue
-            if len(p.shape) >= 2 and tp > 1 and axis is not None:
+            parts = self._fused_parts(name) if tp > 1 else []
+            if parts:  # one device draws the fused [h, parts] here: draw it whole, cut it into the parts
+                whole = [int(params[n].shape[1]) * tp for n in parts]
+                full = paddle.empty([int(p.shape[0]), sum(whole)], dtype=p.dtype)
+                normal(full)
+                for n, piece in zip(parts, paddle.split(full, whole, axis=1)):
+                    size = int(params[n].shape[1])
+                    params[n].set_value(piece[:, tp_rank * size : (tp_rank + 1) * size])
+                drawn.update(parts)
+            elif len(p.shape) >= 2 and tp > 1 and axis is not None:
                 shape = list(p.shape)
                 size = shape[int(axis)]
                 shape[int(axis)] = size * tp
@@ -270,6 +281,19 @@ class CausalLM(nn.Layer):
         for layer in self.layers:
             if layer.layer_type == "linear_attention":
                 layer.linear_attn.init_weights(normal)
+
+    def _fused_parts(self, name: str) -> List[str]:
+        """Under tensor parallel, for the first part of a fused projection (q_proj of Phi-3's qkv_proj or
+        Baichuan's W_pack, gate_proj of gate_up_proj, held as their parts): every part's weight name."""
+        groups: List[Tuple[str, Tuple[str, ...]]] = []
+        groups += [("self_attn.", ("q_proj", "k_proj", "v_proj"))] if self.arch.fused_qkv else []
+        groups += [("mlp.", ("gate_proj", "up_proj"))] if self.arch.fused_gate_up else []
+        for module, parts in groups:
+            first = f".{module}{parts[0]}.weight"
+            if name.endswith(first):
+                prefix = name[: -len(first)]
+                return [f"{prefix}.{module}{q}.weight" for q in parts]
+        return []
 
     def enable_recompute(self, granularity: str = "full", num_layers: Optional[int] = None) -> None:
         """Recompute activations in the backward pass for the first ``num_layers`` decoder layers

@@ -134,6 +134,8 @@ class GatedDeltaNet(nn.Layer):
             whole, num_key_heads=whole.num_key_heads // tp, num_value_heads=whole.num_value_heads // tp
         )
         self.whole, self.shape, self.tp, self.layer_idx, self.ops = whole, shape, tp, layer_idx, ops
+        # this rank's q, k, v widths as plain ints (to_static's tracer reads no dataclass properties)
+        self.qkv_sizes = [shape.key_dim, shape.key_dim, shape.value_dim]
         h, nv = arch.hidden_size, whole.num_value_heads
         self.hidden = h
         sizes = (whole.key_dim, whole.key_dim, whole.value_dim)
@@ -186,7 +188,7 @@ class GatedDeltaNet(nn.Layer):
             x = x * (mask > 0).astype(x.dtype).unsqueeze(-1)
         conv_state, state = cache.linear[self.layer_idx] if cache is not None else (None, None)
         mixed, conv_state = self._qkv(x, conv_state)
-        q, k, v = paddle.split(F.silu(mixed), [shape.key_dim, shape.key_dim, shape.value_dim], axis=-1)
+        q, k, v = paddle.split(F.silu(mixed), self.qkv_sizes, axis=-1)
         wide = _wide(x)  # the delta rule's dtype
         q = _l2norm(q.reshape([b, s, shape.num_key_heads, shape.key_head_dim]).astype(wide))
         k = _l2norm(k.reshape([b, s, shape.num_key_heads, shape.key_head_dim]).astype(wide))
@@ -209,7 +211,7 @@ class GatedDeltaNet(nn.Layer):
             cache.linear_tokens[self.layer_idx] += s
         z = self.in_proj_z(x).reshape([b, s, shape.num_value_heads, shape.value_head_dim])
         out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape([b, s, shape.value_dim]))
+        return self.out_proj(out.reshape([b, s, self.qkv_sizes[2]]))
 
     def init_weights(self, normal: Callable[[paddle.Tensor], Any]) -> None:
         """transformers' fresh values: the matrices and the convolution drawn by ``normal``, dt_bias 1,

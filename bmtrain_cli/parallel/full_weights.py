@@ -166,6 +166,7 @@ def full_model(ctx: ParallelCtx, model: Any, kernels: str = "auto") -> Any:
     """A plain CausalLM with the whole weights (gathered collectively), in eval mode."""
 
     from bmtrain_cli.lora.inject import is_lora_name, lora_settings
+    from bmtrain_cli.lora.split_parts import fuse_adapter_arrays
     from bmtrain_cli.models import build
     from bmtrain_cli.models.hf import hf_state_dict, load_hf_state_dict
 
@@ -177,7 +178,7 @@ def full_model(ctx: ParallelCtx, model: Any, kernels: str = "auto") -> Any:
     base = FullWeights(inner.arch, {k: v for k, v in full.items() if not is_lora_name(k)})
     load_hf_state_dict(plain, hf_state_dict(base), "gathered weights")  # type: ignore[arg-type]
     settings = lora_settings(inner)
-    adapters = {k: v for k, v in full.items() if is_lora_name(k)}
+    adapters = fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)}, inner.arch)
     if settings is not None and adapters:
         # LoRA: fold the gathered adapters in, so the copy computes what the trained model does
         from types import SimpleNamespace

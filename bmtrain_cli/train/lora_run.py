@@ -24,6 +24,7 @@ from bmtrain_cli.lora.adapter_store import (
 from bmtrain_cli.lora.inject import LoRASettings, apply_lora, is_lora_name, lora_settings
 from bmtrain_cli.lora.merge import adapter_arrays, load_adapter_arrays, load_adapter_weights, save_adapters
 from bmtrain_cli.lora.quantized_merge import quantisation_record
+from bmtrain_cli.lora.split_parts import fuse_adapter_arrays
 from bmtrain_cli.parallel.protocol import ParallelCtx
 from bmtrain_cli.quant.layer import summary as quant_summary
 
@@ -39,7 +40,8 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
     if ctx is None or (ctx.tp_degree == 1 and ctx.pp_degree == 1):
         return adapter_arrays(inner)
     if ctx.pp_degree > 1:
-        return {k: v for k, v in ctx.wrapping.full_state_dict(model).items() if is_lora_name(k)}
+        full = ctx.wrapping.full_state_dict(model)
+        return fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)}, inner.arch)
     import paddle.distributed as dist
 
     group = ctx.hcg.get_model_parallel_group()
@@ -53,7 +55,9 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
             out[name] = np.concatenate([x.numpy() for x in parts], axis=int(p.split_axis))
         else:
             out[name] = p.numpy()
-    return out
+    return fuse_adapter_arrays(
+        out, inner.arch
+    )  # a fused projection's parts (lora/split_parts.py) as one adapter
 
 
 # ----------------------------------------------------------------------------- the trainer's side

@@ -130,7 +130,7 @@ def ours_phases(
         norm = float(grad_norm_tensor(params))  # the trainer brings the norm to the host once per step
         clip_for_step(opt, params, CLIP, norm)
         opt.step()
-        opt.clear_grad()
+        opt.clear_grad(set_to_zero=False)  # the trainer's: gradients freed until the next backward
 
     return {"forward": forward, "backward": backward, "update": update}, opt
 
@@ -215,7 +215,7 @@ def _worker_paddleformers(shape: dict) -> dict:
 
     def update():
         opt.step()
-        opt.clear_grad()
+        opt.clear_grad(set_to_zero=False)  # the trainer's: gradients freed until the next backward
 
     return _timed({"forward": forward, "backward": backward, "update": update}, shape)
 

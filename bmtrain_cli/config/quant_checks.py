@@ -58,15 +58,14 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
 
 
 def _check_vocab(q: Any, arch: Any, p: Any, err: Callable[..., None]) -> None:
-    """The input embedding and the LM head quantise to int8 only (per vocabulary row, quant/vocab.py),
-    on one model-parallel process, and not Baichuan2's normalised head (normalised per row each step)."""
+    """The input embedding and the LM head, when quantised, are int8 (per vocabulary row, quant/vocab.py,
+    whatever the method of the linear layers), held whole on one process, and not Baichuan2's normalised
+    head (normalised per row at every step)."""
     taken = [n for n in (EMBED_NAME, HEAD_NAME) if not is_skipped(f"model.{n}", q.skip_modules)]
     if not taken:
         return
     why = ""
-    if q.method != "int8":
-        why = f"they are stored in int8 with one scale per vocabulary row, not {q.method}"
-    elif p.tensor_parallel > 1 or p.pipeline_parallel > 1:
+    if p.tensor_parallel > 1 or p.pipeline_parallel > 1:
         why = "they are quantised whole, on one process (no tensor or pipeline parallel split of them)"
     elif arch is not None and arch.norm_head:
         why = "this family normalises the head's rows at every step (norm_head), which needs its weight"
@@ -74,7 +73,7 @@ def _check_vocab(q: Any, arch: Any, p: Any, err: Callable[..., None]) -> None:
         err(
             "model_config.quantization.skip_modules",
             f"{' and '.join(taken)} cannot be quantised here: {why}",
-            f"keep {' and '.join(taken)} in skip_modules, or use method: int8 on one process",
+            f"keep {' and '.join(taken)} in skip_modules",
         )
 
 

@@ -18,7 +18,7 @@ from paddle import nn
 
 from bmtrain_cli.ops import quant_linear as qops
 from bmtrain_cli.quant import formats
-from bmtrain_cli.quant.select import is_skipped
+from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
 from bmtrain_cli.quant.vocab import QuantEmbedding, VocabCodes
 
 
@@ -104,21 +104,24 @@ class QuantLinear(nn.Layer):
 
 
 def quantize_linear(
-    layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None
+    layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None, name: str = ""
 ) -> nn.Layer:
     """A QuantLinear for ``layer`` (a linear layer ``factory`` made, nn.Linear by default) holding
     ``weight`` ([in, out], Paddle's layout; under tensor parallel this rank's shard, which the factory's
     ``quantized_linear`` wraps with the layer's collectives). A row-parallel int8 shard takes its
     per-channel scale from the whole row (the maximum over the group), so every rank's codes are the
-    whole weight's. An embedding (``weight`` [vocab, hidden]) becomes an int8 QuantEmbedding."""
+    whole weight's. An embedding (``weight`` [vocab, hidden]) becomes an int8 QuantEmbedding, and the LM
+    head (``name`` lm_head) is int8 whatever the method (quant/vocab.py reads it one vocabulary row at a time)."""
     if isinstance(layer, nn.Embedding):
         return QuantEmbedding(weight, str(layer.weight.dtype).replace("paddle.", ""))
-    block = settings.resolved_block_size or int(weight.shape[0])
+    method, block, double = settings.method, settings.resolved_block_size, settings.double_quant
+    if name.split(".")[-1] == HEAD_NAME:
+        method, block, double = "int8", 0, False
     w = np.asarray(weight, np.float32).T
     row_absmax = None
-    if factory is not None and settings.method == "int8" and factory.linear_kind(layer) == "row":
+    if factory is not None and method == "int8" and factory.linear_kind(layer) == "row":
         row_absmax = factory.group_max(np.abs(w).max(axis=1).astype(np.float32))
-    q = formats.quantize(w, settings.method, block, settings.double_quant, row_absmax)
+    q = formats.quantize(w, method, block or int(weight.shape[0]), double, row_absmax)
     bias = getattr(layer, "bias", None)
     if bias is not None:
         bias.stop_gradient = True
@@ -163,7 +166,7 @@ def quantize_model(model: nn.Layer, settings: Any, kernels: str = "auto") -> Lis
     names = []
     for full, (parent, attr, layer) in quantizable(model, settings).items():
         weight = layer.weight.numpy()
-        quantised = quantize_linear(layer, weight, settings, impl(int(weight.shape[0])), factory)
+        quantised = quantize_linear(layer, weight, settings, impl(int(weight.shape[0])), factory, full)
         setattr(parent, attr, quantised)
         names.append(full)
     return names
@@ -187,7 +190,11 @@ class Quantizer:
             return False
         parent, attr, layer = place
         impl = self.impl(int(weight.shape[0]))
-        setattr(parent, attr, quantize_linear(layer, weight, self.settings, impl, self.factory))
+        setattr(
+            parent,
+            attr,
+            quantize_linear(layer, weight, self.settings, impl, self.factory, name[: -len(".weight")]),
+        )
         return True
 
 

@@ -17,7 +17,6 @@ from bmtrain_cli.quant.layer import QuantLinear, quantize_model, quantized_layer
 TINY = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
-INT8_VOCAB = QuantizationConfig(method="int8", skip_modules=["norm", "gate"])
 
 
 def _embedding(rows: int, hidden: int, seed: int = 0) -> vocab.QuantEmbedding:
@@ -77,21 +76,25 @@ def _twin(model, kwargs) -> object:
     return plain
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_model_loss_equals_its_dequantised_twin(tmp_path, tied) -> None:
+@pytest.mark.parametrize("tied, method", [(True, "int8"), (False, "int8"), (False, "nf4")])
+def test_model_loss_equals_its_dequantised_twin(tmp_path, tied, method) -> None:
+    """The embedding and the head in int8 beside int8 or nf4 linear layers (the head is int8 either way)."""
     kwargs = dict(vocab_size=300, tie_word_embeddings=tied, **TINY)
+    settings = QuantizationConfig(
+        method=method, block_size=32 if method == "nf4" else None, skip_modules=["norm"]
+    )
     save_pretrained(build(ModelConfig(kernels="reference", **kwargs)), tmp_path)
-    model = load_pretrained(tmp_path, quantization=INT8_VOCAB, kernels="reference")
+    model = load_pretrained(tmp_path, quantization=settings, kernels="reference")
     after = load_pretrained(tmp_path, kernels="reference")
-    quantize_model(after, INT8_VOCAB, "reference")
+    quantize_model(after, settings, "reference")
     names = dict(quantized_layers(model))
     assert isinstance(model.model.embed_tokens, vocab.QuantEmbedding)
     assert ("lm_head" in names) == (not tied) and (model.lm_head is None) == tied
     if not tied:
         assert isinstance(model.lm_head, QuantLinear) and model.lm_head.method == "int8"
-    np.testing.assert_array_equal(
-        model.model.embed_tokens.codes.numpy(), after.model.embed_tokens.codes.numpy()
-    )
+    assert {m.method for n, m in names.items() if "layers." in n} == {method}
+    for name, layer in names.items():  # quantised while read == quantised after
+        np.testing.assert_array_equal(layer.codes.numpy(), dict(quantized_layers(after))[name].codes.numpy())
     assert not any("embed_tokens" in k or "lm_head" in k for k in model.state_dict())
     twin = _twin(model, kwargs)
     ids = paddle.to_tensor(np.random.default_rng(3).integers(0, 300, (2, 11)))

@@ -221,7 +221,7 @@ def quantized_head(lm_head: Optional[nn.Layer], embed_tokens: nn.Layer) -> Optio
     if lm_head is None:
         return embed_tokens.vocab_codes() if isinstance(embed_tokens, QuantEmbedding) else None
     if isinstance(lm_head, QuantLinear) and lm_head.method == "int8":
-        return VocabCodes(lm_head.codes, lm_head.levels, lm_head.scales, lm_head.in_features)
+        return VocabCodes(lm_head.codes, lm_head.scales, lm_head.in_features)
     return None
 
 

@@ -31,25 +31,23 @@ CHUNK_WEIGHTS = QUANT_HEAD_CHUNK_WEIGHTS
 
 
 class VocabCodes:
-    """A [vocab, hidden] int8 matrix: ``codes`` uint8 [vocab * hidden] (the int8 bytes), ``levels`` (the
-    bytes read as signed, fp32 [256]), ``scales`` fp32 [vocab]."""
+    """A [vocab, hidden] int8 matrix: ``codes`` uint8 [vocab * hidden] (the int8 bytes, read as signed),
+    ``scales`` fp32 [vocab]."""
 
-    def __init__(self, codes: paddle.Tensor, levels: paddle.Tensor, scales: paddle.Tensor, hidden: int):
-        self.codes, self.levels, self.scales, self.hidden = codes, levels, scales, int(hidden)
+    def __init__(self, codes: paddle.Tensor, scales: paddle.Tensor, hidden: int):
+        self.codes, self.scales, self.hidden = codes, scales, int(hidden)
         self.vocab = int(scales.shape[0])
 
     def rows(self, r0: int, r1: int) -> paddle.Tensor:
         """Rows r0..r1 dequantised, fp32 [r1 - r0, hidden]."""
-        codes = self.codes[r0 * self.hidden : r1 * self.hidden].astype("int64")
-        vals = paddle.gather(self.levels, codes).reshape([r1 - r0, self.hidden])
-        return vals * self.scales[r0:r1].unsqueeze(-1)
+        codes = paddle.view(self.codes[r0 * self.hidden : r1 * self.hidden], "int8")
+        return codes.astype("float32").reshape([r1 - r0, self.hidden]) * self.scales[r0:r1].unsqueeze(-1)
 
     def lookup(self, ids: paddle.Tensor) -> paddle.Tensor:
         """The rows of ``ids`` (any shape), dequantised: fp32 [*ids.shape, hidden]."""
         flat = ids.reshape([-1]).astype("int64")
-        codes = paddle.gather(self.codes.reshape([self.vocab, self.hidden]), flat).astype("int64")
-        vals = paddle.gather(self.levels, codes.reshape([-1])).reshape([-1, self.hidden])
-        out = vals * paddle.gather(self.scales, flat).unsqueeze(-1)
+        codes = paddle.gather(paddle.view(self.codes, "int8").reshape([self.vocab, self.hidden]), flat)
+        out = codes.astype("float32") * paddle.gather(self.scales, flat).unsqueeze(-1)
         return out.reshape([*ids.shape, self.hidden])
 
     def chunks(self, tokens: int) -> Iterator[Tuple[int, int]]:
@@ -152,12 +150,11 @@ class QuantEmbedding(nn.Layer):
         self.nbytes = q.nbytes
         self.compute_dtype = dtype
         self.register_buffer("codes", _buffer(q.codes.view(np.uint8).reshape(-1)), persistable=False)
-        self.register_buffer("levels", _buffer(formats.levels("int8")), persistable=False)
         assert q.scales is not None
         self.register_buffer("scales", _buffer(q.scales.reshape(-1)), persistable=False)
 
     def vocab_codes(self) -> VocabCodes:
-        return VocabCodes(self.codes, self.levels, self.scales, self.embedding_dim)
+        return VocabCodes(self.codes, self.scales, self.embedding_dim)
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
         dtype: Any = self.compute_dtype

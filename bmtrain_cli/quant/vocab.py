@@ -8,9 +8,10 @@ embedding's codes, so one set of codes stands for both.
 
 * The embedding lookup gathers the int8 rows of the tokens and dequantises only those rows.
 * The LM head's loss (:func:`head_cross_entropy`) runs over chunks of the vocabulary, dequantising one
-  chunk of rows at a time: an online log-sum-exp pass, then a second pass for the input gradient, so
-  neither the full fp32 head nor the [tokens, vocab] logits exist at once. The head is frozen: the
-  backward gives the hidden states' gradient only.
+  chunk of rows at a time, in one pass: an online log-sum-exp, and for the input gradient the online
+  softmax-weighted sum of the head rows (as flash attention accumulates its output), so neither the
+  full fp32 head nor the [tokens, vocab] logits exist at once, and each head row is dequantised once a
+  step. The head is frozen: the backward gives the hidden states' gradient only.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class VocabCodes:
 def _head_loss(
     head: VocabCodes, hidden: paddle.Tensor, labels: paddle.Tensor, ignore_index: int, need_grad: bool
 ) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
-    """(sum of the token losses fp32, the gradient of that sum with respect to ``hidden`` or None)."""
+    """(sum of the token losses fp32, the gradient of that sum with respect to ``hidden`` or None), in one
+    pass over the vocabulary chunks: a running maximum m and sum s of exp(logit - m) per token, and for
+    the gradient the running sum of exp(logit - m) times the head rows, rescaled as m grows; at the end
+    that sum / s is softmax @ W, and the gradient softmax @ W - W[label]."""
     n = int(hidden.shape[0])
     valid = labels != ignore_index
     safe = paddle.where(valid, labels, paddle.zeros_like(labels)).astype("int64")
@@ -78,30 +82,26 @@ def _head_loss(
     run_max = paddle.full([n], float("-inf"), dtype="float32")
     run_sum = paddle.zeros([n], dtype="float32")
     picked = paddle.zeros([n], dtype="float32")
-    for r0, r1 in head.chunks(n):
-        logits = paddle.matmul(hidden, head.rows(r0, r1).astype(hidden.dtype), transpose_y=True)
-        logits = logits.astype("float32")
-        new_max = paddle.maximum(run_max, logits.max(axis=1))
-        run_sum = run_sum * paddle.exp(run_max - new_max) + paddle.exp(logits - new_max.unsqueeze(-1)).sum(1)
-        run_max = new_max
-        inside = (safe >= r0) & (safe < r1)
-        at = paddle.clip(safe - r0, 0, r1 - r0 - 1).unsqueeze(-1)
-        picked = picked + paddle.where(inside, paddle.take_along_axis(logits, at, axis=1).squeeze(-1), 0.0)
-    lse = run_max + paddle.log(run_sum)
-    total = ((lse - picked) * validf).sum()
-    if not need_grad:
-        return total, None
-    grad = paddle.zeros(hidden.shape, dtype="float32")
+    weighted = paddle.zeros([n, head.hidden], dtype="float32") if need_grad else None
     for r0, r1 in head.chunks(n):
         w = head.rows(r0, r1).astype(hidden.dtype)
         logits = paddle.matmul(hidden, w, transpose_y=True).astype("float32")
-        inside = ((safe >= r0) & (safe < r1)).astype("float32")
-        at = paddle.clip(safe - r0, 0, r1 - r0 - 1)
-        dlogits = paddle.exp(logits - lse.unsqueeze(-1))
-        dlogits = dlogits - nn.functional.one_hot(at, r1 - r0) * inside.unsqueeze(-1)
-        dlogits = dlogits * validf.unsqueeze(-1)
-        grad = grad + paddle.matmul(dlogits.astype(hidden.dtype), w).astype("float32")
-    return total, grad
+        new_max = paddle.maximum(run_max, logits.max(axis=1))
+        rescale = paddle.exp(run_max - new_max)
+        probs = paddle.exp(logits - new_max.unsqueeze(-1))
+        run_sum = run_sum * rescale + probs.sum(1)
+        run_max = new_max
+        if weighted is not None:
+            product = paddle.matmul(probs.astype(hidden.dtype), w).astype("float32")
+            weighted = weighted * rescale.unsqueeze(-1) + product
+        inside = (safe >= r0) & (safe < r1)
+        at = paddle.clip(safe - r0, 0, r1 - r0 - 1).unsqueeze(-1)
+        picked = picked + paddle.where(inside, paddle.take_along_axis(logits, at, axis=1).squeeze(-1), 0.0)
+    total = ((run_max + paddle.log(run_sum) - picked) * validf).sum()
+    if weighted is None:
+        return total, None
+    grad = weighted / run_sum.unsqueeze(-1) - head.lookup(safe).astype("float32")
+    return total, grad * validf.unsqueeze(-1)
 
 
 class _HeadCrossEntropy(PyLayer):

@@ -25,7 +25,12 @@ checkpoint through transformers + PEFT with bitsandbytes' CPU nf4 matmul (bench_
 
 ``--shape 1.5b:8`` keeps the shape with 8 decoder layers (for a machine too slow or small for 28).
 
-Run: python benchmarks/bench_qlora.py [--shape 1.5b]   (or: python benchmarks/run_all.py qlora)
+``--quantize-embedding`` adds the mode ``qlora-vocab``: nf4 layers as ``qlora``, and the tied embedding /
+LM head in int8 with a scale per vocabulary row (``skip_modules: [norm, gate]``, quant/vocab.py). Every
+mode's base bytes are also counted from the shape (and checked against the run's), so the ratios are
+printed for the full layer count too.
+
+Run: python benchmarks/bench_qlora.py [--shape 1.5b] [--quantize-embedding]   (or: python benchmarks/run_all.py qlora)
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ def _child(mode: str, base: str) -> dict:
 
     host_memory.apply("release")
     quant = QuantizationConfig(method="nf4") if mode.startswith("qlora") else None
+    if mode == "qlora-vocab":
+        quant = QuantizationConfig(method="nf4", skip_modules=["norm", "gate"])
     kernels = "reference" if mode == "qlora-reference" else "auto"
     paddle.zeros([8, 8]).numpy()  # the allocator's first arena, before the baseline
     with open("/proc/self/clear_refs", "w") as fh:
@@ -177,11 +184,30 @@ def _write_base(path: str) -> int:
     )
 
 
-def main(shape: str = "135m") -> dict:
+def _counted_base(mode: str, layers: int) -> int:
+    """A mode's base weight bytes counted from the shape: fp32 or nf4 (blocks of 64) projections, fp32
+    norms, the tied embedding in fp32 or (qlora-vocab) int8 with a scale per row."""
+    from bmtrain_cli.quant.formats import quantized_nbytes
+
+    s = SHAPE
+    h, f, v = s["hidden"], s["inter"], s["vocab"]
+    kv = s["kv"] * (h // s["heads"])
+    projections = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]  # (out, in)
+    if mode.startswith("qlora"):
+        layer = sum(quantized_nbytes("nf4", o, i, 64) for o, i in projections)
+    else:
+        layer = sum(o * i for o, i in projections) * 4
+    embedding = quantized_nbytes("int8", v, h, h) if mode == "qlora-vocab" else v * h * 4
+    return embedding + layers * (layer + 2 * h * 4) + h * 4
+
+
+def main(shape: str = "135m", embedding: bool = False) -> dict:
     global SHAPE
     SHAPE = _shape(shape)
     large = not shape.startswith("135m")
     modes = LARGE_MODES if large else MODES
+    if embedding:
+        modes += ("qlora-vocab",)
     if large and os.environ.get("BMTRAIN_REF_PYTHON"):
         modes += ("bnb-peft",)
     with tempfile.TemporaryDirectory(prefix="bench-qlora-") as tmp:
@@ -226,6 +252,21 @@ def main(shape: str = "135m") -> dict:
             f"{q['load_peak']:.3f}x, speed "
             f"{q['speed']:.3f}x (step time {1 / q['speed']:.3f}x), by CPU time {q['cpu_speed']:.3f}x"
         )
+    full = SHAPES[shape.partition(":")[0]]["layers"]
+    for mode in modes:
+        counted = _counted_base(mode, s["layers"]) if mode != "bnb-peft" else runs[mode]["base_bytes"]
+        if counted != runs[mode]["base_bytes"]:
+            raise RuntimeError(
+                f"{mode}: counted {counted} base bytes, the run held {runs[mode]['base_bytes']}"
+            )
+    for mode in [m for m in modes[1:] if m != "bnb-peft"]:
+        ratio = _counted_base(mode, full) / _counted_base("lora", full)
+        ratios[mode]["base_memory_full_layers"] = ratio
+        print(
+            f"  {mode} / lora with all {full} layers (counted, equal to the run's bytes at {s['layers']}): "
+            f"base {_counted_base(mode, full) / mib:.1f} MiB against {_counted_base('lora', full) / mib:.1f} MiB, "
+            f"{ratio:.3f}x"
+        )
     if "bnb-peft" in runs:
         ours, theirs = runs["qlora"], runs["bnb-peft"]
         print(
@@ -245,4 +286,7 @@ if __name__ == "__main__":
         SHAPE = _shape(sys.argv[4])
         print(json.dumps(_child(sys.argv[2], sys.argv[3])))
     else:
-        main(sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "--shape" else "135m")
+        args = [a for a in sys.argv[1:] if a != "--quantize-embedding"]
+        main(
+            args[1] if len(args) == 2 and args[0] == "--shape" else "135m", "--quantize-embedding" in sys.argv
+        )

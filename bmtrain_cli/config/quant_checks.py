@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from bmtrain_cli.quant.formats import shard_mismatch
-from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
+from bmtrain_cli.quant.select import EMBED_NAME, HEAD_NAME, is_skipped
 
 
 def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None:
@@ -54,11 +54,26 @@ def check_quantization(config: Any, arch: Any, err: Callable[..., None]) -> None
             f"compute_dtype ({q.compute_dtype}) is not supported yet",
             f"remove compute_dtype or set it to {m.dtype}",
         )
-    if HEAD_NAME not in q.skip_modules:
+    _check_vocab(q, arch, p, err)
+
+
+def _check_vocab(q: Any, arch: Any, p: Any, err: Callable[..., None]) -> None:
+    """The input embedding and the LM head, when quantised, are int8 (per vocabulary row, quant/vocab.py,
+    whatever the method of the linear layers), held whole on one process, and not Baichuan2's normalised
+    head (normalised per row at every step)."""
+    taken = [n for n in (EMBED_NAME, HEAD_NAME) if not is_skipped(f"model.{n}", q.skip_modules)]
+    if not taken:
+        return
+    why = ""
+    if p.tensor_parallel > 1 or p.pipeline_parallel > 1:
+        why = "they are quantised whole, on one process (no tensor or pipeline parallel split of them)"
+    elif arch is not None and arch.norm_head:
+        why = "this family normalises the head's rows at every step (norm_head), which needs its weight"
+    if why:
         err(
-            f"{key}.skip_modules",
-            "the LM head cannot be quantised: the loss reads its weight directly (chunked cross-entropy)",
-            f"keep {HEAD_NAME} in skip_modules",
+            "model_config.quantization.skip_modules",
+            f"{' and '.join(taken)} cannot be quantised here: {why}",
+            f"keep {' and '.join(taken)} in skip_modules",
         )
 
 

@@ -106,7 +106,7 @@ def dequantize_base(model: nn.Layer, names: List[str], record: Dict[str, Any], d
         weight = layer.weight
         original = weight.numpy().astype(np.float32)
         delta = layer.delta_weight().numpy() if isinstance(layer, LoRALinear) else 0.0
-        quantised = quantize_linear(base, original, settings, "reference")
+        quantised = quantize_linear(base, original, settings, "reference", name=name)
         dequantized = quantised.dequantized_weight().astype("float32").numpy()
         exact = original + delta
         diff = _rounded((dequantized + delta).astype(np.float32), dtype) - exact

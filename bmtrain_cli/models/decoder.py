@@ -353,7 +353,16 @@ class CausalLM(nn.Layer):
         """(LM head weight, whether it is [vocab, hidden] and needs a transpose)."""
         return head_weight(self.arch, self.lm_head, self.model.embed_tokens.weight)
 
+    def _quantized_head(self) -> Any:
+        """The int8 LM head (quant/vocab.py's VocabCodes; a tied model's embedding codes), or None."""
+        from bmtrain_cli.quant.layer import quantized_head
+
+        return quantized_head(self.lm_head, self.model.embed_tokens)
+
     def logits_from_hidden(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        head = self._quantized_head()
+        if head is not None:
+            return soft_cap(head.logits(hidden), self.arch.final_logit_softcapping)
         return project_to_vocab(hidden, self.arch, self.factory, self.lm_head, self.model.embed_tokens.weight)
 
     def forward(
@@ -418,6 +427,11 @@ class CausalLM(nn.Layer):
             return self.factory.vocab_cross_entropy_sum(self.logits_from_hidden(hidden), target)
         if self.arch.final_logit_softcapping is not None:  # the fused head + loss does not cap logits
             return self.ops.cross_entropy_sum(self.logits_from_hidden(hidden), target, IGNORE_INDEX)
+        head = self._quantized_head()
+        if head is not None:  # an int8 head: dequantised one vocabulary chunk at a time
+            from bmtrain_cli.quant.vocab import head_cross_entropy
+
+            return head_cross_entropy(head, hidden, target, IGNORE_INDEX)
         weight, transposed = self._head()
         return self.ops.linear_cross_entropy(
             hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed

@@ -13,6 +13,8 @@ CPU_CHUNK_ELEMENTS = 1 << 23
 # GPU: logits per chunk (fp32: 512 MiB, their gradient as much again) and the fewest tokens a chunk takes
 GPU_CHUNK_ELEMENTS = 1 << 27
 GPU_MIN_CHUNK_TOKENS = 512
+# an int8 LM head (quant/vocab.py): at most this many head weights dequantised at once (fp32: 32 MiB)
+QUANT_HEAD_CHUNK_WEIGHTS = 1 << 23
 
 
 def chunk_tokens(vocab: int, tokens: int, on_gpu: bool) -> int:

@@ -99,6 +99,29 @@ def _quantized_sum(w: Workload, held: List[Tuple[str, int, int, int]], layers: i
     return elements // layers, nbytes // layers, largest
 
 
+def quantized_vocab(w: Workload) -> Tuple[int, int, int]:
+    """(elements, bytes, workspace bytes) of the input embedding and LM head that model_config.quantization
+    stores in int8 (bmtrain_cli/quant/vocab.py: codes and a scale per vocabulary row; a tied head is the
+    embedding's codes) and the fp32 head rows the loss dequantises at once; zeros when both are skipped."""
+    if not w.quant_method:
+        return 0, 0, 0
+    from bmtrain_cli.ops.loss_chunks import QUANT_HEAD_CHUNK_WEIGHTS
+    from bmtrain_cli.quant.formats import quantized_nbytes
+    from bmtrain_cli.quant.select import EMBED_NAME, HEAD_NAME, is_skipped
+
+    a = w.arch
+    names = [EMBED_NAME] if a.tie_word_embeddings else [EMBED_NAME, HEAD_NAME]
+    held = [n for n in names if not is_skipped(f"model.{n}", w.quant_skip)]
+    per = a.vocab_size * a.hidden_size
+    head = (HEAD_NAME if len(names) > 1 else EMBED_NAME) in held
+    workspace = min(per, QUANT_HEAD_CHUNK_WEIGHTS) * 4 if head else 0
+    return (
+        len(held) * per,
+        len(held) * quantized_nbytes("int8", a.vocab_size, a.hidden_size, a.hidden_size),
+        workspace,
+    )
+
+
 def dequantization_workspace(w: Workload, device: Device, largest: int, pbytes: int) -> int:
     """Bytes of dequantised weights a quantised layer holds while it multiplies (ops/quant_linear.py): on
     a CPU one tile of the C++ kernels (at most TILE_ELEMENTS fp32 weights); elsewhere the whole largest

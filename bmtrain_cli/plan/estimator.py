@@ -42,6 +42,7 @@ from bmtrain_cli.plan.activations import (
     loss_bytes,
     no_grad_forward_bytes,
     quantized_layer,
+    quantized_vocab,
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
@@ -130,6 +131,13 @@ def _stage_estimate(  # noqa: C901
             f"base projections in {w.quant_method}: {format_bytes(layers * q_bytes)} of codes and scales "
             f"instead of {format_bytes(layers * q_elements * pbytes)}, plus {format_bytes(workspace)} of "
             "dequantisation workspace"
+        )
+    v_elements, v_bytes, v_workspace = quantized_vocab(w)
+    if v_elements and w.finetuning == "lora":  # the embedding / LM head in int8 (one process: pp 1)
+        params += v_bytes - v_elements * pbytes + v_workspace
+        notes.append(
+            f"embedding/LM head in int8: {format_bytes(v_bytes)} instead of {format_bytes(v_elements * pbytes)}, "
+            f"plus {format_bytes(v_workspace)} of head rows dequantised at a time"
         )
     grads = trainable * pbytes
     master = trainable * 4 if (low and w.amp_level == "O2") else 0

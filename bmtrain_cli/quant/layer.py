@@ -18,7 +18,8 @@ from paddle import nn
 
 from bmtrain_cli.ops import quant_linear as qops
 from bmtrain_cli.quant import formats
-from bmtrain_cli.quant.select import is_skipped
+from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
+from bmtrain_cli.quant.vocab import QuantEmbedding, VocabCodes
 
 
 def _buffer(array: np.ndarray) -> paddle.Tensor:
@@ -103,19 +104,24 @@ class QuantLinear(nn.Layer):
 
 
 def quantize_linear(
-    layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None
-) -> QuantLinear:
+    layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None, name: str = ""
+) -> nn.Layer:
     """A QuantLinear for ``layer`` (a linear layer ``factory`` made, nn.Linear by default) holding
     ``weight`` ([in, out], Paddle's layout; under tensor parallel this rank's shard, which the factory's
     ``quantized_linear`` wraps with the layer's collectives). A row-parallel int8 shard takes its
     per-channel scale from the whole row (the maximum over the group), so every rank's codes are the
-    whole weight's."""
-    block = settings.resolved_block_size or int(weight.shape[0])
+    whole weight's. An embedding (``weight`` [vocab, hidden]) becomes an int8 QuantEmbedding, and the LM
+    head (``name`` lm_head) is int8 whatever the method (quant/vocab.py reads it one vocabulary row at a time)."""
+    if isinstance(layer, nn.Embedding):
+        return QuantEmbedding(weight, str(layer.weight.dtype).replace("paddle.", ""))
+    method, block, double = settings.method, settings.resolved_block_size, settings.double_quant
+    if name.split(".")[-1] == HEAD_NAME:
+        method, block, double = "int8", 0, False
     w = np.asarray(weight, np.float32).T
     row_absmax = None
-    if factory is not None and settings.method == "int8" and factory.linear_kind(layer) == "row":
+    if factory is not None and method == "int8" and factory.linear_kind(layer) == "row":
         row_absmax = factory.group_max(np.abs(w).max(axis=1).astype(np.float32))
-    q = formats.quantize(w, settings.method, block, settings.double_quant, row_absmax)
+    q = formats.quantize(w, method, block or int(weight.shape[0]), double, row_absmax)
     bias = getattr(layer, "bias", None)
     if bias is not None:
         bias.stop_gradient = True
@@ -126,14 +132,15 @@ def quantize_linear(
 
 
 def quantizable(model: nn.Layer, settings: Any) -> Dict[str, Tuple[nn.Layer, str, nn.Layer]]:
-    """{dotted name: (parent, attribute, layer)} of the linear layers ``settings`` quantises: nn.Linear,
-    and the split linear layers of the model's layer factory (``linear_kind``) when it has one."""
+    """{dotted name: (parent, attribute, layer)} of the layers ``settings`` quantises: nn.Linear, the
+    split linear layers of the model's layer factory (``linear_kind``) when it has one, and the input
+    embedding (int8, quant/vocab.py) when ``embed_tokens`` is not skipped."""
     factory = getattr(model, "factory", None)
     out: Dict[str, Tuple[nn.Layer, str, nn.Layer]] = {}
     for name, parent in model.named_sublayers(include_self=True):
         for attr, child in parent._sub_layers.items():
             full = f"{name}.{attr}" if name else attr
-            linear = isinstance(child, nn.Linear) or (
+            linear = isinstance(child, (nn.Linear, nn.Embedding)) or (
                 factory is not None and factory.linear_kind(child) is not None
             )
             if linear and not is_skipped(full, settings.skip_modules):
@@ -159,7 +166,7 @@ def quantize_model(model: nn.Layer, settings: Any, kernels: str = "auto") -> Lis
     names = []
     for full, (parent, attr, layer) in quantizable(model, settings).items():
         weight = layer.weight.numpy()
-        quantised = quantize_linear(layer, weight, settings, impl(int(weight.shape[0])), factory)
+        quantised = quantize_linear(layer, weight, settings, impl(int(weight.shape[0])), factory, full)
         setattr(parent, attr, quantised)
         names.append(full)
     return names
@@ -183,16 +190,22 @@ class Quantizer:
             return False
         parent, attr, layer = place
         impl = self.impl(int(weight.shape[0]))
-        setattr(parent, attr, quantize_linear(layer, weight, self.settings, impl, self.factory))
+        setattr(
+            parent,
+            attr,
+            quantize_linear(layer, weight, self.settings, impl, self.factory, name[: -len(".weight")]),
+        )
         return True
 
 
-def quantized_layers(model: nn.Layer) -> List[Tuple[str, QuantLinear]]:
-    """(name, layer) of every QuantLinear, also those a LoRA wrapper holds as its ``base_layer``."""
+def quantized_layers(model: nn.Layer) -> List[Tuple[str, Any]]:
+    """(name, layer) of every QuantLinear, also those a LoRA wrapper holds as its ``base_layer``, and a
+    QuantEmbedding."""
     out = []
+    kinds = (QuantLinear, QuantEmbedding)
     for name, m in model.named_sublayers():
-        layer = m if isinstance(m, QuantLinear) else getattr(m, "base_layer", None)
-        if isinstance(layer, QuantLinear):
+        layer = m if isinstance(m, kinds) else getattr(m, "base_layer", None)
+        if isinstance(layer, kinds):
             out.append((name, layer))
     return out
 
@@ -200,6 +213,16 @@ def quantized_layers(model: nn.Layer) -> List[Tuple[str, QuantLinear]]:
 def quantized_bytes(model: nn.Layer) -> int:
     """Bytes of every quantised layer's codes and scales."""
     return sum(m.nbytes for _, m in quantized_layers(model))
+
+
+def quantized_head(lm_head: Optional[nn.Layer], embed_tokens: nn.Layer) -> Optional[VocabCodes]:
+    """The int8 LM head as vocabulary rows: the head's own (an int8 QuantLinear, whose output channels are
+    the vocabulary), or the tied embedding's codes (``lm_head`` None); None when the head is not quantised."""
+    if lm_head is None:
+        return embed_tokens.vocab_codes() if isinstance(embed_tokens, QuantEmbedding) else None
+    if isinstance(lm_head, QuantLinear) and lm_head.method == "int8":
+        return VocabCodes(lm_head.codes, lm_head.scales, lm_head.in_features)
+    return None
 
 
 IMPL_NAMES = {
@@ -211,13 +234,15 @@ IMPL_NAMES = {
 
 def summary(model: nn.Layer) -> str:
     """'' without quantised layers, else one line: how many, which format and kernels, how many bytes."""
-    layers = [m for _, m in quantized_layers(model)]
-    if not layers:
+    every = [m for _, m in quantized_layers(model)]
+    if not every:
         return ""
+    layers = [m for m in every if isinstance(m, QuantLinear)]
     methods = sorted({m.method for m in layers})
     impls = sorted({IMPL_NAMES[m.impl] for m in layers})
     mib = quantized_bytes(model) / 2**20
+    embedding = ", the embedding in int8" if len(every) > len(layers) else ""
     return (
-        f"quantised base: {len(layers)} linear layers in {'/'.join(methods)} ({', '.join(impls)}), "
+        f"quantised base: {len(layers)} linear layers in {'/'.join(methods)} ({', '.join(impls)}){embedding}, "
         f"{mib:.2f} MiB of codes and scales"
     )

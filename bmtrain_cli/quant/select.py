@@ -1,12 +1,14 @@
 """Which linear layers of a model a quantization config stores low-bit: every ``nn.Linear`` whose dotted
 name has no component in ``skip_modules`` (by default the embeddings, the LM head, norms and MoE routers;
-embeddings and norms are not linear layers, so the LM head is the one that default spares)."""
+norms are not linear layers). Taken out of ``skip_modules``, the input embedding and the LM head are
+stored in int8 (quant/vocab.py)."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 HEAD_NAME = "lm_head"
+EMBED_NAME = "embed_tokens"
 
 
 def is_skipped(name: str, skip_modules: Iterable[str]) -> bool:

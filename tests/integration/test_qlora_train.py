@@ -39,12 +39,12 @@ train_config:
 )
 
 
-def _train(tmp: Path, run: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(tmp: Path, run: str, steps: int, *extra: str, config: str = CONFIG) -> subprocess.CompletedProcess:
     from bmtrain_cli.data.demo import write_demo_data
 
     train, _ = write_demo_data(str(tmp / "data"))
     cfg = tmp / f"{run}.yaml"
-    cfg.write_text(CONFIG.format(out=tmp / run, steps=steps, data=train))
+    cfg.write_text(config.format(out=tmp / run, steps=steps, data=train))
     cmd = [sys.executable, "-m", "bmtrain_cli", "train", "--config", str(cfg), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
@@ -72,3 +72,22 @@ def test_qlora_trains_saves_adapters_and_resumes_exactly(tmp_path):
     assert "resumed from step-2" in r.stdout
     resumed = _losses(tmp_path / "resumed")
     assert [resumed[s] for s in range(3, 9)] == [straight[s] for s in range(3, 9)]
+
+
+INT8_VOCAB = CONFIG.replace(
+    "method: nf4\n    block_size: 32\n", "method: int8\n    skip_modules: [norm, gate]\n"
+)
+
+
+def test_qlora_with_the_embedding_and_head_in_int8_trains_and_saves_adapters(tmp_path):
+    """int8 with embed_tokens and lm_head out of skip_modules: the embedding (and the tied head) hold int8
+    codes, the loss falls, and the checkpoint holds only the adapters."""
+    assert INT8_VOCAB != CONFIG
+    r = _train(tmp_path, "vocab", 6, config=INT8_VOCAB)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "linear layers in int8 (our CPU kernels), the embedding in int8" in r.stdout, r.stdout[-2000:]
+    losses = _losses(tmp_path / "vocab")
+    assert losses[6] < losses[1] - 0.1, losses
+    ckpt = tmp_path / "vocab" / "checkpoints" / "step-6"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in ckpt.iterdir()}
+    assert not list(ckpt.glob("model*.safetensors"))

@@ -28,6 +28,9 @@ def test_a_qlora_config_passes(write_yaml):
         ["embed_tokens", "lm_head", "norm", "gate"],
     )
     assert load_config(write_yaml(_text(method="int8"))).config.model.quantization.resolved_block_size == 0
+    for method in ("int8", "nf4"):  # the embedding and head in int8 beside int8 or nf4 layers
+        vocab = load_config(write_yaml(_text(method=method, quant="    skip_modules: [norm, gate]\n")))
+        assert vocab.config.model.quantization.skip_modules == ["norm", "gate"]
 
 
 @pytest.mark.parametrize(
@@ -41,7 +44,20 @@ def test_a_qlora_config_passes(write_yaml):
         ({"method": "int4", "quant": "    double_quant: true\n"}, 6, "int4 has none"),
         ({"quant": "    double_quant: true\n"}, 6, "would not be exact"),
         ({"quant": "    compute_dtype: bfloat16\n"}, 6, "not supported yet"),
-        ({"quant": "    skip_modules: [embed_tokens]\n"}, 6, "LM head cannot be quantised"),
+        (
+            {"quant": "    skip_modules: [embed_tokens]\n", "parallel": "parallel:\n  tensor_parallel: 2\n"},
+            6,
+            "lm_head cannot be quantised here: they are quantised whole",
+        ),
+        (
+            {
+                "method": "int8",
+                "quant": "    skip_modules: [norm]\n",
+                "parallel": "parallel:\n  pipeline_parallel: 2\n",
+            },
+            6,
+            "no tensor or pipeline parallel split",
+        ),
         ({"method": "nf3"}, 5, "'nf4', 'int8' or 'int4'"),
     ],
 )

@@ -32,7 +32,7 @@ def _export(*args):
     return r, (r.stdout or "") + (getattr(r, "stderr", "") or "")
 
 
-def _qlora_ckpt(tmp_path: Path, method: str, dtype: str = "float32") -> dict:
+def _qlora_ckpt(tmp_path: Path, method: str, dtype: str = "float32", **extra) -> dict:
     """A base on disk (in ``dtype``), a LoRA model on it quantised in ``method`` while read (as training
     builds it), random adapters, and the checkpoint the trainer's writer makes of it (+ a tokenizer)."""
     from bmtrain_cli.config.schema import Config
@@ -41,6 +41,7 @@ def _qlora_ckpt(tmp_path: Path, method: str, dtype: str = "float32") -> dict:
     base_dir = tmp_path / "base"
     save_pretrained(tiny_model().to(dtype=dtype), base_dir)
     quant = {"method": method} if method == "int8" else {"method": method, "block_size": 32}
+    quant.update(extra)
     cfg = Config.model_validate(
         {
             "model_config": {"model_name_or_path": str(base_dir), "quantization": quant},
@@ -104,6 +105,25 @@ def test_merged_export_is_the_trained_model_and_records_the_error(method, tmp_pa
     assert meta["relative"] == pytest.approx((sq_err / sq_ref) ** 0.5, rel=1e-4)
     assert meta["max_abs"] == pytest.approx(max_abs, rel=1e-4)
     assert 0.001 < meta["relative"] < (0.15 if method == "nf4" else 0.02)
+
+
+def test_merged_export_with_the_embedding_and_head_in_int8(tmp_path, ids):
+    """skip_modules without embed_tokens / lm_head: the merged model holds their dequantised int8 values
+    and computes what the trained model computed."""
+    made = _qlora_ckpt(tmp_path, "nf4", skip_modules=["norm", "gate"])
+    assert type(made["model"].model.embed_tokens).__name__ == "QuantEmbedding"
+    out = tmp_path / "merged"
+    r, text = _export("-c", str(made["ckpt"]), "-o", str(out), "--format", "hf")
+    assert r.exit_code == 0, text
+    from bmtrain_cli.models import load_pretrained
+
+    np.testing.assert_allclose(
+        _logits(load_pretrained(out, kernels="reference"), ids), _logits(made["model"], ids), atol=1e-4
+    )
+    written = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
+    original = load_file(str(made["base"] / "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(written, made["model"].model.embed_tokens.dequantized_weight().numpy())
+    assert 0 < np.abs(written - original).max() <= np.abs(original).max() / 127
 
 
 def test_bf16_base_is_merged_back_into_bf16(tmp_path, ids):

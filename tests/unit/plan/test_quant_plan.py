@@ -37,7 +37,7 @@ def test_plan_counts_the_quantised_base_as_built(write_yaml) -> None:
     for quant in (
         "  quantization:\n    method: nf4\n    block_size: 32\n",
         "  quantization:\n    method: int8\n",
-        "  quantization:\n    method: int4\n    skip_modules: [lm_head, down_proj]\n",
+        "  quantization:\n    method: int4\n    skip_modules: [embed_tokens, lm_head, down_proj]\n",
     ):
         _, plain = _estimate(write_yaml, "")
         config, quantised = _estimate(write_yaml, quant)
@@ -50,6 +50,25 @@ def test_plan_counts_the_quantised_base_as_built(write_yaml) -> None:
         assert any(
             "codes and scales" in note and "dequantisation workspace" in note for note in quantised.notes
         )
+
+
+def test_plan_counts_the_int8_embedding_and_head_as_built(write_yaml) -> None:
+    """int8 with embed_tokens and lm_head out of skip_modules: the plan's parameters drop by the fp32
+    embedding and head less their built codes and scales, plus the head rows the loss dequantises."""
+    from bmtrain_cli.models import build
+    from bmtrain_cli.quant.layer import quantized_bytes
+
+    for tied in ("false", "true"):
+        text = "  tie_word_embeddings: " + tied + "\n  quantization:\n    method: int8\n"
+        config, linear = _estimate(write_yaml, text)
+        vocab_config, vocab = _estimate(write_yaml, text + "    skip_modules: [norm, gate]\n")
+        model = build(config.model, kernels="reference", quantization=config.model.quantization)
+        held = build(config.model, kernels="reference", quantization=vocab_config.model.quantization)
+        held_bytes = quantized_bytes(held) - quantized_bytes(model)
+        fp32 = sum(int(p.numel()) * 4 for n, p in model.named_parameters() if "embed" in n or "lm_head" in n)
+        assert held_bytes == (512 * 64 + 512 * 4) * (1 if tied == "true" else 2)
+        assert linear.parameters - vocab.parameters == fp32 - held_bytes - 512 * 64 * 4  # one fp32 head
+        assert any("embedding/LM head in int8" in note for note in vocab.notes)
 
 
 def _projections(model):

@@ -30,6 +30,9 @@ LM head in int8 with a scale per vocabulary row (``skip_modules: [norm, gate]``,
 mode's base bytes are also counted from the shape (and checked against the run's), so the ratios are
 printed for the full layer count too.
 
+``BENCH_QLORA_RECOMPUTE=1`` runs every mode with full recompute (``gradient_checkpointing: true``, the usual
+QLoRA setting); run it without BMTRAIN_REF_PYTHON, as bitsandbytes' mode does not recompute.
+
 Run: python benchmarks/bench_qlora.py [--shape 1.5b] [--quantize-embedding]   (or: python benchmarks/run_all.py qlora)
 """
 
@@ -112,6 +115,8 @@ def _child(mode: str, base: str) -> dict:
     quantised = [m for _, m in quantized_layers(model)]
     cfg = TrainConfig(finetuning="lora", lora_rank=8, lora_alpha=16, lora_target_modules="all-linear")
     apply_lora(model, cfg)
+    if os.environ.get("BENCH_QLORA_RECOMPUTE"):
+        model.enable_recompute("full")  # gradient checkpointing in every mode, as train_config sets it
     model.train()
     opt = build_optimizer(model, cfg, 1e-4)
     s = SHAPE

@@ -203,10 +203,11 @@ def _stage_estimate(  # noqa: C901
     if layout.stage == 3 and S > 1:
         comm += 2 * (mats + vecs) * pbytes  # gathered weights of the current and the prefetched layer
     if layout.ep > 1:
-        comm += all_to_all_bytes(a, tokens, e)
+        rows = all_to_all_bytes(a, tokens, e)
+        comm += rows
         notes.append(
             f"expert parallel {layout.ep}: each rank holds {a.num_experts // layout.ep} of the {a.num_experts} "
-            f"experts of every sparse layer; all-to-all rows {format_bytes(all_to_all_bytes(a, tokens, e))}"
+            f"experts of every sparse layer; all-to-all rows {format_bytes(rows)}"
         )
 
     # --- the peak. The trainer frees gradients after each step (clear_grad(set_to_zero=False)), so with

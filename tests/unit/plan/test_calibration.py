@@ -17,7 +17,8 @@ from bmtrain_cli.plan import calibration
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.calibration
-def test_cpu_estimate_within_15_percent_of_bmtrain_train(tmp_path) -> None:
+def test_cpu_estimate_within_15_percent_of_bmtrain_train(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("BMTRAIN_KERNEL_CHOICE", raising=False)  # as users run it (tests/conftest.py pins it)
     rows = calibration.run(tmp_path)
     assert len(rows) == len(calibration.CASES) >= 6
     report = "\n".join(

@@ -64,8 +64,8 @@ class OpSet:
     # the chunked gated delta rule (Gated DeltaNet) where our kernels run on a CPU, else None: the
     # linear-attention layers then run ops/reference.gated_delta_rule
     delta_rule: Optional[Callable] = field(default=None, compare=False)
-    # the routed MoE experts as one grouped GEMM (ops/moe_experts.py) where our kernels run on a CPU, else
-    # None: models/moe.py then runs one matmul chain per expert
+    # the routed MoE experts as one grouped GEMM (ops/moe_experts.py) where our kernels run (on a GPU: once
+    # they passed their launch check), else None: models/moe.py then runs one matmul chain per expert
     moe_experts: Optional[Callable] = field(default=None, compare=False)
 
 
@@ -189,7 +189,8 @@ def select(mode: str = "auto", device: Optional[str] = None, shapes: Optional[Op
         opset = replace(opset, attention=fused_attention, delta_rule=gated_delta_rule)
     from bmtrain_cli.ops import moe_experts
 
-    if moe_experts.choose(mode, device, bool(ours))[0] == "grouped":
-        opset = replace(opset, moe_experts=moe_experts.grouped_experts)
+    grouped = moe_experts.for_device(mode, device, bool(ours))
+    if grouped is not None:
+        opset = replace(opset, moe_experts=grouped)
     _cache[key] = opset
     return opset

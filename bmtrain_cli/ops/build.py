@@ -52,9 +52,10 @@ CPU_SOURCES = [
     "paddle/quant_op.cc",
     "paddle/delta_rule_op.cc",
     "paddle/moe_op.cc",
+    "paddle/grouped_gemm_op.cc",
 ]
-CUDA_SOURCES = ["cuda/fused_cuda.cu"]
-HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
+CUDA_SOURCES = ["cuda/fused_cuda.cu", "cuda/moe_cuda.cu"]
+HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h", "cuda/cuda_common.h"]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 

@@ -56,14 +56,17 @@ def _first_float(out: object) -> object:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def run_check(name: str, ours: Callable, ref: Callable, atol: float = 2e-3) -> Optional[str]:
-    """Forward and backward of ``ours`` and ``ref`` on a tiny fp32 input on the current device."""
+def run_check(
+    name: str, ours: Callable, ref: Callable, atol: float = 2e-3, inputs: Optional[Callable[[], Tuple]] = None
+) -> Optional[str]:
+    """Forward and backward of ``ours`` and ``ref`` on a tiny fp32 input on the current device (``inputs()``
+    where given, fresh for each; else the op's own below)."""
     import numpy as np
     import paddle
 
     results = []
     for fn in (ours, ref):
-        args = _inputs(name)
+        args = inputs() if inputs is not None else _inputs(name)
         for a in args:
             if isinstance(a, paddle.Tensor) and a.dtype == paddle.float32:
                 a.stop_gradient = False

@@ -6,6 +6,11 @@ for each, weights in Paddle's [in, out] layout. Two implementations, chosen by :
   kernels/paddle/moe_op.cc), fp32: every expert's gate/up, SwiGLU and down in one call, forward and
   backward (the rows' and every expert's weight gradients), OpenMP over (expert, tile) blocks, MKL's sgemm
   inside. It keeps the gate/up pre-activations [rows, 2f] for the backward, less than the reference.
+* ``grouped_cuda``: on a GPU, our CUDA grouped GEMM (kernels/cuda/moe_cuda.cu through the operators of
+  kernels/paddle/grouped_gemm_op.cc), fp32/fp16/bf16 with fp32 accumulation: one launch per projection
+  for every expert (gate, up, down; in the backward each one's input and weight gradients), the SwiGLU
+  between them in Paddle ops. Paddle 3.x has no grouped-GEMM op that trains (docs/kernels.md), so this is
+  the GPU path, taken when the launcher passes a one-shot launch check against the reference.
 * ``reference``: a Python loop over the experts with Paddle's matmuls (any device and dtype).
 
 An expert without rows gets zero gradients in both (not missing ones), so every data-parallel rank reduces
@@ -15,7 +20,7 @@ the same gradients and the optimizer sees them all.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -25,7 +30,7 @@ from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.ops.build import load_extension
 from bmtrain_cli.ops.custom import contiguous
 
-IMPLS = ("grouped", "reference")
+IMPLS = ("grouped", "grouped_cuda", "reference")
 Weights = Tuple[Sequence[paddle.Tensor], Sequence[paddle.Tensor], Sequence[paddle.Tensor]]
 
 
@@ -105,25 +110,136 @@ def grouped_experts(rows: paddle.Tensor, counts: Sequence[int], weights: Weights
     )[0]
 
 
+class _GroupedLinear(PyLayer):
+    """One projection of every expert on a GPU: ``rows`` [r, k] sorted by expert times each expert's
+    [k, n] weight, through our CUDA grouped GEMM; backward: the rows' and every weight's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: paddle.Tensor, counts: List[int], *weights: paddle.Tensor) -> paddle.Tensor:
+        ctx.save_for_backward(rows, *weights)
+        ctx.counts = counts
+        return load_extension().bmt_grouped_gemm(rows, list(weights), counts, False)
+
+    @staticmethod
+    def backward(  # type: ignore[override]  # PyLayer: None for the inputs that need no gradient
+        ctx: Any, dy: paddle.Tensor
+    ) -> Tuple[Optional[paddle.Tensor], ...]:
+        rows, *weights = ctx.saved_tensor()
+        ext, dy = load_extension(), contiguous(dy)
+        dx = None if rows.stop_gradient else ext.bmt_grouped_gemm_dx(dy, weights, ctx.counts, False)
+        if all(w.stop_gradient for w in weights):  # frozen experts: the input gradient only
+            return (dx, *[None] * len(weights))
+        dw = [paddle.empty(w.shape, w.dtype) for w in weights]
+        ext.bmt_grouped_gemm_dw(rows, dy, dw, ctx.counts, False)
+        return (dx, *(None if w.stop_gradient else g for w, g in zip(weights, dw)))
+
+
+def cuda_grouped_experts(rows: paddle.Tensor, counts: Sequence[int], weights: Weights) -> paddle.Tensor:
+    """Our CUDA grouped GEMM: ``(silu(x gate_e) * x up_e) down_e`` for every expert's rows, three grouped
+    launches (fp32/fp16/bf16 on a GPU, one dtype throughout; a ValueError otherwise)."""
+    gate, up, down = weights
+    dtypes = {rows.dtype, *(w.dtype for w in (*gate, *up, *down))}
+    if len(dtypes) != 1 or rows.place.is_cpu_place():
+        got = ", ".join(sorted(str(d).replace("paddle.", "") for d in dtypes))
+        raise ValueError(
+            f"moe experts: the CUDA grouped GEMM takes one dtype on a GPU, got {got} on {rows.place}"
+        )
+    if not len(counts) == len(gate) == len(up) == len(down):
+        raise ValueError(f"moe experts: {len(counts)} counts for {len(gate)}/{len(up)}/{len(down)} weights")
+    if sum(counts) != rows.shape[0]:
+        raise ValueError(f"moe experts: the counts sum to {sum(counts)}, the rows are {rows.shape[0]}")
+    n = [int(c) for c in counts]
+
+    def project(x: paddle.Tensor, ws: Sequence[paddle.Tensor]) -> paddle.Tensor:
+        return _GroupedLinear.apply(contiguous(x), n, *[contiguous(w) for w in ws])
+
+    return project(F.silu(project(rows, gate)) * project(rows, up), down)
+
+
+# the launch check's rows per expert: an expert without rows and uneven ones
+CHECK_COUNTS = (3, 0, 2)
+
+
+def launch_check_pair() -> Tuple[Callable, Callable]:
+    """(ours, reference) over ``(rows, *gate, *up, *down)`` with CHECK_COUNTS, for ops/launch_check.py."""
+    e = len(CHECK_COUNTS)
+
+    def ours(x: paddle.Tensor, *w: paddle.Tensor) -> paddle.Tensor:
+        return cuda_grouped_experts(x, CHECK_COUNTS, (w[:e], w[e : 2 * e], w[2 * e :]))
+
+    def ref(x: paddle.Tensor, *w: paddle.Tensor) -> paddle.Tensor:
+        return reference_experts(
+            x, CHECK_COUNTS, [swiglu_expert(*t) for t in zip(w[:e], w[e : 2 * e], w[2 * e :])]
+        )
+
+    return ours, ref
+
+
+def launch_check_inputs() -> Tuple[paddle.Tensor, ...]:
+    """The launch check's inputs: fp32 rows [sum(CHECK_COUNTS), 8] and each expert's gate, up [8, 4] and
+    down [4, 8] on the current device, seeded."""
+    paddle.seed(0)
+    e, h, f = len(CHECK_COUNTS), 8, 4
+    shapes = [[h, f]] * (2 * e) + [[f, h]] * e
+    return (paddle.randn([sum(CHECK_COUNTS), h]), *[paddle.randn(s) * 0.5 for s in shapes])
+
+
 _told: Set[str] = set()
+_why: Dict[Tuple[str, str], str] = {}  # (mode, device) -> why the experts run what they run
+_checked: Dict[str, Optional[str]] = {}  # device -> None (our CUDA grouped GEMM passed) or why it failed
 
 
 def choose(mode: str, device: str, ours_built: bool) -> Tuple[str, str]:
     """(implementation, why) for ``model_config.kernels`` on ``device``; ``ours_built``: whether our
-    extension loaded. On a CPU our grouped GEMM wherever our kernels run (``custom``, ``auto`` with the
-    extension built). On a GPU the reference: Paddle 3.x has no grouped-GEMM MoE op that trains
-    (``paddle.incubate.nn.functional.fused_moe`` is forward-only, SM75-86, with its own softmax router) and
-    our CUDA kernels have no grouped GEMM."""
+    extension loaded (on a GPU: with its CUDA part). Our grouped GEMM wherever our kernels run (``custom``,
+    ``auto`` with the extension built): the CPU one on a CPU, the CUDA one on a GPU. Elsewhere the
+    reference: Paddle 3.x has no grouped-GEMM MoE op that trains (``fused_moe`` and ``moe_ffn`` are
+    forward-only inference ops, ``batched_gemm`` has no backward)."""
     if mode == "reference":
         return "reference", "kernels: reference"
-    if not device.startswith("cpu"):
-        return "reference", (
-            f"no grouped-GEMM training op for the MoE experts on {device} (Paddle's fused_moe is "
-            "inference-only): the experts run one matmul chain each"
-        )
-    if mode in ("custom", "auto") and ours_built:
-        return "grouped", "our CPU grouped GEMM (kernels/cpu/moe_cpu.cc)"
-    return "reference", f"kernels: {mode} without our CPU kernels"
+    ours = mode in ("custom", "auto") and ours_built
+    if device.startswith("cpu"):
+        if ours:
+            return "grouped", "our CPU grouped GEMM (kernels/cpu/moe_cpu.cc)"
+        return "reference", f"kernels: {mode} without our CPU kernels"
+    if ours:
+        return "grouped_cuda", "our CUDA grouped GEMM (kernels/cuda/moe_cuda.cu)"
+    return "reference", (
+        f"kernels: {mode} on {device} without our CUDA kernels, and Paddle has no grouped-GEMM MoE op that "
+        "trains (its fused_moe is inference-only): the experts run one matmul chain each"
+    )
+
+
+def for_device(
+    mode: str, device: str, ours_built: bool, check: Optional[Callable] = None
+) -> Optional[Callable]:
+    """``OpSet.moe_experts`` for ``mode`` on ``device``: our grouped GEMM, or None (the reference
+    composition). On a GPU ours only after it passed ``check`` (default: ops/launch_check.run_check,
+    once per device), else the reason is kept for :func:`resolve`'s warning."""
+    impl, why = choose(mode, device, ours_built)
+    if impl == "grouped_cuda":
+        if device not in _checked:
+            _checked[device] = _launch_check(check)
+        failed = _checked[device]
+        if failed is not None:
+            impl, why = (
+                "reference",
+                (
+                    f"our CUDA grouped GEMM failed its launch check on {device} ({failed}): the experts run "
+                    "one matmul chain each"
+                ),
+            )
+    _why[(mode, device)] = why
+    return {"grouped": grouped_experts, "grouped_cuda": cuda_grouped_experts}.get(impl)
+
+
+def _launch_check(check: Optional[Callable]) -> Optional[str]:
+    from bmtrain_cli.ops.launch_check import launch_checked, run_check
+
+    ours, ref = launch_check_pair()
+    run = check or (lambda name, a, b: run_check(name, a, b, inputs=launch_check_inputs))
+    failed = launch_checked({"moe_experts": ours}, {"moe_experts": ref}, run)[1]
+    return failed.get("moe_experts")
 
 
 def resolve(grouped: Optional[Callable], mode: str, device: str) -> Optional[Callable]:
@@ -131,7 +247,7 @@ def resolve(grouped: Optional[Callable], mode: str, device: str) -> Optional[Cal
     (the reference composition); says once per process and reason when a GPU runs the reference."""
     if grouped is not None:
         return grouped
-    why = choose(mode, device, ours_built=False)[1]
+    why = _why.get((mode, device)) or choose(mode, device, ours_built=False)[1]
     if not device.startswith("cpu") and why not in _told:
         _told.add(why)
         warnings.warn(f"MoE experts: {why}", NoticeWarning, stacklevel=3)

@@ -3,46 +3,17 @@
 // Plain CUDA with no Paddle headers, so `nvcc -c` builds it alone (kernels/Makefile cuda-check) and
 // benchmarks/gpu_check.py can test it through ctypes on a machine without a GPU build of Paddle.
 // Arithmetic is fp32 for every storage dtype (fp32, fp16, bf16); reductions are deterministic (no atomics).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <initializer_list>
 
-#include "bmt_kernels.h"
+#include "cuda_common.h"
 
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
+using bmt_cuda::clear_error;
+using bmt_cuda::from_f;
+using bmt_cuda::status;
+using bmt_cuda::to_f;
 
 constexpr int kThreads = 256;
 
@@ -354,12 +325,6 @@ __global__ void xent_kernel(const float* __restrict__ logits, const int64_t* __r
   }
 }
 
-// cudaGetLastError returns (and resets) the last error of any earlier call on this thread, not only of
-// our launch: each launcher clears it right before launching, so status() reports its own launch.
-void clear_error() { (void)cudaGetLastError(); }
-
-int status() { return cudaGetLastError() == cudaSuccess ? BMT_OK : BMT_ERR_CUDA; }
-
 bool aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
@@ -385,28 +350,6 @@ void rms_bwd_launch(const T* dy, const T* x, const T* w, const float* rstd, T* d
 }
 
 }  // namespace
-
-#define BMT_DISPATCH(dtype, ...)   \
-  clear_error();                   \
-  switch (dtype) {                 \
-    case BMT_F32: {                \
-      using T = float;             \
-      __VA_ARGS__;                 \
-      break;                       \
-    }                              \
-    case BMT_F16: {                \
-      using T = __half;            \
-      __VA_ARGS__;                 \
-      break;                       \
-    }                              \
-    case BMT_BF16: {               \
-      using T = __nv_bfloat16;     \
-      __VA_ARGS__;                 \
-      break;                       \
-    }                              \
-    default:                       \
-      return BMT_ERR_DTYPE;        \
-  }
 
 extern "C" {
 

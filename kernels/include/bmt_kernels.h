@@ -36,6 +36,11 @@
 //               bwd) and y [rows, h] = (silu(G) * U) down_e. bwd from dy: dx [rows, h] and every expert's
 //               dgate, dup, ddown (overwritten; zeros for an expert without rows; dgate, dup and ddown
 //               all NULL: dx only).
+//   grouped_gemm: the same experts' products on a GPU, one projection at a time (kernels/cuda/moe_cuda.cu):
+//               x [rows, k] sorted by expert, counts[e] rows for expert e; w_e [k, n] (trans_w 0, Paddle's
+//               [in, out]) or [n, k] (trans_w 1). fwd: y_e = x_e w_e ([rows, n]); dx: dx_e = dy_e w_e^T
+//               ([rows, k]); dw: dw_e = x_e^T dy_e (trans_w 1: dy_e^T x_e), overwritten, zeros for an expert
+//               without rows. (The transposes apply to the stored layout of trans_w 0.)
 #ifndef BMT_KERNELS_H_
 #define BMT_KERNELS_H_
 
@@ -112,6 +117,19 @@ int bmt_cuda_swiglu_bwd(int dtype, const void* gate, const void* up, const void*
                         int64_t n, void* stream);
 int bmt_cuda_softmax_xent(int dtype, const void* logits, const int64_t* labels, void* loss, void* dlogits,
                           int64_t rows, int64_t vocab, int64_t ignore_index, int* bad_label, void* stream);
+
+/* ---- CUDA (kernels/cuda/moe_cuda.cu): the grouped GEMM of the MoE experts, dtypes BMT_F32, BMT_F16,
+   BMT_BF16 (fp32 accumulation). counts (experts values) and w / dw (experts device pointers) are HOST
+   arrays; workspace holds bmt_cuda_grouped_gemm_workspace(experts) bytes of device memory, into which the
+   launcher copies the offsets and pointers on the stream (so it must stay allocated until the launch has
+   run: allocate it from the stream's allocator). A negative count or a size <= 0 gives BMT_ERR_SHAPE. ---- */
+int64_t bmt_cuda_grouped_gemm_workspace(int64_t experts);
+int bmt_cuda_grouped_gemm_fwd(int dtype, const void* x, const void* const* w, void* y, const int64_t* counts,
+                              int64_t experts, int64_t k, int64_t n, int trans_w, void* workspace, void* stream);
+int bmt_cuda_grouped_gemm_dx(int dtype, const void* dy, const void* const* w, void* dx, const int64_t* counts,
+                             int64_t experts, int64_t k, int64_t n, int trans_w, void* workspace, void* stream);
+int bmt_cuda_grouped_gemm_dw(int dtype, const void* x, const void* dy, void* const* dw, const int64_t* counts,
+                             int64_t experts, int64_t k, int64_t n, int trans_w, void* workspace, void* stream);
 
 /* ---- CPU (kernels/cpu/quant_cpu.cc): rows r0..r1 of a 4- or 8-bit quantised weight [n, k] into fp32
    out [r1 - r0, k], the rows split over OpenMP threads ---- */

@@ -1,7 +1,11 @@
-"""CUDA architectures to build for (PADDLE_CUDA_ARCH_LIST or the detected capability, with PTX) and
-``kernels: auto``'s one-shot launch check, exercised on CPU with our CPU kernels and a failing stand-in."""
+"""CUDA architectures to build for (PADDLE_CUDA_ARCH_LIST or the detected capability, with PTX), the CUDA
+launchers compiled by nvcc (every C ABI function the header declares for CUDA is exported) and ``kernels:
+auto``'s one-shot launch check, exercised on CPU with our CPU kernels and a failing stand-in."""
 
 from __future__ import annotations
+
+import ctypes
+import re
 
 import pytest
 
@@ -59,3 +63,13 @@ def test_our_cpu_kernels_pass_the_same_check():
     ref = {n: getattr(reference, n) for n in OP_NAMES}
     kept, failed = launch_checked({n: getattr(custom, n) for n in OP_NAMES}, ref, run_check)
     assert failed == {} and set(kept) == set(OP_NAMES)
+
+
+def test_the_cuda_launchers_compile_and_export_the_header_s_functions(cuda_launchers):
+    from bmtrain_cli.ops.build import CUDA_SOURCES, KERNELS_DIR
+
+    assert "cuda/moe_cuda.cu" in CUDA_SOURCES and "cuda/fused_cuda.cu" in CUDA_SOURCES
+    declared = set(re.findall(r"\b(bmt_cuda_\w+)\(", (KERNELS_DIR / "include" / "bmt_kernels.h").read_text()))
+    assert {"bmt_cuda_grouped_gemm_fwd", "bmt_cuda_grouped_gemm_dx", "bmt_cuda_grouped_gemm_dw"} <= declared
+    lib = ctypes.CDLL(str(cuda_launchers))
+    assert [name for name in sorted(declared) if not hasattr(lib, name)] == []

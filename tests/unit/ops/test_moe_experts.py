@@ -109,13 +109,15 @@ def test_choice_by_mode_and_device():
     assert choose("auto", "cpu", False)[0] == "reference"
     assert choose("paddle", "cpu", True)[0] == "reference"
     assert choose("reference", "cpu", True)[0] == "reference"
-    impl, why = choose("auto", "gpu:0", True)
+    assert choose("auto", "gpu:0", True)[0] == "grouped_cuda"  # tests/unit/ops/test_moe_cuda.py
+    impl, why = choose("auto", "gpu:0", False)
     assert impl == "reference" and "gpu:0" in why and "fused_moe" in why
 
 
 def test_a_gpu_layer_says_once_that_it_runs_the_reference(monkeypatch):
     monkeypatch.setattr(moe_experts, "_told", set())
-    with pytest.warns(NoticeWarning, match="MoE experts: no grouped-GEMM training op .* on gpu:0"):
+    monkeypatch.setattr(moe_experts, "_why", {})
+    with pytest.warns(NoticeWarning, match="MoE experts: kernels: auto on gpu:0 without our CUDA kernels"):
         assert resolve(None, "auto", "gpu:0") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -3,7 +3,9 @@
 Builds kernels/cuda/*.cu with nvcc into a shared library, calls the C ABI launchers through ctypes on
 device buffers owned by PyTorch (preferred) or CuPy, checks every kernel (forward and backward) against a
 float64 NumPy reference of the same (rounded) inputs for fp32, fp16 and bf16 (bf16 needs PyTorch; the
-softmax cross-entropy launcher is fp32 by design: its logits are fp32), times each launcher against the same
+softmax cross-entropy launcher is fp32 by design: its logits are fp32), checks the MoE experts' grouped GEMM
+(gpu_check_moe.py: forward, input and weight gradients over odd shapes and experts without rows), times each
+launcher against the same
 computation written as composite framework ops on the GPU, and reports the achieved memory bandwidth of our
 forward + backward (the bytes each launcher must read and write, over its time) as a fraction of the
 device's peak (from the memory clock and bus width the driver reports, else a table of known devices).
@@ -31,7 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "kernels"
-CU_SOURCES = [KERNELS / "cuda" / "fused_cuda.cu"]
+CU_SOURCES = [KERNELS / "cuda" / "fused_cuda.cu", KERNELS / "cuda" / "moe_cuda.cu"]
 ARCHS = [
     "-gencode=arch=compute_80,code=sm_80",
     "-gencode=arch=compute_90,code=sm_90",
@@ -504,6 +506,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 f"{key:34s} max rel err {max(errs.values()):.2e} {'OK' if not bad else 'FAIL'}{_speed(res, peak)}",
                 flush=True,
             )
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_check_moe  # the MoE experts' grouped GEMM (kernels/cuda/moe_cuda.cu)
+
+        failures += gpu_check_moe.run(be, lib, dtypes, rng)
         print("ALL OK" if not failures else "FAILURES:\n  " + "\n  ".join(failures))
         results["ok"] = not failures  # type: ignore[assignment]
         return results

@@ -65,6 +65,7 @@ def test_our_cpu_kernels_pass_the_same_check():
     assert failed == {} and set(kept) == set(OP_NAMES)
 
 
+@pytest.mark.slow  # nvcc: about 10 s on 2 cores
 def test_the_cuda_launchers_compile_and_export_the_header_s_functions(cuda_launchers):
     from bmtrain_cli.ops.build import CUDA_SOURCES, KERNELS_DIR
 

@@ -1,7 +1,8 @@
 """The MoE experts on a GPU (ops/moe_experts.py over kernels/cuda/moe_cuda.cu): which implementation each
 mode and device gets, the launch check that guards our CUDA grouped GEMM and the one warning when it fails,
 the Paddle operators' refusals on a CPU, and the launcher's C ABI on the host (built with nvcc alone:
-workspace size, dtype and shape errors, no launch for empty work). The products themselves need a GPU:
+workspace size, dtype and shape errors, no launch for empty work). The products are checked here through a host
+emulation of the kernel (the CUDA source run on the CPU, one std::thread per GPU thread); on a GPU,
 ``test_cuda_grouped_experts_equal_the_reference`` runs with a GPU build of Paddle, and
 ``python benchmarks/gpu_check.py`` checks the launchers forward and backward on any NVIDIA GPU."""
 
@@ -117,7 +118,10 @@ def test_the_operators_refuse_cpu_tensors(ext):
 
 @pytest.fixture(scope="module")
 def cuda_lib(cuda_launchers):
-    lib = ctypes.CDLL(str(cuda_launchers))
+    return _bound(ctypes.CDLL(str(cuda_launchers)))
+
+
+def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, p, i = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.bmt_cuda_grouped_gemm_workspace.argtypes, lib.bmt_cuda_grouped_gemm_workspace.restype = [i64], i64
     for name in (
@@ -135,6 +139,7 @@ def _counts(values):
     return arr, arr.ctypes.data_as(ctypes.c_void_p)
 
 
+@pytest.mark.slow  # nvcc: about 10 s on 2 cores
 def test_the_launcher_checks_its_arguments_on_the_host(cuda_lib):
     """Errors found before any CUDA call, so they hold on a machine without a GPU: the dtype, a negative
     count, empty sizes; and work without rows returns at once (nothing to launch)."""
@@ -158,6 +163,73 @@ def test_the_launcher_checks_its_arguments_on_the_host(cuda_lib):
         assert fn(2, None, None, None, ok, 0, 8, 4, 0, None, None) == codes["BMT_ERR_SHAPE"]
     for fn in (fwd, dx):  # no rows at all: no output element, nothing launched
         assert fn(0, None, None, None, empty, 3, 8, 4, 0, None, None) == 0
+
+
+@pytest.fixture(scope="module")
+def emulated_lib(tmp_path_factory):
+    """kernels/cuda/moe_cuda.cu built for the CPU with the host emulation of tests/unit/ops/cuda_emu (each
+    block's threads as std::threads meeting at a barrier for __syncthreads): its kernel and host code run
+    as written, only the launch line rewritten into the emulator's call."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from bmtrain_cli.machine import find_cxx
+    from bmtrain_cli.ops.build import KERNELS_DIR
+
+    cxx = find_cxx()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = (KERNELS_DIR / "cuda" / "moe_cuda.cu").read_text()
+    launch = r"(\w+<T>)<<<([^,]+), (dim3\([^)]*\)), 0, st>>>\(([^;]*)\);"
+    emulated, n = re.subn(launch, r"bmt_emu::launch(\2, \3, [&] { \1(\4); });", src)
+    assert n == 1, "the kernel launch line of moe_cuda.cu changed: update the rewrite above"
+    out = tmp_path_factory.mktemp("emu")
+    (out / "moe_emu.cc").write_text(emulated)
+    emu = Path(__file__).resolve().parent / "cuda_emu"
+    include = [f"-I{emu}", f"-I{KERNELS_DIR / 'include'}", f"-I{KERNELS_DIR / 'cuda'}"]
+    cmd = [cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", *include, str(out / "moe_emu.cc")]
+    subprocess.run([*cmd, "-o", str(out / "libemu.so")], check=True, capture_output=True)
+    return _bound(ctypes.CDLL(str(out / "libemu.so")))
+
+
+@pytest.mark.parametrize(
+    "counts,k,n,trans_w,dtype",
+    [
+        ([7, 0, 130, 1, 0], 33, 17, 0, 0),  # odd sizes, experts without rows, several row tiles
+        ([7, 0, 130, 1, 0], 33, 17, 1, 0),  # weights [out, in]
+        ([0, 0, 70, 0], 64, 80, 0, 2),  # one expert takes every row; the bf16 dispatch
+        ([1], 5, 3, 1, 1),  # one row; the fp16 dispatch
+        ([3, 2], 70, 65, 0, 0),  # several tiles of the weight gradient in both dimensions
+    ],
+)
+def test_the_kernel_emulated_on_the_host_equals_numpy(emulated_lib, counts, k, n, trans_w, dtype):
+    """fwd, dx and dw of every expert against numpy; the weight gradients of experts without rows are
+    overwritten with zeros, the outputs fully written. (fp16/bf16 are held as floats by the emulation: those
+    cases check the dispatch, not the rounding.)"""
+    rng = np.random.default_rng(0)
+    e, rows = len(counts), sum(counts)
+    shape = (n, k) if trans_w else (k, n)
+    x, dy = (rng.standard_normal(s).astype(np.float32) for s in ((rows, k), (rows, n)))
+    ws = [rng.standard_normal(shape).astype(np.float32) for _ in counts]
+    y, dx = np.full((rows, n), 9, np.float32), np.full((rows, k), 9, np.float32)
+    dws = [np.full(shape, 7, np.float32) for _ in counts]
+    cnt = np.array(counts, np.int64)
+    space = np.zeros(emulated_lib.bmt_cuda_grouped_gemm_workspace(e), np.uint8)
+    ptr = ctypes.c_void_p
+    wl, dwl = ((ptr * e)(*[a.ctypes.data for a in arrays]) for arrays in (ws, dws))
+    p = lambda a: a.ctypes.data_as(ptr)  # noqa: E731
+    args = (p(cnt), e, k, n, trans_w, p(space), None)
+    assert emulated_lib.bmt_cuda_grouped_gemm_fwd(dtype, p(x), wl, p(y), *args) == 0
+    assert emulated_lib.bmt_cuda_grouped_gemm_dx(dtype, p(dy), wl, p(dx), *args) == 0
+    assert emulated_lib.bmt_cuda_grouped_gemm_dw(dtype, p(x), p(dy), dwl, *args) == 0
+    start = 0
+    for w, m, got in zip(ws, counts, dws):
+        xe, de, wk = x[start : start + m], dy[start : start + m], w.T if trans_w else w
+        np.testing.assert_allclose(y[start : start + m], xe @ wk, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(dx[start : start + m], de @ wk.T, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, de.T @ xe if trans_w else xe.T @ de, rtol=1e-4, atol=1e-4)
+        start += m
 
 
 @pytest.mark.skipif(not paddle.is_compiled_with_cuda(), reason="needs a GPU build of Paddle")

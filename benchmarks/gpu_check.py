@@ -3,10 +3,10 @@
 Builds kernels/cuda/*.cu with nvcc into a shared library, calls the C ABI launchers through ctypes on
 device buffers owned by PyTorch (preferred) or CuPy, checks every kernel (forward and backward) against a
 float64 NumPy reference of the same (rounded) inputs for fp32, fp16 and bf16 (bf16 needs PyTorch; the
-softmax cross-entropy launcher is fp32 by design: its logits are fp32), checks the MoE experts' grouped GEMM
-(gpu_check_moe.py: forward, input and weight gradients over odd shapes and experts without rows), times each
-launcher against the same
-computation written as composite framework ops on the GPU, and reports the achieved memory bandwidth of our
+softmax cross-entropy launcher is fp32 by design: its logits are fp32) and the MoE experts' grouped GEMM
+(gpu_check_moe.py: forward, input and weight gradients over odd shapes and experts without rows), times
+each launcher against the same computation written as composite framework ops on the GPU (the grouped
+GEMM against a loop over the experts, in TFLOP/s), and reports the achieved memory bandwidth of our
 forward + backward (the bytes each launcher must read and write, over its time) as a fraction of the
 device's peak (from the memory clock and bus width the driver reports, else a table of known devices).
 

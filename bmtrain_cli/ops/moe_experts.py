@@ -1,6 +1,6 @@
 """The routed SwiGLU experts of an MoE layer over rows sorted by expert (models/moe.py): expert e takes the
 ``counts[e]`` rows after those of the experts before it and returns ``(silu(x gate_e) * x up_e) down_e``
-for each, weights in Paddle's [in, out] layout. Two implementations, chosen by :func:`choose`:
+for each, weights in Paddle's [in, out] layout. Three implementations, chosen by :func:`choose`:
 
 * ``grouped``: one grouped GEMM on a CPU (kernels/cpu/moe_cpu.cc through the operators of
   kernels/paddle/moe_op.cc), fp32: every expert's gate/up, SwiGLU and down in one call, forward and
@@ -13,8 +13,8 @@ for each, weights in Paddle's [in, out] layout. Two implementations, chosen by :
   the GPU path, taken when the launcher passes a one-shot launch check against the reference.
 * ``reference``: a Python loop over the experts with Paddle's matmuls (any device and dtype).
 
-An expert without rows gets zero gradients in both (not missing ones), so every data-parallel rank reduces
-the same gradients and the optimizer sees them all.
+An expert without rows gets zero gradients in all three (not missing ones), so every data-parallel rank
+reduces the same gradients and the optimizer sees them all.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ CPU_SOURCES = [
     "paddle/moe_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu"]
-HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h"]
+HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h", "cpu/gemm.h"]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 

@@ -44,18 +44,30 @@ def _impl(bases: Sequence[QuantLinear], rows: paddle.Tensor) -> Optional[str]:
 
 
 def _projection(
-    rows: paddle.Tensor, counts: Sequence[int], projs: Sequence[nn.Layer], bases: List[QuantLinear], impl: str
+    rows: paddle.Tensor,
+    parts: Optional[List[paddle.Tensor]],
+    counts: Sequence[int],
+    projs: Sequence[nn.Layer],
+    bases: List[QuantLinear],
+    impl: str,
 ) -> paddle.Tensor:
-    """One projection of every expert: the grouped base product plus the experts' LoRA updates."""
+    """One projection of every expert: the grouped base product plus the experts' LoRA updates over
+    ``parts`` (each expert's rows, split once for the projections that share them)."""
     y = experts_linear(rows, counts, [b.quant_weight() for b in bases], impl)
-    if not any(_adapted(p) for p in projs):
+    if parts is None:
         return y
-    deltas, start = [], 0
-    for p, n in zip(projs, counts):
-        part = rows[start : start + int(n)]
-        deltas.append(p.lora_delta(part) if _adapted(p) else paddle.zeros([int(n), y.shape[1]], y.dtype))
-        start += int(n)
+    deltas = [
+        p.lora_delta(part) if _adapted(p) else paddle.zeros([int(part.shape[0]), y.shape[1]], y.dtype)
+        for p, part in zip(projs, parts)
+    ]
     return y + paddle.concat(deltas).astype(y.dtype)
+
+
+def _split(
+    rows: paddle.Tensor, counts: Sequence[int], projs: Sequence[nn.Layer]
+) -> Optional[List[paddle.Tensor]]:
+    """Each expert's rows (one split: its backward is one concat) where a projection has an adapter."""
+    return paddle.split(rows, [int(n) for n in counts]) if any(_adapted(p) for p in projs) else None
 
 
 def quantised_experts(
@@ -72,6 +84,9 @@ def quantised_experts(
     if impl is None:
         return None
     full = {name: [b for b in bs if b is not None] for name, bs in bases.items()}
-    gate = _projection(rows, counts, projs["gate_proj"], full["gate_proj"], impl)
-    up = _projection(rows, counts, projs["up_proj"], full["up_proj"], impl)
-    return _projection(swiglu(gate, up), counts, projs["down_proj"], full["down_proj"], impl)
+    parts = _split(rows, counts, [*projs["gate_proj"], *projs["up_proj"]])
+    gate = _projection(rows, parts, counts, projs["gate_proj"], full["gate_proj"], impl)
+    up = _projection(rows, parts, counts, projs["up_proj"], full["up_proj"], impl)
+    act = swiglu(gate, up)
+    down = projs["down_proj"]
+    return _projection(act, _split(act, counts, down), counts, down, full["down_proj"], impl)

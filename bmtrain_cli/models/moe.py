@@ -12,8 +12,9 @@ for other dtypes than float32, one matmul chain per expert (the reference compos
 experts' projections keeps the grouped GEMM: each wrapped projection runs as its base weight plus
 ``scaling * A @ B`` (the adapters' gradients through that sum); only LoRA dropout while training falls
 back to the reference composition. Quantised experts (QLoRA) run as three grouped calls over their codes
-(quant/experts.py), never one expert at a time on a CPU. Under expert parallel a layer keeps only its rank's experts
-(:meth:`SparseMoE.shard_experts`) and hands its sorted rows to the dispatch of parallel/expert_parallel.py.
+(quant/experts.py: one C++ launcher call each where our CPU kernels run). Under expert parallel a layer
+keeps only its rank's experts (:meth:`SparseMoE.shard_experts`) and hands its sorted rows to the dispatch
+of parallel/expert_parallel.py.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
 excluded through the attention mask as transformers does.

@@ -21,7 +21,13 @@ Stacks:
 Peak memory is each process's peak RSS (the framework's own footprint included). The stacks alternate over
 the rounds; each keeps its best round.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_moe.py [--rounds 1] [--shape small|issue] [--stacks ours,...]
+``--qlora`` runs QLoRA stacks instead (our stack only; the experts' base in nf4, blocks of 64, quantised
+while loaded; rank-8 adapters): ``ours_qlora`` runs the quantised experts as three grouped calls per layer
+(quant/experts.py, one C++ launcher call for all the experts), ``ours_qlora_loop`` one expert at a time
+(each projection's QuantLinear in turn), LoRA on the attention projections; ``ours_qlora_all`` and
+``ours_qlora_all_loop`` the same with LoRA on every linear layer, the experts' included.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_moe.py [--rounds 1] [--shape small|issue] [--stacks ours,...] [--qlora]
 """
 
 from __future__ import annotations
@@ -95,6 +101,23 @@ def _worker_ours(shape: dict, ckpt: str, grouped: bool) -> dict:
     return _timed(ours_phases(model, shape)[0], shape)
 
 
+def _worker_qlora(shape: dict, ckpt: str, kind: str) -> dict:
+    sys.path.insert(0, str(REPO))
+
+    from bmtrain_cli.config.quant_schema import QuantizationConfig
+    from bmtrain_cli.config.schema import TrainConfig
+    from bmtrain_cli.lora import apply_lora
+    from bmtrain_cli.models import load_pretrained, moe
+
+    model = load_pretrained(ckpt, quantization=QuantizationConfig(method="nf4"))
+    targets = "all-linear" if "_all" in kind else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    apply_lora(model, TrainConfig(finetuning="lora", lora_rank=8, lora_alpha=16, lora_target_modules=targets))
+    if kind.endswith("_loop"):  # the layer's fallback: every expert's projections called in turn
+        moe.quantised_experts = lambda *args: None
+    model.train()
+    return _timed(ours_phases(model, shape)[0], shape)
+
+
 def _worker_torch(shape: dict, ckpt: str, impl: str) -> dict:
     import torch
     import transformers
@@ -122,9 +145,13 @@ def _run(python: str, args: list) -> Tuple[Optional[dict], str]:
     ]
 
 
-def main(rounds: int = 1, shape: str = "small", only: Tuple[str, ...] = ()) -> dict:
-    torch_python = _torch_python()
-    stacks = {"ours": sys.executable, "ours_reference": sys.executable}
+QLORA = ("ours_qlora", "ours_qlora_loop", "ours_qlora_all", "ours_qlora_all_loop")
+
+
+def main(rounds: int = 1, shape: str = "small", only: Tuple[str, ...] = (), qlora: bool = False) -> dict:
+    torch_python = None if qlora else _torch_python()
+    names = QLORA if qlora else ("ours", "ours_reference")
+    stacks = {name: sys.executable for name in names}
     if torch_python:
         stacks.update({f"torch_{impl}": torch_python for impl in TORCH_IMPLS})
     stacks = {k: v for k, v in stacks.items() if not only or k in only}
@@ -149,6 +176,9 @@ def main(rounds: int = 1, shape: str = "small", only: Tuple[str, ...] = ()) -> d
     torch_runs = {k: v for k, v in best.items() if k.startswith("torch_")}
     if "ours" in best and "ours_reference" in best:
         out["grouped_vs_reference"] = best["ours_reference"]["step_s"] / best["ours"]["step_s"]
+    for a, b in (QLORA[:2], QLORA[2:]):
+        if a in best and b in best:
+            out[f"{a}_grouped_vs_loop"] = best[b]["step_s"] / best[a]["step_s"]
     if "ours" in best and torch_runs:
         fastest = min(torch_runs, key=lambda k: torch_runs[k]["step_s"])
         out["fastest_torch"] = fastest
@@ -157,12 +187,14 @@ def main(rounds: int = 1, shape: str = "small", only: Tuple[str, ...] = ()) -> d
     for kind, v in best.items():
         print(f"{kind}: {v['step_s']:.3f} s/step (forward {v['forward_s']:.3f}, backward {v['backward_s']:.3f}, "
               f"update {v['update_s']:.3f}), peak RSS {v['peak_rss_mb']:.0f} MiB, first loss {v['first_loss']:.5f}")  # fmt: skip
-    for key in ("grouped_vs_reference", "speedup_vs_torch", "peak_rss_vs_torch"):
+    for key in (
+        "grouped_vs_reference",
+        "speedup_vs_torch",
+        "peak_rss_vs_torch",
+        *(f"{q}_grouped_vs_loop" for q in QLORA),
+    ):
         if key in out:
-            print(
-                f"{key}: {out[key]:.2f}"
-                + (f" ({out['fastest_torch']})" if key != "grouped_vs_reference" else "")
-            )
+            print(f"{key}: {out[key]:.2f}" + (f" ({out['fastest_torch']})" if key.endswith("_torch") else ""))
     for kind, err in errors.items():
         print(f"{kind}: failed: {err}")
     return out
@@ -175,6 +207,8 @@ if __name__ == "__main__":
         if kind == "make":
             _make_checkpoint(spec, ckpt)
             result: dict = {}
+        elif kind.startswith("ours_qlora"):
+            result = _worker_qlora(spec, ckpt, kind)
         elif kind.startswith("torch_"):
             result = _worker_torch(spec, ckpt, kind[len("torch_") :])
         else:
@@ -187,7 +221,7 @@ if __name__ == "__main__":
         ap.add_argument("--rounds", type=int, default=1)
         ap.add_argument("--shape", choices=tuple(SHAPES), default="small")
         ap.add_argument("--stacks", default="", help="a comma-separated subset (default: all)")
+        ap.add_argument("--qlora", action="store_true", help="the QLoRA stacks (see the docstring)")
         args = ap.parse_args()
-        print(
-            json.dumps(main(args.rounds, args.shape, tuple(filter(None, args.stacks.split(",")))), indent=1)
-        )
+        only = tuple(filter(None, args.stacks.split(",")))
+        print(json.dumps(main(args.rounds, args.shape, only, args.qlora), indent=1))

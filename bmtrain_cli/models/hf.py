@@ -160,11 +160,14 @@ def load_hf_state_dict(
     tensors: MutableMapping[str, np.ndarray],
     source: str = "checkpoint",
     take: Optional[Callable[[str, np.ndarray], bool]] = None,
+    take_rows: Optional[Callable[[str, Any], bool]] = None,
 ) -> None:
     """Copy Hugging Face-layout tensors (name -> array; a LazyTensors reads each when it is reached)
     into ``model``, one at a time. ``take(name, array in our layout)``, when given, may keep a tensor
     itself (the quantised layers of bmtrain_cli/quant/layer.py) and return True; the others are copied
-    into their parameters (initialised first when the model was built under paddle.LazyGuard)."""
+    into their parameters (initialised first when the model was built under paddle.LazyGuard).
+    ``take_rows(name, (read, shape) or None)`` is asked first for a tensor still in its file, and may keep it
+    reading ``read(r0, r1)`` one block of rows at a time (the int8 embedding, quant/vocab.py)."""
     arch = model.arch
     renames = family(arch.family).hf_renames
     if renames:
@@ -192,7 +195,10 @@ def load_hf_state_dict(
             f"warning: {source}: ignoring {len(unexpected)} unknown tensors ({unexpected[0]}, ...)",
             file=sys.stderr,
         )
+    rows = getattr(tensors, "row_reader", None)  # a checkpoint's files, read a block of rows at a time
     for name, param in params.items():
+        if take_rows is not None and rows is not None and take_rows(name, rows(name)):
+            continue
         arr = tensors[name]
         if _is_matrix(name, arr.ndim):
             arr = arr.T
@@ -229,12 +235,13 @@ def load_pretrained(
         model = CausalLM(
             arch, factory=factory, kernels=kernels, attention_implementation=attention_implementation
         )
-    take = None
+    take = take_rows = None
     if quantization is not None:
         from bmtrain_cli.quant.layer import Quantizer
 
-        take = Quantizer(model, quantization, kernels).take
-    load_hf_state_dict(model, tensors, str(d), take=take)
+        quantizer = Quantizer(model, quantization, kernels)
+        take, take_rows = quantizer.take, quantizer.take_rows
+    load_hf_state_dict(model, tensors, str(d), take=take, take_rows=take_rows)
     model.eval()
     return model
 

@@ -7,12 +7,15 @@ always-on shared experts.
 
 Expert compute groups the (token, expert) pairs by expert (a stable argsort of the expert ids), runs the
 experts over their contiguous rows, then adds the weighted rows back per token. Where our kernels run on a
-CPU (``OpSet.moe_experts``) all the experts run as one grouped GEMM call (ops/moe_experts.py); elsewhere,
-for other dtypes than float32, one matmul chain per expert (the reference composition). LoRA on the
+CPU (float32) or pass their launch check on a GPU (float32, float16, bfloat16) (``OpSet.moe_experts``) all
+the experts run as one grouped GEMM call (ops/moe_experts.py, ``takes``); elsewhere one matmul chain per
+expert (the reference composition). LoRA on the
 experts' projections keeps the grouped GEMM: each wrapped projection runs as its base weight plus
 ``scaling * A @ B`` (the adapters' gradients through that sum); only LoRA dropout while training falls
-back to the reference composition. Under expert parallel a layer keeps only its rank's experts
-(:meth:`SparseMoE.shard_experts`) and hands its sorted rows to the dispatch of parallel/expert_parallel.py.
+back to the reference composition. Quantised experts (QLoRA) run as three grouped calls over their codes
+(quant/experts.py: one C++ launcher call each where our CPU kernels run). Under expert parallel a layer
+keeps only its rank's experts (:meth:`SparseMoE.shard_experts`) and hands its sorted rows to the dispatch
+of parallel/expert_parallel.py.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), padding
 excluded through the attention mask as transformers does.
@@ -31,7 +34,8 @@ from bmtrain_cli.models.arch import ModelArch
 from bmtrain_cli.models.families import family
 from bmtrain_cli.models.layers import PlainFactory
 from bmtrain_cli.ops import OpSet
-from bmtrain_cli.ops.moe_experts import reference_experts, resolve
+from bmtrain_cli.ops.moe_experts import reference_experts, resolve, takes
+from bmtrain_cli.quant.experts import quantised_experts
 
 
 class Expert(nn.Layer):
@@ -158,10 +162,14 @@ class SparseMoE(nn.Layer):
         return self._held_experts(rows, counts)
 
     def _held_experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
-        if self.grouped is not None and rows.dtype == paddle.float32:
+        if self.grouped is not None and takes(self.grouped, rows.dtype):
             weights = [[_grouped_weight(getattr(x, n)) for x in self.experts] for n in _PROJS]
             if all(w is not None for ws in weights for w in ws):
                 return self.grouped(rows, counts, tuple(weights))
+        held = list(self.experts)
+        quantised = quantised_experts(held, rows, counts, held[0].ops.swiglu) if held else None
+        if quantised is not None:  # a quantised base (QLoRA): three grouped calls, quant/experts.py
+            return quantised
         return reference_experts(rows, counts, [x.__call__ for x in self.experts])
 
     def _route(self, logits: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:

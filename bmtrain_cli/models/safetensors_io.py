@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,13 +106,31 @@ class SafetensorsFile:
         start, end = info["data_offsets"]
         # read, not memory-mapped: a mapped file's pages stay resident (and counted) after each tensor is
         # copied out, so loading tensor by tensor would still peak at the file's size
-        raw = np.fromfile(self.path, dtype=np.uint8, count=end - start, offset=self._offset + start)
+        return self._decode(
+            name,
+            np.fromfile(self.path, dtype=np.uint8, count=end - start, offset=self._offset + start),
+            info["shape"],
+        )
+
+    def get_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0..r1 of a tensor (its first axis), read from the file alone: a large matrix quantised a
+        block of rows at a time is never read whole (quant/vocab.py)."""
+        info = self.header[name]
+        shape = [int(d) for d in info["shape"]]
+        rows = max(shape[0], 1)
+        row_bytes = (int(info["data_offsets"][1]) - int(info["data_offsets"][0])) // rows
+        start = self._offset + int(info["data_offsets"][0]) + r0 * row_bytes
+        raw = np.fromfile(self.path, dtype=np.uint8, count=(r1 - r0) * row_bytes, offset=start)
+        return self._decode(name, raw, [r1 - r0, *shape[1:]])
+
+    def _decode(self, name: str, raw: np.ndarray, shape: List[int]) -> np.ndarray:
+        info = self.header[name]
         code = info["dtype"]
         if code == "BF16":
-            return bf16_bits_to_fp32(raw.view(np.uint16)).reshape(info["shape"])
+            return bf16_bits_to_fp32(raw.view(np.uint16)).reshape(shape)
         if code not in _NP_DTYPES:
             raise UserError(f"{self.path}: tensor {name} has unsupported dtype {code}")
-        return raw.view(_NP_DTYPES[code]).reshape(info["shape"])
+        return raw.view(_NP_DTYPES[code]).reshape(shape)
 
 
 def write_safetensors(
@@ -217,11 +235,21 @@ class LazyTensors(MutableMapping):
         where = self._where[name]
         return where.get(name) if isinstance(where, SafetensorsFile) else where
 
+    def row_reader(self, name: str) -> Optional[Tuple[Callable[[int, int], np.ndarray], Tuple[int, ...]]]:
+        """(read(r0, r1) -> rows r0..r1, shape) of a tensor still in its file; None for an assigned one."""
+        where = self._where[name]
+        if not isinstance(where, SafetensorsFile):
+            return None
+        return (lambda r0, r1: where.get_rows(name, r0, r1)), where.shape(name)
+
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         self._where[name] = value
 
     def __delitem__(self, name: str) -> None:
         del self._where[name]
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor (Mapping's would)
+        return name in self._where
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._where))

@@ -210,6 +210,13 @@ def choose(mode: str, device: str, ours_built: bool) -> Tuple[str, str]:
     )
 
 
+def takes(grouped: Callable, dtype: Any) -> bool:
+    """Whether the grouped implementation ``grouped`` runs rows of ``dtype``: our CPU GEMM float32 only,
+    the CUDA one float32, float16 and bfloat16 (each with weights of the same dtype)."""
+    dtypes = ("float32", "float16", "bfloat16") if grouped is cuda_grouped_experts else ("float32",)
+    return str(dtype).replace("paddle.", "") in dtypes
+
+
 def for_device(
     mode: str, device: str, ours_built: bool, check: Optional[Callable] = None
 ) -> Optional[Callable]:

@@ -19,7 +19,7 @@ from paddle import nn
 from bmtrain_cli.ops import quant_linear as qops
 from bmtrain_cli.quant import formats
 from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
-from bmtrain_cli.quant.vocab import QuantEmbedding, VocabCodes
+from bmtrain_cli.quant.vocab import QuantEmbedding, RowReader, VocabCodes
 
 
 def _buffer(array: np.ndarray) -> paddle.Tensor:
@@ -195,6 +195,20 @@ class Quantizer:
             attr,
             quantize_linear(layer, weight, self.settings, impl, self.factory, name[: -len(".weight")]),
         )
+        return True
+
+    def take_rows(self, name: str, source: Optional[Tuple[RowReader, Tuple[int, ...]]]) -> bool:
+        """Quantise an embedding a block of rows at a time as ``source`` (read(r0, r1), shape) reads it from
+        its file (quant/vocab.py), when ``name`` is a quantised embedding's weight of the file's shape."""
+        place = self.targets.get(name)
+        if source is None or place is None or not isinstance(place[2], nn.Embedding):
+            return False
+        (read, shape), (parent, attr, layer) = source, place
+        if len(shape) != 2 or list(shape) != list(layer.weight.shape):
+            return False
+        del self.targets[name]
+        dtype = str(layer.weight.dtype).replace("paddle.", "")
+        setattr(parent, attr, QuantEmbedding((read, int(shape[0]), int(shape[1])), dtype))
         return True
 
 

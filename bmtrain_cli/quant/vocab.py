@@ -12,11 +12,16 @@ embedding's codes, so one set of codes stands for both.
   softmax-weighted sum of the head rows (as flash attention accumulates its output), so neither the
   full fp32 head nor the [tokens, vocab] logits exist at once, and each head row is dequantised once a
   step. The head is frozen: the backward gives the hidden states' gradient only.
+
+The embedding is quantised in blocks of vocabulary rows (:func:`quantize_rows`, at most
+:data:`ROW_BLOCK_WEIGHTS` weights at a time): a scale per row makes each block's codes those of the whole
+matrix, byte for byte. Loading a checkpoint reads it from the file block by block
+(models/safetensors_io.py ``LazyTensors.rows``), so its full-precision matrix never exists whole.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import paddle
@@ -29,6 +34,8 @@ from bmtrain_cli.quant import formats
 # per chunk of the loss: at most this many logits and this many dequantised head weights
 CHUNK_LOGITS = CPU_CHUNK_ELEMENTS
 CHUNK_WEIGHTS = QUANT_HEAD_CHUNK_WEIGHTS
+ROW_BLOCK_WEIGHTS = 1 << 22  # weights quantised at once while the embedding is quantised (16 MiB in fp32)
+RowReader = Callable[[int, int], np.ndarray]  # (r0, r1) -> rows r0..r1 of a [vocab, hidden] matrix
 
 
 class VocabCodes:
@@ -130,28 +137,44 @@ def head_cross_entropy(
     return _head_loss(head, hidden, labels, int(ignore_index), False)[0], count
 
 
-def _buffer(array: np.ndarray) -> paddle.Tensor:
-    t = paddle.to_tensor(np.ascontiguousarray(array))
-    t.stop_gradient = True
-    return t
+def quantize_rows(read: RowReader, vocab: int, hidden: int) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """(codes uint8 [vocab * hidden], scales fp32 [vocab]) of a [vocab, hidden] matrix in int8 (formats.py,
+    a scale per row), quantised ``read(r0, r1)`` one block of rows at a time into the tensors it returns:
+    the same bytes as quantising the whole matrix, with one block's temporaries."""
+    codes = paddle.empty([vocab * hidden], dtype="uint8")
+    scales = paddle.empty([vocab], dtype="float32")
+    step = max(1, ROW_BLOCK_WEIGHTS // max(hidden, 1))
+    for r0 in range(0, vocab, step):
+        r1 = min(vocab, r0 + step)
+        block_codes, block_scales = formats.quantize_int8(np.asarray(read(r0, r1), np.float32))
+        codes[r0 * hidden : r1 * hidden] = paddle.to_tensor(block_codes.view(np.uint8).reshape(-1))
+        scales[r0:r1] = paddle.to_tensor(block_scales)
+    codes.stop_gradient = scales.stop_gradient = True
+    return codes, scales
 
 
 class QuantEmbedding(nn.Layer):
     """A frozen input embedding [vocab, hidden] in int8 with per-row scales (non-persistable buffers:
-    not in ``state_dict()``, so a QLoRA run saves only its adapters)."""
+    not in ``state_dict()``, so a QLoRA run saves only its adapters). ``weight``: the matrix, or
+    ``(read, vocab, hidden)`` to read it a block of rows at a time (:func:`quantize_rows`)."""
 
     method = "int8"
     impl = "reference"
 
-    def __init__(self, weight: np.ndarray, dtype: str) -> None:
+    def __init__(self, weight: Union[np.ndarray, Tuple[RowReader, int, int]], dtype: str) -> None:
         super().__init__()
-        q = formats.quantize(np.asarray(weight, np.float32), "int8")
-        self.num_embeddings, self.embedding_dim = q.shape
-        self.nbytes = q.nbytes
+        if isinstance(weight, tuple):
+            read, vocab, hidden = weight
+        else:
+            whole = np.asarray(weight)
+            vocab, hidden = whole.shape
+            read = lambda r0, r1: whole[r0:r1]  # noqa: E731
+        codes, scales = quantize_rows(read, vocab, hidden)
+        self.num_embeddings, self.embedding_dim = int(vocab), int(hidden)
+        self.nbytes = int(codes.shape[0]) + 4 * int(scales.shape[0])
         self.compute_dtype = dtype
-        self.register_buffer("codes", _buffer(q.codes.view(np.uint8).reshape(-1)), persistable=False)
-        assert q.scales is not None
-        self.register_buffer("scales", _buffer(q.scales.reshape(-1)), persistable=False)
+        self.register_buffer("codes", codes, persistable=False)
+        self.register_buffer("scales", scales, persistable=False)
 
     def vocab_codes(self) -> VocabCodes:
         return VocabCodes(self.codes, self.scales, self.embedding_dim)

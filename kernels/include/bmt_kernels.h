@@ -136,6 +136,15 @@ int bmt_cuda_grouped_gemm_dw(int dtype, const void* x, const void* dy, void* con
 int bmt_cpu_quant_dequant_rows(const uint8_t* codes, int bits, const float* levels, const float* scales,
                                int64_t block, int row_groups, float* out, int64_t n, int64_t k, int64_t r0,
                                int64_t r1);
+/* The routed experts' quantised weights W_e [n, k] (one layout, codes[e] and scales[e] each) over rows
+   sorted by expert, counts[e] each: y [rows, n] = X_e W_e^T, and the input gradient dx [rows, k] = dY_e W_e,
+   each expert's weight dequantised a tile at a time (OpenMP over (expert, tile) blocks). */
+int bmt_cpu_quant_grouped_fwd(const float* x, const int64_t* counts, int64_t experts, const uint8_t* const* codes,
+                              const float* const* scales, const float* levels, int bits, int64_t block,
+                              int row_groups, int64_t n, int64_t k, float* y);
+int bmt_cpu_quant_grouped_dx(const float* dy, const int64_t* counts, int64_t experts, const uint8_t* const* codes,
+                             const float* const* scales, const float* levels, int bits, int64_t block,
+                             int row_groups, int64_t n, int64_t k, float* dx);
 
 /* ---- CPU (kernels/cpu/moe_cpu.cc): fp32, OpenMP over (expert, row tile) and (expert, weight tile) ---- */
 int bmt_cpu_moe_swiglu_fwd(const float* x, const int64_t* counts, int64_t experts, const float* const* gate,

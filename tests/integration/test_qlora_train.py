@@ -91,3 +91,31 @@ def test_qlora_with_the_embedding_and_head_in_int8_trains_and_saves_adapters(tmp
     ckpt = tmp_path / "vocab" / "checkpoints" / "step-6"
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in ckpt.iterdir()}
     assert not list(ckpt.glob("model*.safetensors"))
+
+
+MOE = CONFIG.replace(
+    model_yaml(kernels="custom"),
+    model_yaml(
+        kernels="custom", family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+)
+
+
+def test_qlora_on_qwen3_moe_quantises_the_experts_trains_and_saves_adapters(tmp_path):
+    """A tiny qwen3_moe with an nf4 base and LoRA on every linear layer, the routed experts' included: the
+    experts hold nf4 codes (run as grouped calls), the loss falls, only the adapters are saved."""
+    assert MOE != CONFIG
+    r = _train(tmp_path, "moe", 6, config=MOE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # 2 layers x (4 attention projections + 4 experts x 3): the router stays unquantised
+    assert "quantised base: 32 linear layers in nf4 (our CPU kernels)" in r.stdout, r.stdout[-2000:]
+    losses = _losses(tmp_path / "moe")
+    assert losses[6] < losses[1] - 0.1, losses
+    ckpt = tmp_path / "moe" / "checkpoints" / "step-6"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in ckpt.iterdir()}
+    assert not list(ckpt.glob("model*.safetensors"))
+    from safetensors.numpy import load_file
+
+    names = list(load_file(str(ckpt / "adapter_model.safetensors")))
+    assert any(".mlp.experts.3.down_proj.lora_A" in n for n in names), names[:8]
+    assert all("lora_" in n for n in names)

@@ -260,3 +260,15 @@ def test_cuda_grouped_experts_equal_the_reference(ext, dtype):
     tol = 1e-4 if dtype == "float32" else 3e-2
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_each_grouped_implementation_says_which_dtypes_it_takes():
+    """The model asks the implementation (models/moe.py): bf16 rows reach the CUDA GEMM, not the CPU one."""
+    import paddle
+
+    from bmtrain_cli.ops.moe_experts import cuda_grouped_experts, grouped_experts, takes
+
+    assert takes(grouped_experts, paddle.float32) and not takes(grouped_experts, paddle.bfloat16)
+    for dtype in (paddle.float32, paddle.float16, paddle.bfloat16):
+        assert takes(cuda_grouped_experts, dtype)
+    assert not takes(cuda_grouped_experts, paddle.float64)

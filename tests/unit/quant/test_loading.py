@@ -80,3 +80,36 @@ def test_peak_host_memory_while_loading_stays_near_the_quantised_size(tmp_path) 
     quantised = projections * 4.5 / 8 + 2 * 256 * 768 * 4
     assert grown["nf4"] < quantised + 8 * 768 * 2048 * 4, grown
     assert grown["nf4"] < 0.5 * grown["fp32"], grown
+
+
+VOCAB_PEAK = PEAK.replace(
+    'q = QuantizationConfig(method="nf4") if sys.argv[2] == "nf4" else None',
+    "from bmtrain_cli.quant import layer, vocab\n"
+    'q = QuantizationConfig(method="nf4", skip_modules=["norm", "gate"])\n'
+    "vocab.ROW_BLOCK_WEIGHTS = 1 << 18\n"
+    'if sys.argv[2] == "whole":  # the matrix read whole and quantised in one piece\n'
+    "    vocab.ROW_BLOCK_WEIGHTS = 1 << 40\n"
+    "    layer.Quantizer.take_rows = lambda *args: False",
+)
+
+
+def test_the_int8_embedding_is_quantised_as_it_is_read_so_loading_peaks_near_its_codes(tmp_path) -> None:
+    """A tied 32000 x 256 embedding (31.25 MiB in fp32, 7.8 MiB in int8) read a block of 256Ki weights at a
+    time: the load grows the process by about its codes, not by the fp32 matrix and its temporaries."""
+    cfg = dict(TINY, hidden_size=256, intermediate_size=256, num_hidden_layers=1, tie_word_embeddings=True)
+    save_pretrained(build(ModelConfig(vocab_size=32000, kernels="reference", **cfg)), tmp_path)
+    grown = {}
+    for kind in ("whole", "rows"):
+        r = subprocess.run(
+            [sys.executable, "-c", VOCAB_PEAK, str(tmp_path), kind],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        grown[kind] = int(r.stdout.split()[-1])
+    matrix = 32000 * 256
+    assert grown["whole"] > matrix * 4, grown  # at least the fp32 matrix
+    # the codes and scales, the small layers, and a few copies of one fp32 block
+    assert grown["rows"] < matrix * 1.1 + 6 * (1 << 18) * 4 + (2 << 20), grown
+    assert grown["rows"] < 0.4 * grown["whole"], grown

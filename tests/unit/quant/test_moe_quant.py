@@ -1,7 +1,8 @@
 """A mixture of experts with a quantised base (QLoRA on qwen3_moe): every expert's projections are
 quantised while the checkpoint is read (the router stays full precision), and the model computes what the
 unquantised model computes on the dequantised weights: the loss and the gradient that reaches the
-embedding through the experts' input gradients, to fp32 round-off."""
+embedding through the experts' input gradients, to fp32 round-off. The quantised experts run as grouped
+calls (quant/experts.py), three per sparse layer, forward and backward."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from bmtrain_cli.models import build, load_pretrained, save_pretrained
 from bmtrain_cli.models.arch import arch_from_model_config
 from bmtrain_cli.models.moe import Router
 from bmtrain_cli.parallel.full_weights import dequantized_weights
+from bmtrain_cli.quant import experts as quant_experts
 from bmtrain_cli.quant.formats import quantize
 from bmtrain_cli.quant.layer import quantized_layers
 
@@ -40,7 +42,7 @@ def _loss_and_embedding_grad(model, ids):
     return float(loss / count), model.model.embed_tokens.weight.grad.numpy()
 
 
-def test_qwen3_moe_experts_quantised_while_loaded_equal_the_dequantised_model(tmp_path):
+def test_qwen3_moe_experts_quantised_while_loaded_equal_the_dequantised_model(tmp_path, monkeypatch):
     paddle.seed(0)
     save_pretrained(build(ARCH, kernels="reference"), str(tmp_path))
     q = QuantizationConfig(method="nf4", block_size=32)
@@ -61,7 +63,11 @@ def test_qwen3_moe_experts_quantised_while_loaded_equal_the_dequantised_model(tm
     state.update(dequantized_weights(quantised))
     whole.set_state_dict({n: paddle.to_tensor(v) for n, v in state.items()})
     ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (2, 24)))
+    impls = []
+    grouped = quant_experts.experts_linear
+    monkeypatch.setattr(quant_experts, "experts_linear", lambda *a: impls.append(a[3]) or grouped(*a))
     loss_q, grad_q = _loss_and_embedding_grad(quantised, ids)
+    assert impls == ["custom"] * (2 * 3)
     loss_w, grad_w = _loss_and_embedding_grad(whole, ids)
     np.testing.assert_allclose(loss_q, loss_w, rtol=1e-6)
     np.testing.assert_allclose(grad_q, grad_w, rtol=1e-4, atol=1e-7)

@@ -107,3 +107,48 @@ def test_model_loss_equals_its_dequantised_twin(tmp_path, tied, method) -> None:
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     with paddle.no_grad():
         np.testing.assert_allclose(model(ids).numpy(), twin(ids).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_quantised_in_row_blocks_equals_quantising_the_whole_matrix(monkeypatch) -> None:
+    """Blocks of 7 rows (an odd last block) give the bytes of formats.py's int8 of the whole matrix."""
+    from bmtrain_cli.quant import formats
+
+    w = np.random.default_rng(5).standard_normal((303, 40)).astype(np.float32) * 3
+    w[17] = 0.0  # an all-zero row
+    monkeypatch.setattr(vocab, "ROW_BLOCK_WEIGHTS", 7 * 40 + 3)
+    reads = []
+
+    def read(r0, r1):
+        reads.append((r0, r1))
+        return w[r0:r1]
+
+    emb = vocab.QuantEmbedding((read, 303, 40), "float32")
+    whole = formats.quantize(w, "int8")
+    assert len(reads) == 44 and reads[-1] == (301, 303)
+    assert emb.codes.numpy().tobytes() == whole.codes.tobytes()
+    assert emb.scales.numpy().tobytes() == whole.scales.tobytes()
+    assert emb.nbytes == whole.nbytes
+    np.testing.assert_array_equal(emb.codes.numpy(), vocab.QuantEmbedding(w, "float32").codes.numpy())
+
+
+def test_loading_reads_the_int8_embedding_from_the_file_in_row_blocks(tmp_path, monkeypatch) -> None:
+    """The embedding is never read whole: its codes are those of the saved tensor quantised in one piece."""
+    from bmtrain_cli.models.safetensors_io import SafetensorsFile
+    from bmtrain_cli.quant import formats
+
+    save_pretrained(build(ModelConfig(vocab_size=300, kernels="reference", **TINY)), tmp_path)
+    saved = {n: p.numpy() for n, p in load_pretrained(tmp_path, kernels="reference").named_parameters()}
+    monkeypatch.setattr(vocab, "ROW_BLOCK_WEIGHTS", 64 * 64)
+    whole_reads = []
+    get = SafetensorsFile.get
+    monkeypatch.setattr(
+        SafetensorsFile, "get", lambda self, name: whole_reads.append(name) or get(self, name)
+    )
+    q = QuantizationConfig(method="nf4", block_size=32, skip_modules=["norm", "gate"])
+    model = load_pretrained(tmp_path, quantization=q, kernels="reference")
+    assert not any("embed_tokens" in n for n in whole_reads) and whole_reads
+    emb = model.model.embed_tokens
+    assert isinstance(emb, vocab.QuantEmbedding)
+    want = formats.quantize(saved["model.embed_tokens.weight"], "int8")
+    assert emb.codes.numpy().tobytes() == want.codes.tobytes()
+    assert emb.scales.numpy().tobytes() == want.scales.tobytes()

@@ -98,12 +98,14 @@ def fused_attention(
     return load_extension().bmt_attention_fwd(q, k, v, seg, scale)[0]
 
 
-def _check_pair(q: paddle.Tensor, k: paddle.Tensor, q_seg: Optional[paddle.Tensor], causal: bool) -> None:
+def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
     op = "attention_pair"
     if q.ndim != 4 or k.ndim != 4 or [k.shape[0], k.shape[3]] != [q.shape[0], q.shape[3]]:
         raise ValueError(f"{op}: q {list(q.shape)} and k/v {list(k.shape)} do not fit")
     if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"{op}: a causal pair needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}")
+        raise ValueError(
+            f"{op}: a causal pair needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}"
+        )
     if q.dtype not in _DTYPES or not q.place.is_cpu_place():
         raise ValueError(f"{op}: the fused CPU attention takes float32 or float64 on a CPU, got {q.dtype}")
 
@@ -121,7 +123,7 @@ def attention_pair_forward(
     pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries [b, sq] and of the keys
     [b, sk] (a query sees only keys with its id) or None. Returns the output [b, sq, h, d] and the per-query
     log-sum-exp [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
-    _check_pair(q, k, None if segments is None else segments[0], causal)
+    _check_pair(q, k, causal)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_fwd(q, k, v, qs, ks, bool(causal), float(scale))
 
@@ -141,6 +143,8 @@ def attention_pair_backward(
     and whose D = rowsum(dO * O) is ``delta`` (both [b, h, sq], q's dtype), given its output's gradient
     ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale).
     Arguments as :func:`attention_pair_forward`."""
-    _check_pair(q, k, None if segments is None else segments[0], causal)
+    _check_pair(q, k, causal)
     qs, ks = (None, None) if segments is None else segments
-    return load_extension().bmt_attention_pair_bwd(q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale))
+    return load_extension().bmt_attention_pair_bwd(
+        q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale)
+    )

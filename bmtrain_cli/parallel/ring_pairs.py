@@ -12,19 +12,18 @@ dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), whi
   ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids.
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
-reference, for ``kernels: reference``, builds without our kernels, packed rows on a GPU). The path a
-process runs is logged once.
+reference, for ``kernels: reference``, builds without our kernels, packed rows on a GPU). The first rank
+of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 
 from __future__ import annotations
 
-import logging
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 
-log = logging.getLogger(__name__)
-_LOGGED: set = set()
+_LOGGED: set = set()  # the paths this process has reported
 
 Segments = Optional[Tuple[paddle.Tensor, paddle.Tensor]]
 
@@ -194,9 +193,10 @@ def pair_backward(
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool) -> Any:
+def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool, report: bool = False) -> Any:
     """The pair kernel for a ring call with queries ``q`` [b, 2c, h, d] (``seg``: the rows' segment ids or
-    None; ``fused``: the model's op set carries our fused CPU attention), or None for Paddle-op blocks."""
+    None; ``fused``: the model's op set carries our fused CPU attention), or None for Paddle-op blocks.
+    ``report``: say on stderr which path runs (once per path and process)."""
     kernel: Any = None
     why = ""
     if not q.place.is_cpu_place():
@@ -216,12 +216,13 @@ def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool) -> 
         why = f"{q.dtype}: the fused CPU kernel takes float32/float64"
     else:
         kernel = FusedPairs()
-    _log_once(kernel, why)
+    if report:
+        _report_once(kernel, why)
     return kernel
 
 
-def _log_once(kernel: Any, why: str) -> None:
-    text = kernel.name if kernel is not None else f"Paddle ops per block ({why})"
+def _report_once(kernel: Any, why: str) -> None:
+    text = kernel.name if kernel is not None else f"blocks of Paddle ops ({why})"
     if text not in _LOGGED:
         _LOGGED.add(text)
-        log.info("ring attention: %s", text)
+        print(f"ring attention: {text}", file=sys.stderr, flush=True)

@@ -143,3 +143,21 @@ def test_ring_fused_pairs_equal_paddle_op_blocks(ext, packed):
     blocks = _ring_call(False, q, k, v, seg, w)
     for name, a, r in zip(["out", "dq", "dk", "dv"], fused, blocks):
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_the_path_is_reported_once_with_the_reason(ext, capsys, monkeypatch):
+    from bmtrain_cli.parallel import ring_pairs
+
+    monkeypatch.setattr(ring_pairs, "_LOGGED", set())
+    q = paddle.zeros([1, 4, 2, 8])
+    for _ in range(2):
+        pair_kernel(q, None, True, report=True)
+        pair_kernel(q, None, False, report=True)
+        pair_kernel(q.astype("float16"), None, True, report=True)
+    pair_kernel(q, None, False)  # a later rank: silent
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "ring attention: the fused CPU attention kernel per chunk pair",
+        "ring attention: blocks of Paddle ops (kernels: reference, or our kernels are not built)",
+        "ring attention: blocks of Paddle ops (paddle.float16: the fused CPU kernel takes float32/float64)",
+    ]

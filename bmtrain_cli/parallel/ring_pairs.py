@@ -59,6 +59,7 @@ class FusedPairs:
     """The fused CPU attention kernel per chunk pair."""
 
     name = "the fused CPU attention kernel per chunk pair"
+    needs_out = False  # its backward takes D = rowsum(dO * O), not O
 
     def forward(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segs: Segments, causal: bool, scale: float
@@ -81,6 +82,7 @@ class FlashPairs:
     padded past the queries (``width``): the backward pads the merged one the same way."""
 
     name = "Paddle's flash attention per chunk pair"
+    needs_out = True  # its backward takes O (and computes D itself)
 
     def __init__(self) -> None:
         self.seed: Optional[paddle.Tensor] = None
@@ -167,13 +169,12 @@ def pair_backward(
     step."""
     q, k, v, out, lse, seg = saved
     ch = _Chunks(q, seg, ring)
-    qs, dos, outs = ([ch.slot(x, i) for i in range(2)] for x in (q, dout, out))
+    qs = [ch.slot(q, i) for i in range(2)]
     delta = (dout.astype(ch.acc) * out.astype(ch.acc)).sum(axis=-1)  # D_i = dO_i . O_i, [b, 2c, h]
-    stats = [
-        {"lse": ch.slot(lse, i).transpose([0, 2, 1]).contiguous(), "out": outs[i], "dout": dos[i]}
-        for i in range(2)
-    ]
+    stats: List[Dict[str, Any]] = []
     for i in range(2):
+        stats.append({"dout": ch.slot(dout, i), "out": ch.slot(out, i) if kernel.needs_out else None})
+        stats[i]["lse"] = ch.slot(lse, i).transpose([0, 2, 1]).contiguous()
         stats[i]["delta"] = ch.slot(delta, i).transpose([0, 2, 1]).contiguous()
     dqs = [paddle.zeros(qs[0].shape, dtype=ch.acc) for _ in range(2)]
     dk = paddle.zeros(k.shape, dtype=ch.acc)

@@ -116,7 +116,7 @@ def test_the_model_context_path_with_the_fused_kernel_per_chunk_pair(packed):
     from bmtrain_cli.parallel.wrapping import ModelWrapper
 
     load_extension()
-    wrapper = ModelWrapper(types.SimpleNamespace(context_ring=Ring(None, [0], 0), config=None))  # type: ignore[arg-type]
+    wrapper = ModelWrapper(types.SimpleNamespace(context_ring=Ring(None, [0], 0), config=None))
     assert wrapper.attach_context(CausalLM(ARCH, kernels="reference")).context_attention.fused is False
     paddle.seed(3)
     model = wrapper.attach_context(CausalLM(ARCH, kernels="custom"))

@@ -75,6 +75,9 @@ SHAPES = [
     (1, 40, 40, 2, 2, 24, True, True),
     (3, 9, 33, 6, 3, 8, False, True),
     (1, 1, 1, 2, 1, 8, True, False),
+    # above parallel.h's threshold: the OpenMP path, chunked (1 x 3 KV heads) with per-chunk K/V gradients
+    (1, 150, 170, 9, 3, 64, False, True),
+    (1, 190, 190, 9, 3, 64, True, True),
 ]
 
 

@@ -127,19 +127,19 @@ class _Chunks:
         return x[:, i * self.c : (i + 1) * self.c].contiguous()
 
     def segments(self, qc: int, kc: int) -> Segments:
+        """The segment ids of sequence chunks qc (the queries) and kc (the keys), or None."""
         if self.seg is None:
             return None
-        c = self.c
-        return self.seg[:, qc * c : (qc + 1) * c].contiguous(), self.seg[
-            :, kc * c : (kc + 1) * c
-        ].contiguous()
+        q_ids, k_ids = (self.seg[:, x * self.c : (x + 1) * self.c].contiguous() for x in (qc, kc))
+        return q_ids, k_ids
 
     def steps(self, ring: Any, kv: paddle.Tensor) -> Any:
-        """(step, key chunks, K/V held, pairs) round the ring; the K/V travel on while a step computes."""
+        """(key chunks, K/V held, pairs) of each step round the ring; the next K/V are exchanged with the
+        neighbours before a step computes (as the Paddle-op blocks do)."""
         for t in range(ring.degree):
             k_chunks = chunks_of(ring.degree, (ring.rank - t) % ring.degree)
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
-            yield t, k_chunks, kv, pair_list(self.q_chunks, k_chunks)
+            yield k_chunks, kv, pair_list(self.q_chunks, k_chunks)
             if incoming is not None:
                 kv = incoming[0]
 
@@ -152,7 +152,7 @@ def pair_forward(
     ch = _Chunks(q, seg, ring)
     qs = [ch.slot(q, i) for i in range(2)]
     acc: Dict[int, Tuple[Any, Any]] = {}
-    for _, k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
+    for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
             segs = ch.segments(ch.q_chunks[qi], k_chunks[ki])
             o, lse = kernel.forward(qs[qi], ch.slot(kv[0], ki), ch.slot(kv[1], ki), segs, causal, ch.scale)
@@ -179,7 +179,7 @@ def pair_backward(
     dqs = [paddle.zeros(qs[0].shape, dtype=ch.acc) for _ in range(2)]
     dk = paddle.zeros(k.shape, dtype=ch.acc)
     dv = paddle.zeros(v.shape, dtype=ch.acc)
-    for _, k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
+    for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
             segs = ch.segments(ch.q_chunks[qi], k_chunks[ki])
             kc, vc = ch.slot(kv[0], ki), ch.slot(kv[1], ki)

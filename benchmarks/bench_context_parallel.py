@@ -8,7 +8,14 @@ length), BENCH_CP_STEPS optimizer steps of one row (default 2; throughput needs 
 Memory is rank 0's peak of live Paddle tensors over the steps (metrics.jsonl ``memory``; every rank holds
 the same number of tokens), beside the whole run's (summary.json ``peak_memory_bytes``) and what
 `bmtrain plan --device cpu` predicts for it; throughput is tokens per second of the whole group. All runs
-share the same machine in one session: compare ratios, not absolute figures."""
+share the same machine in one session: compare ratios, not absolute figures.
+
+BENCH_CP_RING=1 measures the ring attention alone instead: over BENCH_CP_DEGREES' largest degree of ranks
+(``paddle.distributed.launch``), one attention layer of the model's shape (9 query heads, 3 KV heads,
+head_dim 64, fp32) on a row of BENCH_CP_SEQ tokens, forward and backward of parallel/ring_attention.py's
+RingCore with the fused CPU kernel per chunk pair and with Paddle-op blocks, alternating in the same
+processes (BENCH_CP_STEPS timed steps each after a warm-up): the median of the slowest rank's step time of
+each, their ratio, and rank 0's peak of live Paddle tensors during a step of each."""
 
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -99,6 +108,74 @@ def _run(root: Path, degree: int) -> dict:
     }
 
 
+def _ring_step(core: Any, tensors: List[Any], w: Any) -> float:
+    for t in tensors:
+        t.clear_gradient()
+    start = time.perf_counter()
+    out = core(*tensors, None)
+    (out * w).sum().backward()
+    return time.perf_counter() - start
+
+
+def _ring_worker(report: str) -> None:
+    """One rank of the ring benchmark (see the module docstring); rank 0 writes ``report`` (json)."""
+    import paddle
+    import paddle.distributed as dist
+
+    from bmtrain_cli.parallel import cpu_compat
+    from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices
+    from bmtrain_cli.train.monitoring.metrics import MemoryMeter
+
+    cpu_compat.apply_if_cpu()
+    dist.init_parallel_env()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    dist.barrier()
+    rng = np.random.default_rng(0)
+    idx = local_indices(SEQ, world, rank)
+    shapes = [(1, SEQ, 9, 64), (1, SEQ, 3, 64), (1, SEQ, 3, 64)]
+    tensors = [paddle.to_tensor(rng.standard_normal(s).astype("float32")[:, idx]) for s in shapes]
+    for t in tensors:
+        t.stop_gradient = False
+    w = paddle.to_tensor(rng.standard_normal((1, len(idx), 9, 64)).astype("float32"))
+    ring = Ring(group, list(range(world)), rank)
+    cores = {name: RingCore(ring, fused=name == "fused") for name in ("fused", "blocks")}
+    result: Dict[str, Any] = {}
+    for name, core in cores.items():  # warm-up, and each path's peak of live tensors in a step
+        meter = MemoryMeter(on_gpu=False)
+        _ring_step(core, tensors, w)
+        result[f"{name}_peak_mib"] = meter.peak() / 2**20
+    times: Dict[str, List[float]] = {name: [] for name in cores}
+    for _ in range(STEPS):
+        for name, core in cores.items():
+            t = paddle.to_tensor([_ring_step(core, tensors, w)], dtype="float64")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's step
+            times[name].append(float(t.item()))
+    if rank == 0:
+        result.update({f"{name}_s": float(np.median(v)) for name, v in times.items()})
+        Path(report).write_text(json.dumps(result))
+
+
+def ring_main() -> Dict[str, Any]:
+    degree = max(DEGREES)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "ring.json"
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(degree)]
+        cmd += ["--log_dir", str(Path(tmp) / "log"), __file__, "--ring-worker", str(report)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if res.returncode != 0:
+            logs = "".join(p.read_text()[-2000:] for p in sorted((Path(tmp) / "log").glob("workerlog.*")))
+            raise RuntimeError(logs)
+        r = json.loads(report.read_text())
+    print(f"ring attention, cp{degree}, {SEQ} tokens (9/3 heads, head_dim 64, fp32), {STEPS} steps")
+    print("| per chunk pair | step (s, slowest rank) | vs Paddle-op blocks | peak per rank (MiB) |")
+    print("|---|---|---|---|")
+    for name, label in (("blocks", "Paddle-op blocks"), ("fused", "fused CPU kernel")):
+        secs, peak = r[name + "_s"], r[name + "_peak_mib"]
+        print(f"| {label} | {secs:.2f} | {secs / r['blocks_s']:.2f}x | {peak:.0f} |")
+    return r
+
+
 def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -126,4 +203,9 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--ring-worker":
+        _ring_worker(sys.argv[2])
+    elif os.environ.get("BENCH_CP_RING") == "1":
+        ring_main()
+    else:
+        main()

@@ -96,3 +96,55 @@ def fused_attention(
     if paddle.is_grad_enabled() and not (q.stop_gradient and k.stop_gradient and v.stop_gradient):
         return _FusedAttention.apply(q, k, v, seg, scale)
     return load_extension().bmt_attention_fwd(q, k, v, seg, scale)[0]
+
+
+def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
+    op = "attention_pair"
+    if q.ndim != 4 or k.ndim != 4 or [k.shape[0], k.shape[3]] != [q.shape[0], q.shape[3]]:
+        raise ValueError(f"{op}: q {list(q.shape)} and k/v {list(k.shape)} do not fit")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{op}: a causal pair needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}"
+        )
+    if q.dtype not in _DTYPES or not q.place.is_cpu_place():
+        raise ValueError(f"{op}: the fused CPU attention takes float32 or float64 on a CPU, got {q.dtype}")
+
+
+def attention_pair_forward(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]],
+    causal: bool,
+    scale: float,
+) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """One (query chunk, key chunk) pair of a ring attention (no autograd: the ring's own backward calls
+    :func:`attention_pair_backward`): q [b, sq, h, d] over k, v [b, sk, hk, d], ``causal`` (the diagonal
+    pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries [b, sq] and of the keys
+    [b, sk] (a query sees only keys with its id) or None. Returns the output [b, sq, h, d] and the per-query
+    log-sum-exp [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
+    _check_pair(q, k, causal)
+    qs, ks = (None, None) if segments is None else segments
+    return load_extension().bmt_attention_pair_fwd(q, k, v, qs, ks, bool(causal), float(scale))
+
+
+def attention_pair_backward(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]],
+    causal: bool,
+    scale: float,
+    lse: paddle.Tensor,
+    delta: paddle.Tensor,
+    dout: paddle.Tensor,
+) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """The gradients (dq, dk, dv) of one pair's share of an attention whose merged log-sum-exp is ``lse``
+    and whose D = rowsum(dO * O) is ``delta`` (both [b, h, sq], q's dtype), given its output's gradient
+    ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale).
+    Arguments as :func:`attention_pair_forward`."""
+    _check_pair(q, k, causal)
+    qs, ks = (None, None) if segments is None else segments
+    return load_extension().bmt_attention_pair_bwd(
+        q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale)
+    )

@@ -107,7 +107,8 @@ class ModelWrapper:
         else:
             from bmtrain_cli.parallel.ring_attention import RingCore
 
-            model.context_attention = RingCore(ring)
+            ops = getattr(model, "ops", None)  # the fused CPU attention where the model's op set carries it
+            model.context_attention = RingCore(ring, fused=getattr(ops, "attention", None) is not None)
         return model
 
     def shard_experts(self, model: Any) -> str:

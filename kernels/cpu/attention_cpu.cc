@@ -1,6 +1,12 @@
-// Fused causal attention on a CPU (C ABI in kernels/include/bmt_kernels.h): forward and backward in the
-// model's layout, q [b, s, h, d], k/v [b, s, hk, d], grouped-query (query head j uses kv head j / (h/hk)),
-// optional segment ids [b, s] (a query sees the keys at the same or an earlier index with its segment id).
+// Fused attention on a CPU (C ABI in kernels/include/bmt_kernels.h): forward and backward in the model's
+// layout, q [b, sq, h, d], k/v [b, sk, hk, d], grouped-query (query head j uses kv head j / (h/hk)).
+// Causal (sq == sk: a query sees the keys at the same or an earlier index) or not (every key), optionally
+// restricted to equal segment ids (query ids [b, sq], key ids [b, sk]). The model's causal attention
+// passes one array of ids for both; a ring attention's block pair (parallel/ring_attention.py) passes the
+// ids of its query chunk and of its key chunk, causal on the diagonal pair and not before it. A query that
+// sees no key of the call gets a zero output and the log-sum-exp kEmptyLse (finite: its weight in a
+// log-sum-exp merge underflows to zero). The backward takes the log-sum-exp and D = dO . O from the
+// caller, so a block pair's gradients are taken against the merged (global) statistics.
 //
 // FlashAttention's scheme without an s x s tensor: the forward keeps only the per-query log-sum-exp
 // lse [b, h, s]; the backward recomputes the probabilities of one block of kQB queries at a time from it
@@ -34,44 +40,55 @@ constexpr int kDC = 16;  // head-dim columns per row-product tile
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+constexpr double kEmptyLse = -1e30;  // the log-sum-exp of a query that sees no key
+
 constexpr int64_t kItems = 64;  // work items wanted for a parallel call (enough for 16 threads x 4)
 
 struct Shape {
-  int64_t b, s, h, hk, d, rep;
+  int64_t b, sq, s, h, hk, d, rep;  // sq queries, s keys
+  bool causal;
   int64_t sp, dp;  // s and d rounded up to whole tiles
   bool parallel;
   int64_t chunks;  // chunks per (batch, kv head) item
-  int64_t qblocks() const { return (s + kQB - 1) / kQB; }
+  int64_t qblocks() const { return (sq + kQB - 1) / kQB; }
   int64_t items() const { return b * hk * chunks; }
-  int64_t row(int64_t bb, int64_t i, int64_t head, int64_t heads) const { return ((bb * s + i) * heads + head) * d; }
+  int64_t qrow(int64_t bb, int64_t i, int64_t head) const { return ((bb * sq + i) * h + head) * d; }
+  int64_t krow(int64_t bb, int64_t j, int64_t g) const { return ((bb * s + j) * hk + g) * d; }
 };
 
-Shape make_shape(int64_t b, int64_t s, int64_t h, int64_t hk, int64_t d) {
-  Shape sh{b, s, h, hk, d, h / hk, round_up(s, kKB), round_up(d, kDC), false, 1};
-  // multiply-adds of one causal score pass: tiny calls stay on one thread (parallel.h)
-  sh.parallel = b * h * s * (s + 1) / 2 * d >= bmt::kParallelMin;
+Shape make_shape(int64_t b, int64_t sq, int64_t s, int64_t h, int64_t hk, int64_t d, bool causal) {
+  Shape sh{b, sq, s, h, hk, d, h / hk, causal, round_up(s, kKB), round_up(d, kDC), false, 1};
+  // multiply-adds of one score pass: tiny calls stay on one thread (parallel.h)
+  sh.parallel = b * h * (causal ? s * (s + 1) / 2 : sq * s) * d >= bmt::kParallelMin;
   const int64_t pairs = b * hk;
   if (sh.parallel && pairs < kItems)
     sh.chunks = std::min((kItems + pairs - 1) / pairs, std::max<int64_t>(1, sh.rep * sh.qblocks()));
   return sh;
 }
 
-// The K/V of one (batch, kv head), packed and zero-padded; the segment ids of its row and, per query,
-// the first index that may be visible (the first key of its segment id; 0 without segments).
+// The segment ids a call attends with: of the queries [b, sq] and of the keys [b, s] (both null: none).
+struct Segments {
+  const int64_t* q;
+  const int64_t* k;
+};
+
+// The K/V of one (batch, kv head), packed and zero-padded; the segment ids of its keys and queries and,
+// per query, the first key that may be visible (the first key of its segment id, s where none; 0 without
+// segments).
 template <typename T>
 struct Item {
-  std::vector<T> kt, vt, kp, vp;  // [dp, sp] transposed, [sp, dp] row-major
-  std::vector<int64_t> seg, lo;   // [s]
+  std::vector<T> kt, vt, kp, vp;     // [dp, sp] transposed, [sp, dp] row-major
+  std::vector<int64_t> seg, qseg, lo;  // [s], [sq], [sq]
 
-  void pack(const Shape& sh, const T* k, const T* v, const int64_t* segs, int64_t bb, int64_t g, bool trans_v,
+  void pack(const Shape& sh, const T* k, const T* v, Segments segs, int64_t bb, int64_t g, bool trans_v,
             bool rows_k) {
     kt.assign(sh.dp * sh.sp, T(0));
     vp.assign(sh.sp * sh.dp, T(0));
     if (trans_v) vt.assign(sh.dp * sh.sp, T(0));
     if (rows_k) kp.assign(sh.sp * sh.dp, T(0));
     for (int64_t j = 0; j < sh.s; ++j) {
-      const T* kr = k + sh.row(bb, j, g, sh.hk);
-      const T* vr = v + sh.row(bb, j, g, sh.hk);
+      const T* kr = k + sh.krow(bb, j, g);
+      const T* vr = v + sh.krow(bb, j, g);
       std::copy(vr, vr + sh.d, vp.data() + j * sh.dp);
       if (rows_k) std::copy(kr, kr + sh.d, kp.data() + j * sh.dp);
     }
@@ -82,18 +99,24 @@ struct Item {
         T* kc = kt.data() + c * sh.sp + j0;
         T* vc = trans_v ? vt.data() + c * sh.sp + j0 : nullptr;
         for (int64_t u = 0; u < n; ++u) {
-          kc[u] = k[sh.row(bb, j0 + u, g, sh.hk) + c];
-          if (vc) vc[u] = v[sh.row(bb, j0 + u, g, sh.hk) + c];
+          kc[u] = k[sh.krow(bb, j0 + u, g) + c];
+          if (vc) vc[u] = v[sh.krow(bb, j0 + u, g) + c];
         }
       }
     }
     seg.assign(sh.s, 0);
-    lo.assign(sh.s, 0);
-    if (segs == nullptr) return;
+    qseg.assign(sh.sq, 0);
+    lo.assign(sh.sq, 0);
+    if (segs.k == nullptr) return;
     std::unordered_map<int64_t, int64_t> first;
-    for (int64_t i = 0; i < sh.s; ++i) {
-      seg[i] = segs[bb * sh.s + i];
-      lo[i] = first.emplace(seg[i], i).first->second;
+    for (int64_t j = 0; j < sh.s; ++j) {
+      seg[j] = segs.k[bb * sh.s + j];
+      first.emplace(seg[j], j);
+    }
+    for (int64_t i = 0; i < sh.sq; ++i) {
+      qseg[i] = segs.q[bb * sh.sq + i];
+      const auto at = first.find(qseg[i]);
+      lo[i] = at == first.end() ? sh.s : at->second;
     }
   }
 };
@@ -165,10 +188,11 @@ struct Block {
 template <typename T>
 Block make_block(const Shape& sh, const Item<T>& it, int64_t g, int64_t index) {
   const int64_t r = index / sh.qblocks(), i0 = (index % sh.qblocks()) * kQB;
-  const int64_t n = std::min<int64_t>(kQB, sh.s - i0);
+  const int64_t n = std::min<int64_t>(kQB, sh.sq - i0);
   int64_t lo = it.lo[i0];
   for (int64_t q = 1; q < n; ++q) lo = std::min(lo, it.lo[i0 + q]);
-  return Block{g * sh.rep + r, i0, n, lo / kKB * kKB, round_up(i0 + n, kKB)};
+  const int64_t j1 = sh.causal ? round_up(i0 + n, kKB) : sh.sp;
+  return Block{g * sh.rep + r, i0, n, std::min(lo / kKB * kKB, j1), j1};
 }
 
 // Rows of a [b, s, heads, d] tensor into a zero-padded [kQB, dp] tile.
@@ -176,7 +200,7 @@ template <typename T>
 void load_rows(const Shape& sh, const T* x, int64_t bb, const Block& blk, T* tile) {
   std::fill(tile, tile + kQB * sh.dp, T(0));
   for (int64_t q = 0; q < blk.n; ++q) {
-    const T* xr = x + sh.row(bb, blk.i0 + q, blk.head, sh.h);
+    const T* xr = x + sh.qrow(bb, blk.i0 + q, blk.head);
     std::copy(xr, xr + sh.d, tile + q * sh.dp);
   }
 }
@@ -184,28 +208,31 @@ void load_rows(const Shape& sh, const T* x, int64_t bb, const Block& blk, T* til
 template <typename T>
 void store_rows(const Shape& sh, const T* tile, int64_t bb, const Block& blk, T* x) {
   for (int64_t q = 0; q < blk.n; ++q)
-    std::copy(tile + q * sh.dp, tile + q * sh.dp + sh.d, x + sh.row(bb, blk.i0 + q, blk.head, sh.h));
+    std::copy(tile + q * sh.dp, tile + q * sh.dp + sh.d, x + sh.qrow(bb, blk.i0 + q, blk.head));
 }
 
 // Row q of the block's scores -> probabilities in place (0 where the key is not visible). Forward
-// (lse_in null): normalised by their sum, whose log-sum-exp goes to *lse_out; backward: exp(x - lse_in).
+// (lse_in null): normalised by their sum, whose log-sum-exp goes to *lse_out (a row that sees no key: all
+// 0, kEmptyLse); backward: exp(x - lse_in). ``causal``: keys after the query are not visible.
 template <typename T>
-void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* row, const T* lse_in, T* lse_out) {
+void probabilities(const Item<T>& it, const Block& blk, int64_t q, bool causal, T scale, T* row, const T* lse_in,
+                   T* lse_out) {
   const T ninf = -std::numeric_limits<T>::infinity();
-  const int64_t i = blk.i0 + q;
-  const int64_t lo = it.lo[i], si = it.seg[i];
-  const int64_t* seg = it.seg.data();
-  const int64_t jend = std::min<int64_t>(blk.j1, static_cast<int64_t>(it.seg.size()));
   if (q >= blk.n) {
     std::fill(row + blk.j0, row + blk.j1, T(0));
     return;
   }
+  const int64_t i = blk.i0 + q;
+  const int64_t lo = it.lo[i], si = it.qseg[i];
+  const int64_t last = causal ? i : static_cast<int64_t>(it.seg.size());  // the last key that may be visible
+  const int64_t* seg = it.seg.data();
+  const int64_t jend = std::min<int64_t>(blk.j1, static_cast<int64_t>(it.seg.size()));
   std::fill(row + jend, row + blk.j1, T(0));
   if (lse_in != nullptr) {
     const T l = *lse_in;
 #pragma omp simd
     for (int64_t j = blk.j0; j < jend; ++j) {
-      const bool ok = (j >= lo) & (j <= i) & (seg[j] == si);  // no short circuit: a plain load vectorises
+      const bool ok = (j >= lo) & (j <= last) & (seg[j] == si);  // no short circuit: a plain load vectorises
       const T e = bmt::exp_approx(row[j] * scale - l);
       row[j] = ok ? e : T(0);
     }
@@ -215,12 +242,17 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* r
   // max(m, ok ? x : -inf) (garbage maxima from s = 80 on)
 #pragma omp simd
   for (int64_t j = blk.j0; j < jend; ++j) {
-    const bool ok = (j >= lo) & (j <= i) & (seg[j] == si);  // no short circuit: a plain load vectorises
+    const bool ok = (j >= lo) & (j <= last) & (seg[j] == si);  // no short circuit: a plain load vectorises
     row[j] = ok ? row[j] * scale : ninf;
   }
   T m = ninf;
 #pragma omp simd reduction(max : m)
   for (int64_t j = blk.j0; j < jend; ++j) m = std::max(m, row[j]);
+  if (m == ninf) {  // nothing visible (only where the query's segment has no key in the call)
+    std::fill(row + blk.j0, row + jend, T(0));
+    *lse_out = static_cast<T>(kEmptyLse);
+    return;
+  }
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = blk.j0; j < jend; ++j) {
@@ -235,7 +267,7 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, T scale, T* r
 }
 
 template <typename T>
-void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, const int64_t* seg, T* out, T* lse,
+void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, Segments seg, T* out, T* lse,
                    T scale) {
 #pragma omp parallel if (sh.parallel)
   {
@@ -253,8 +285,8 @@ void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, const in
         load_rows(sh, q, bb, blk, qt.data());
         score_tiles(qt.data(), it.kt.data(), sh.dp, sh.sp, blk.j0, blk.j1, p.data());
         for (int64_t r = 0; r < kQB; ++r) {
-          T* l = lse + (bb * sh.h + blk.head) * sh.s + blk.i0 + r;
-          probabilities(it, blk, r, scale, p.data() + r * sh.sp, static_cast<const T*>(nullptr), l);
+          T* l = lse + (bb * sh.h + blk.head) * sh.sq + blk.i0 + r;
+          probabilities(it, blk, r, sh.causal, scale, p.data() + r * sh.sp, static_cast<const T*>(nullptr), l);
         }
         row_products(p.data(), it.vp.data(), sh.sp, sh.dp, blk.j0, blk.j1, ot.data());
         store_rows(sh, ot.data(), bb, blk, out);
@@ -268,8 +300,8 @@ template <typename T>
 void store_kv_grads(const Shape& sh, const T* const* parts, int64_t nparts, int64_t bb, int64_t g, T* dk, T* dv) {
   const int64_t kv_elems = sh.sp * sh.dp;
   for (int64_t j = 0; j < sh.s; ++j) {
-    T* dkr = dk + sh.row(bb, j, g, sh.hk);
-    T* dvr = dv + sh.row(bb, j, g, sh.hk);
+    T* dkr = dk + sh.krow(bb, j, g);
+    T* dvr = dv + sh.krow(bb, j, g);
     for (int64_t c = 0; c < sh.d; ++c) {
       T sk = 0, sv = 0;
       for (int64_t i = 0; i < nparts; ++i) {
@@ -283,8 +315,8 @@ void store_kv_grads(const Shape& sh, const T* const* parts, int64_t nparts, int6
 }
 
 template <typename T>
-void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const int64_t* seg, const T* out,
-                   const T* lse, const T* dout, T* dq, T* dk, T* dv, T scale) {
+void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, Segments seg, const T* lse,
+                   const T* delta, const T* dout, T* dq, T* dk, T* dv, T scale) {
   const int64_t kv_elems = sh.sp * sh.dp;
   // chunked items keep their K/V gradients until every chunk is done; whole items use a thread's buffer
   std::vector<T> chunked(sh.chunks > 1 ? static_cast<size_t>(sh.items()) * 2 * kv_elems : 0, T(0));
@@ -312,17 +344,12 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const in
         for (int64_t r = 0; r < kQB; ++r) {
           T* pr = p.data() + r * sh.sp;
           T* dr = ds.data() + r * sh.sp;
-          const T* l = lse + (bb * sh.h + blk.head) * sh.s + blk.i0 + r;
-          probabilities(it, blk, r, scale, pr, r < blk.n ? l : nullptr, static_cast<T*>(nullptr));
-          T delta = 0;  // D_i = dO_i . O_i
-          if (r < blk.n) {
-            const T* orow = out + sh.row(bb, blk.i0 + r, blk.head, sh.h);
-            const T* drow = dot.data() + r * sh.dp;
-#pragma omp simd reduction(+ : delta)
-            for (int64_t c = 0; c < sh.d; ++c) delta += drow[c] * orow[c];
-          }
+          const int64_t at = (bb * sh.h + blk.head) * sh.sq + blk.i0 + r;
+          const T* l = r < blk.n ? lse + at : nullptr;
+          probabilities(it, blk, r, sh.causal, scale, pr, l, static_cast<T*>(nullptr));
+          const T di = r < blk.n ? delta[at] : T(0);  // D_i = dO_i . O_i
 #pragma omp simd
-          for (int64_t j = blk.j0; j < blk.j1; ++j) dr[j] = pr[j] * (dr[j] - delta) * scale;
+          for (int64_t j = blk.j0; j < blk.j1; ++j) dr[j] = pr[j] * (dr[j] - di) * scale;
         }
         row_products(ds.data(), it.kp.data(), sh.sp, sh.dp, blk.j0, blk.j1, dqt.data());
         store_rows(sh, dqt.data(), bb, blk, dq);
@@ -345,8 +372,49 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, const in
   }
 }
 
-bool bad_shape(int64_t b, int64_t s, int64_t h, int64_t hk, int64_t d) {
-  return b < 0 || s < 0 || h <= 0 || hk <= 0 || d <= 0 || h % hk != 0;
+// D = dO . O per query [b, h, s] (the causal entry point's backward: the caller gives O, not D).
+template <typename T>
+std::vector<T> row_dots(const Shape& sh, const T* out, const T* dout) {
+  std::vector<T> delta(static_cast<size_t>(sh.b * sh.h * sh.sq));
+#pragma omp parallel for schedule(static) if (sh.parallel)
+  for (int64_t bh = 0; bh < sh.b * sh.h; ++bh) {
+    const int64_t bb = bh / sh.h, head = bh % sh.h;
+    for (int64_t i = 0; i < sh.sq; ++i) {
+      const T* o = out + sh.qrow(bb, i, head);
+      const T* g = dout + sh.qrow(bb, i, head);
+      T acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = 0; c < sh.d; ++c) acc += g[c] * o[c];
+      delta[bh * sh.sq + i] = acc;
+    }
+  }
+  return delta;
+}
+
+template <typename T>
+int run_forward(const Shape& sh, const void* q, const void* k, const void* v, Segments seg, void* out, void* lse,
+            double scale) {
+  attention_fwd(sh, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), seg,
+                static_cast<T*>(out), static_cast<T*>(lse), static_cast<T>(scale));
+  return BMT_OK;
+}
+
+template <typename T>
+int run_backward(const Shape& sh, const void* q, const void* k, const void* v, Segments seg, const void* out,
+             const void* delta, const void* lse, const void* dout, void* dq, void* dk, void* dv, double scale) {
+  std::vector<T> dots;
+  if (delta == nullptr) {
+    dots = row_dots(sh, static_cast<const T*>(out), static_cast<const T*>(dout));
+    delta = dots.data();
+  }
+  attention_bwd(sh, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), seg,
+                static_cast<const T*>(lse), static_cast<const T*>(delta), static_cast<const T*>(dout),
+                static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), static_cast<T>(scale));
+  return BMT_OK;
+}
+
+bool bad_shape(int64_t b, int64_t sq, int64_t s, int64_t h, int64_t hk, int64_t d, int causal) {
+  return b < 0 || sq < 0 || s < 0 || h <= 0 || hk <= 0 || d <= 0 || h % hk != 0 || (causal && sq != s);
 }
 
 }  // namespace
@@ -356,37 +424,47 @@ extern "C" {
 int bmt_cpu_attention_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
                           void* out, void* lse, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                           int64_t dim, double scale) {
-  if (bad_shape(batch, seq, heads, kv_heads, dim)) return BMT_ERR_SHAPE;
-  const Shape sh = make_shape(batch, seq, heads, kv_heads, dim);
-  if (dtype == BMT_F32)
-    attention_fwd(sh, static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
-                  segment_ids, static_cast<float*>(out), static_cast<float*>(lse), static_cast<float>(scale));
-  else if (dtype == BMT_F64)
-    attention_fwd(sh, static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
-                  segment_ids, static_cast<double*>(out), static_cast<double*>(lse), scale);
-  else
-    return BMT_ERR_DTYPE;
-  return BMT_OK;
+  return bmt_cpu_attention_pair_fwd(dtype, q, k, v, segment_ids, segment_ids, 1, out, lse, batch, seq, seq, heads,
+                                    kv_heads, dim, scale);
 }
 
 int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
                           const void* out, const void* lse, const void* dout, void* dq, void* dk, void* dv,
                           int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim, double scale) {
-  if (bad_shape(batch, seq, heads, kv_heads, dim)) return BMT_ERR_SHAPE;
-  const Shape sh = make_shape(batch, seq, heads, kv_heads, dim);
-  if (dtype == BMT_F32)
-    attention_bwd(sh, static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
-                  segment_ids, static_cast<const float*>(out), static_cast<const float*>(lse),
-                  static_cast<const float*>(dout), static_cast<float*>(dq), static_cast<float*>(dk),
-                  static_cast<float*>(dv), static_cast<float>(scale));
-  else if (dtype == BMT_F64)
-    attention_bwd(sh, static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
-                  segment_ids, static_cast<const double*>(out), static_cast<const double*>(lse),
-                  static_cast<const double*>(dout), static_cast<double*>(dq), static_cast<double*>(dk),
-                  static_cast<double*>(dv), scale);
-  else
-    return BMT_ERR_DTYPE;
-  return BMT_OK;
+  if (bad_shape(batch, seq, seq, heads, kv_heads, dim, 1)) return BMT_ERR_SHAPE;
+  const Shape sh = make_shape(batch, seq, seq, heads, kv_heads, dim, true);
+  const Segments seg{segment_ids, segment_ids};
+  if (dtype == BMT_F32) return run_backward<float>(sh, q, k, v, seg, out, nullptr, lse, dout, dq, dk, dv, scale);
+  if (dtype == BMT_F64) return run_backward<double>(sh, q, k, v, seg, out, nullptr, lse, dout, dq, dk, dv, scale);
+  return BMT_ERR_DTYPE;
+}
+
+int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
+                               const int64_t* k_segment_ids, int causal, void* out, void* lse, int64_t batch,
+                               int64_t q_len, int64_t k_len, int64_t heads, int64_t kv_heads, int64_t dim,
+                               double scale) {
+  if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr))
+    return BMT_ERR_SHAPE;
+  const Shape sh = make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0);
+  const Segments seg{q_segment_ids, k_segment_ids};
+  if (dtype == BMT_F32) return run_forward<float>(sh, q, k, v, seg, out, lse, scale);
+  if (dtype == BMT_F64) return run_forward<double>(sh, q, k, v, seg, out, lse, scale);
+  return BMT_ERR_DTYPE;
+}
+
+int bmt_cpu_attention_pair_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
+                               const int64_t* k_segment_ids, int causal, const void* lse, const void* delta,
+                               const void* dout, void* dq, void* dk, void* dv, int64_t batch, int64_t q_len,
+                               int64_t k_len, int64_t heads, int64_t kv_heads, int64_t dim, double scale) {
+  if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr))
+    return BMT_ERR_SHAPE;
+  const Shape sh = make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0);
+  const Segments seg{q_segment_ids, k_segment_ids};
+  if (dtype == BMT_F32) return run_backward<float>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);
+  if (dtype == BMT_F64) return run_backward<double>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);
+  return BMT_ERR_DTYPE;
 }
 
 }  // extern "C"

@@ -4,8 +4,13 @@
 //
 // bmt_attention_fwd returns the output and the per-query log-sum-exp [b, h, s]; bmt_attention_bwd takes
 // them back with the output's gradient and returns the gradients of q, k and v. Autograd is the PyLayer of
-// bmtrain_cli/ops/attention_cpu.py (which also keeps its own copy of the segment ids). The checks raise a
+// bmtrain_cli/ops/fused_attention.py (which also keeps its own copy of the segment ids). The checks raise a
 // Python error naming the op and the problem; the Python wrapper checks first with a clearer message.
+//
+// bmt_attention_pair_fwd / _bwd: one (query chunk, key chunk) pair of a ring attention
+// (bmt_cpu_attention_pair_*): q [b, sq, h, d] over k/v [b, sk, hk, d], causal or not, with query and key
+// segment ids; the backward takes the merged log-sum-exp and D = rowsum(dO * O) [b, h, sq]. Autograd is
+// the ring's (parallel/ring_attention.py), which merges the pairs.
 #include <vector>
 
 #include "bmt_kernels.h"
@@ -129,3 +134,114 @@ PD_BUILD_OP(bmt_attention_bwd)
     .SetKernelFn(PD_KERNEL(AttentionBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(AttentionGradInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AttentionGradInferDtype));
+
+namespace {
+
+struct PairDims {
+  int64_t b, sq, sk, h, hk, d;
+};
+
+// q [b, sq, h, d], k and v [b, sk, hk, d]; segment ids int64 [b, sq] and [b, sk], both or neither.
+PairDims check_pair(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
+                    const paddle::optional<paddle::Tensor>& qseg, const paddle::optional<paddle::Tensor>& kseg,
+                    bool causal, const char* op) {
+  float_code(q, op, "q");
+  PD_CHECK(q.shape().size() == 4 && k.shape().size() == 4, op, ": q and k must be [batch, seq, heads, head_dim]");
+  const PairDims n{q.shape()[0], q.shape()[1], k.shape()[1], q.shape()[2], k.shape()[2], q.shape()[3]};
+  PD_CHECK(n.hk > 0 && n.h % n.hk == 0, op, ": the kv heads must divide the query heads");
+  PD_CHECK(!causal || n.sq == n.sk, op, ": a causal pair needs as many queries as keys");
+  check_like(q, k, {n.b, n.sk, n.hk, n.d}, op, "k");
+  check_like(q, v, {n.b, n.sk, n.hk, n.d}, op, "v");
+  PD_CHECK(bool(qseg) == bool(kseg), op, ": give both query and key segment ids or neither");
+  if (qseg) {
+    for (const auto* s : {&*qseg, &*kseg}) {
+      PD_CHECK(s->dtype() == paddle::DataType::INT64, op, ": segment ids must be int64");
+      PD_CHECK(s->is_cpu() && s->is_contiguous(), op, ": segment ids must be contiguous on the CPU");
+    }
+    PD_CHECK(qseg->shape() == std::vector<int64_t>({n.b, n.sq}), op, ": query segment ids must be [batch, q_len]");
+    PD_CHECK(kseg->shape() == std::vector<int64_t>({n.b, n.sk}), op, ": key segment ids must be [batch, k_len]");
+  }
+  return n;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> AttentionPairForward(const paddle::Tensor& q, const paddle::Tensor& k,
+                                                 const paddle::Tensor& v, const paddle::optional<paddle::Tensor>& qseg,
+                                                 const paddle::optional<paddle::Tensor>& kseg, bool causal,
+                                                 double scale) {
+  const char* op = "bmt_attention_pair_fwd";
+  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, op);
+  auto out = paddle::empty(q.shape(), q.dtype(), q.place());
+  auto lse = paddle::empty({n.b, n.h, n.sq}, q.dtype(), q.place());
+  const int st = bmt_cpu_attention_pair_fwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(qseg),
+                                            seg_data(kseg), causal ? 1 : 0, out.data(), lse.data(), n.b, n.sq, n.sk,
+                                            n.h, n.hk, n.d, scale);
+  PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
+  return {out, lse};
+}
+
+std::vector<paddle::Tensor> AttentionPairBackward(const paddle::Tensor& q, const paddle::Tensor& k,
+                                                  const paddle::Tensor& v, const paddle::optional<paddle::Tensor>& qseg,
+                                                  const paddle::optional<paddle::Tensor>& kseg,
+                                                  const paddle::Tensor& lse, const paddle::Tensor& delta,
+                                                  const paddle::Tensor& dout, bool causal, double scale) {
+  const char* op = "bmt_attention_pair_bwd";
+  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, op);
+  check_like(q, lse, {n.b, n.h, n.sq}, op, "lse");
+  check_like(q, delta, {n.b, n.h, n.sq}, op, "delta");
+  check_like(q, dout, q.shape(), op, "the output's gradient");
+  auto dq = paddle::empty(q.shape(), q.dtype(), q.place());
+  auto dk = paddle::empty(k.shape(), k.dtype(), k.place());
+  auto dv = paddle::empty(v.shape(), v.dtype(), v.place());
+  const int st = bmt_cpu_attention_pair_bwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(qseg),
+                                            seg_data(kseg), causal ? 1 : 0, lse.data(), delta.data(), dout.data(),
+                                            dq.data(), dk.data(), dv.data(), n.b, n.sq, n.sk, n.h, n.hk, n.d, scale);
+  PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
+  return {dq, dk, dv};
+}
+
+std::vector<std::vector<int64_t>> AttentionPairInferShape(const std::vector<int64_t>& q,
+                                                          const std::vector<int64_t>&,
+                                                          const std::vector<int64_t>&,
+                                                          const paddle::optional<std::vector<int64_t>>&,
+                                                          const paddle::optional<std::vector<int64_t>>&) {
+  return {q, {q[0], q[2], q[1]}};
+}
+
+std::vector<paddle::DataType> AttentionPairInferDtype(const paddle::DataType& q, const paddle::DataType&,
+                                                      const paddle::DataType&,
+                                                      const paddle::optional<paddle::DataType>&,
+                                                      const paddle::optional<paddle::DataType>&) {
+  return {q, q};
+}
+
+PD_BUILD_OP(bmt_attention_pair_fwd)
+    .Inputs({"Q", "K", "V", paddle::Optional("QSeg"), paddle::Optional("KSeg")})
+    .Outputs({"Out", "Lse"})
+    .Attrs({"causal: bool", "scale: double"})
+    .SetKernelFn(PD_KERNEL(AttentionPairForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AttentionPairInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AttentionPairInferDtype));
+
+std::vector<std::vector<int64_t>> AttentionPairGradInferShape(
+    const std::vector<int64_t>& q, const std::vector<int64_t>& k, const std::vector<int64_t>& v,
+    const paddle::optional<std::vector<int64_t>>&, const paddle::optional<std::vector<int64_t>>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  return {q, k, v};
+}
+
+std::vector<paddle::DataType> AttentionPairGradInferDtype(
+    const paddle::DataType& q, const paddle::DataType&, const paddle::DataType&,
+    const paddle::optional<paddle::DataType>&, const paddle::optional<paddle::DataType>&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&) {
+  return {q, q, q};
+}
+
+PD_BUILD_OP(bmt_attention_pair_bwd)
+    .Inputs({"Q", "K", "V", paddle::Optional("QSeg"), paddle::Optional("KSeg"), "Lse", "Delta", "DOut"})
+    .Outputs({"DQ", "DK", "DV"})
+    .Attrs({"causal: bool", "scale: double"})
+    .SetKernelFn(PD_KERNEL(AttentionPairBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AttentionPairGradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AttentionPairGradInferDtype));

@@ -1,7 +1,8 @@
 """Ring attention (parallel/ring_attention.py) over 2 and 4 processes equals attention over the whole
 sequence on one process: each rank's output and its q/k/v gradients, for plain causal rows and for packed
 rows with padding, with grouped-query heads (4 query heads, 2 KV heads), in one query block per chunk or
-in blocks of 7 tokens (uneven: the last block of a chunk is shorter). The ulysses mode (parallel/ulysses.py:
+in blocks of 7 tokens (uneven: the last block of a chunk is shorter), and with the fused CPU kernel per
+chunk pair (parallel/ring_pairs.py). The ulysses mode (parallel/ulysses.py:
 an all-to-all of heads and sequence around the blocked attention) likewise, over 2 ranks (1 KV head each)
 and 4 (8 query heads, 4 KV heads: 2 and 1 a rank)."""
 
@@ -39,6 +40,8 @@ CASES = [
     ("ring", 2, True, 7),
     ("ring", 4, True, 512),
     ("ring", 4, True, 7),
+    ("fused", 2, True, 512),
+    ("fused", 4, False, 512),
     ("ulysses", 2, False, 16),
     ("ulysses", 2, True, 16),
     ("ulysses", 4, True, 16),
@@ -53,6 +56,7 @@ def test_context_attention_equals_whole_sequence(tmp_path, mode, nproc, packed, 
     cmd += ["--log_dir", str(tmp_path / "log"), str(WORKER), "--out", str(tmp_path / "r"), "--seq", str(seq)]
     cmd += ["--block", str(block), "--heads", *map(str, heads)]
     cmd += (["--packed"] if packed else []) + (["--ulysses"] if mode == "ulysses" else [])
+    cmd += ["--fused"] if mode == "fused" else []
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "log").glob("workerlog.*")))
     assert res.returncode == 0, logs

@@ -1,5 +1,6 @@
 """Worker for test_ring_attention.py: ring attention (or with ``--ulysses`` the all-to-all of heads around
-the blocked attention, parallel/ulysses.py) of this rank's chunks of one random batch (the same on every
+the blocked attention, parallel/ulysses.py; with ``--fused`` the fused CPU kernel per chunk pair,
+parallel/ring_pairs.py) of this rank's chunks of one random batch (the same on every
 rank), forward and backward, written as npz (local output and gradients with the indices held).
 
 Run under `python -m paddle.distributed.launch --nproc_per_node N`.
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--ulysses", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="the fused CPU kernel per chunk pair")
     ap.add_argument("--heads", type=int, nargs=2, default=[4, 2])
     args = ap.parse_args()
     cpu_compat.apply_if_cpu()  # as training does: a new gloo group of all 4 ranks reuses the default one's
@@ -69,7 +71,7 @@ def main() -> None:
         core = UlyssesCore(Ring(group, ranks, rank, pairs))
         out = core(*tensors, seg_t, lambda *a: blocked_attention(*a, block=args.block))
     else:
-        out = RingCore(Ring(group, ranks, rank), block=args.block)(*tensors, seg_t)
+        out = RingCore(Ring(group, ranks, rank), block=args.block, fused=args.fused)(*tensors, seg_t)
     (out * paddle.to_tensor(w[:, idx])).sum().backward()
     np.savez(
         f"{args.out}.{rank}.npz",

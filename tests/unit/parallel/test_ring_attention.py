@@ -103,3 +103,34 @@ def test_the_model_context_path_equals_its_loss(packed, core):
     np.testing.assert_allclose(t1, t0, rtol=1e-6)
     for a, b in zip(g1, g0):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_model_context_path_with_the_fused_kernel_per_chunk_pair(packed):
+    """attach_context gives the ring the fused CPU kernel when the model's op set carries it (kernels
+    custom) and Paddle-op blocks otherwise (kernels reference); with the kernel, the loss and gradients on
+    a share equal those on the unsplit batch."""
+    import types
+
+    from bmtrain_cli.ops.build import load_extension
+    from bmtrain_cli.parallel.wrapping import ModelWrapper
+
+    load_extension()
+    wrapper = ModelWrapper(types.SimpleNamespace(context_ring=Ring(None, [0], 0), config=None))
+    assert wrapper.attach_context(CausalLM(ARCH, kernels="reference")).context_attention.fused is False
+    paddle.seed(3)
+    model = wrapper.attach_context(CausalLM(ARCH, kernels="custom"))
+    assert model.context_attention.fused is True
+    model.init_weights()
+    batch = _batch(packed)
+    results = []
+    for share in (False, True):
+        b = split_batch(batch, 1, 0) if share else batch
+        total, _ = model.loss_sum(**to_tensors(b))
+        total.backward()
+        results.append((float(total), [p.grad.numpy().copy() for p in model.parameters()]))
+        model.clear_gradients()
+    (t0, g0), (t1, g1) = results
+    np.testing.assert_allclose(t1, t0, rtol=1e-6)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

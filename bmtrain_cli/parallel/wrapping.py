@@ -218,7 +218,8 @@ class ModelWrapper:
         from bmtrain_cli.parallel.pipeline_moe import carries_router_sums
 
         loss_fn = (model._layers if hasattr(model, "_layers") else model)._bmtrain_loss
-        if loss_fn.arch is None or not carries_router_sums(loss_fn.arch):
+        arch = loss_fn.arch  # a custom model's may be no ModelArch: no experts then
+        if not getattr(arch, "num_experts", 0) or not carries_router_sums(arch):
             return None
         auxes = loss_fn.auxes
         local = [float(paddle.add_n(auxes)), float(len(auxes))] if auxes else [0.0, 0.0]

@@ -1,11 +1,13 @@
 """Expert parallel through `bmtrain run` logs the single process's per-step loss AND grad_norm (1e-5
 relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
 groups, sigmoid routing, a shared expert, latent attention; no auxiliary loss) and ERNIE 4.5 MoE parity
-checkpoints (tests/fixtures/hf), and the Qwen3-MoE with LoRA on its attention; expert parallel alone and
-beside data, pipeline and tensor parallel; the demo task's records, 4 optimizer steps of 4 rows with a
-max_grad_norm below every step's norm (asserted), so a layout whose norm or clip is off diverges from step
-2. The load-balancing loss each step logs is the single process's too. The eval loss (each rank evaluates its shard on a copy with every expert gathered) and the checkpoint
-each layout writes (the experts gathered from their ranks) equal the single process's.
+checkpoints (tests/fixtures/hf), the Qwen3-MoE with LoRA on its attention and on its experts'
+projections, and DPO on the Qwen3-MoE (full, with a frozen reference; LoRA, with precomputed reference
+log-probs); expert parallel alone and beside data, pipeline and tensor parallel; the demo task's records,
+4 optimizer steps of 4 rows with a max_grad_norm below every step's norm (asserted), so a layout whose
+norm or clip is off diverges from step 2. The load-balancing loss each step logs is the single process's
+too. The eval loss (each rank evaluates its shard on a copy with every expert gathered) and the
+checkpoint each layout writes (the experts gathered from their ranks) equal the single process's.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_expert_parallel`` prints it).
 """

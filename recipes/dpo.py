@@ -94,8 +94,9 @@ class PairLoss(PreferenceObjective):
 
 def scoring_model(parts: Parts) -> Any:
     """The model pairs are scored with: the training model itself, tensor-parallel shards included; under
-    pipeline parallel (collective) a gathered copy with the whole weights on every rank, as SFT's eval."""
-    if parts.ctx.pp_degree > 1:
+    pipeline or expert parallel (collective) a gathered copy with the whole weights on every rank, as
+    SFT's eval (each rank scores its own share of the eval pairs, however many, with no dispatch)."""
+    if parts.ctx.pp_degree > 1 or parts.ctx.expert_group is not None:
         return parts.ctx.wrapping.gather_full_model(parts.model.wrapped, kernels=parts.config.model.kernels)
     return parts.model.wrapped
 

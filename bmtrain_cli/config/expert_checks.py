@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from bmtrain_cli.methods import method_of
-from bmtrain_cli.models.arch import lora_targets
 
 KEY = "parallel_config.expert_parallel"
 
@@ -47,21 +46,25 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "set gradient_compression: none",
         )
     sample = method_of(t).sample
-    if sample != "sequence":
+    if sample == "completion":
         err(
             "train_config.stage",
-            f"expert parallel trains on single token sequences yet; stage {t.stage!r} trains on {sample}s, "
-            "whose extra forwards (a reference model, rollouts) the ranks would have to dispatch in step",
+            f"expert parallel does not run stage {t.stage!r} yet: its rollouts (sampled completions of "
+            "different lengths per rank) would have to dispatch in step on every rank",
             "use data_parallel for this stage",
         )
-    if arch is not None and t.finetuning == "lora":
-        on_experts = set(lora_targets(arch, t.lora_target_modules)) & {"gate_proj", "up_proj", "down_proj"}
-        if on_experts:
-            err(
-                "train_config.lora_target_modules",
-                f"expert parallel does not split adapters on the experts' projections yet ({', '.join(sorted(on_experts))})",
-                "target the attention projections, or use data_parallel for LoRA on the experts",
-            )
+    if (
+        sample == "pair"
+        and t.finetuning == "lora"
+        and method_of(t).reference(t)
+        and not t.precompute_ref_log_probs
+    ):
+        err(
+            "train_config.precompute_ref_log_probs",
+            "expert parallel with LoRA scores the held-out pairs' reference (the policy with its adapters "
+            "off) through the experts' dispatch, which each rank's own share of pairs would run out of step",
+            "set precompute_ref_log_probs: true (every rank computes every pair once), or train full weights",
+        )
     if config.model.quantization is not None:
         err(
             "model_config.quantization",

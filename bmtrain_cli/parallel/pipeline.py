@@ -360,6 +360,7 @@ class _PipelineLoss:
         self.ctx, self.arch = ctx, arch
         self.scale = 1.0
         self.sums: List[Any] = []
+        self.auxes: List[Any] = []  # a mixture of experts' load-balancing losses of the step (logged)
         self.objective: Optional[PipelineObjective] = None
 
     def __call__(self, logits: Any, target: Any) -> Any:
@@ -376,7 +377,7 @@ class _PipelineLoss:
                 from bmtrain_cli.ops import reference
 
                 loss_sum, count = reference.cross_entropy_sum(flat, labels)
-            loss_sum = with_aux(loss_sum, count, sums, self.arch)
+            loss_sum = with_aux(loss_sum, count, sums, self.arch, self.auxes)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 
@@ -466,8 +467,7 @@ def pipeline_train_step(
         inputs, target, count = objective.pipeline_data(micro_batches, length or 0)
     inner = model._layers if hasattr(model, "_layers") else model
     loss_fn: _PipelineLoss = inner._bmtrain_loss
-    loss_fn.sums = []
-    loss_fn.objective = objective
+    loss_fn.sums, loss_fn.auxes, loss_fn.objective = [], [], objective
     accumulate = getattr(model, "accumulate_steps", len(micro_batches))
     # fleet averages gradients over the data ranks: scale by their number so the result is the sum
     loss_fn.scale = accumulate * ctx.data_world / max(count, 1.0)

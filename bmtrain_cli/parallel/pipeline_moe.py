@@ -52,11 +52,12 @@ def join_sums(out: Any, sums: List[Any]) -> Any:
     return (out, *sums) if sums else out
 
 
-def with_aux(loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any) -> Any:
+def with_aux(loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any, record: List[Any]) -> Any:
     """The micro-batch's summed loss with ``router_aux_loss_coef x aux x count`` added (aux from the last
-    stage's ``sums``; ``loss_sum`` itself without them)."""
+    stage's ``sums``, appended to ``record`` for the log; ``loss_sum`` itself without them)."""
     if not sums:
         return loss_sum
     s = sums[0]
     aux = balance_loss(s[0], s[1], s[2][0], arch.num_experts)
+    record.append(aux.detach())
     return loss_sum + arch.router_aux_loss_coef * aux * count

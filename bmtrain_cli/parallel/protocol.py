@@ -11,7 +11,7 @@ only takes that one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from bmtrain_cli.config.schema import Config
 from bmtrain_cli.models.layers import LayerFactory
@@ -111,6 +111,8 @@ class ModelWrapping(Protocol):
     def pipeline_step(
         self, model: Any, micro_batches: List[Dict[str, Any]], optimizer: Any, **kw: Any
     ) -> Any: ...
+
+    def pipeline_aux_losses(self, model: Any) -> Optional[Tuple[float, float]]: ...
 
     def full_state_dict(self, model: Any) -> Dict[str, Any]: ...
 

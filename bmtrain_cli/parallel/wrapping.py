@@ -10,7 +10,7 @@ gradient, whatever the layout. Fleet's own reductions average; the context resca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from bmtrain_cli.models.layers import LayerFactory
 from bmtrain_cli.parallel.protocol import ParallelCtx
@@ -206,6 +206,26 @@ class ModelWrapper:
         from bmtrain_cli.parallel.pipeline import pipeline_train_step
 
         return pipeline_train_step(self._ctx, model, micro_batches, optimizer, **kw)
+
+    def pipeline_aux_losses(self, model: Any) -> Optional[Tuple[float, float]]:
+        """Under pipeline parallel (collective): (sum, count) of the last step's load-balancing losses over
+        this data rank's micro-batches, from the last stage; None without pipeline parallel or aux loss."""
+        if self._ctx.pp_degree == 1:
+            return None
+        import numpy as np
+        import paddle
+
+        from bmtrain_cli.parallel.pipeline import last_stage_values
+        from bmtrain_cli.parallel.pipeline_moe import carries_router_sums
+
+        loss_fn = (model._layers if hasattr(model, "_layers") else model)._bmtrain_loss
+        arch = loss_fn.arch  # a custom model's may be no ModelArch: no experts then
+        if not getattr(arch, "num_experts", 0) or not carries_router_sums(arch):
+            return None
+        auxes = loss_fn.auxes
+        local = [float(paddle.add_n(auxes)), float(len(auxes))] if auxes else [0.0, 0.0]
+        total, count = last_stage_values(self._ctx, np.asarray(local))
+        return (float(total), float(count)) if count else None
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, model: Any) -> Dict[str, Any]:

@@ -32,14 +32,14 @@ from bmtrain_cli.quant.layer import summary as quant_summary
 
 
 def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> Dict[str, np.ndarray]:
-    """Whole adapter tensors (our names, Paddle layout). Collective under tensor/pipeline parallel:
+    """Whole adapter tensors (our names, Paddle layout). Collective under tensor/pipeline/expert parallel:
     call it on every rank."""
     from bmtrain_cli.parallel.full_weights import unwrap
 
     inner = unwrap(model)
-    if ctx is None or (ctx.tp_degree == 1 and ctx.pp_degree == 1):
+    if ctx is None or ctx.holds_whole_weights:
         return adapter_arrays(inner)
-    if ctx.pp_degree > 1:
+    if ctx.pp_degree > 1 or ctx.expert_group is not None:  # the experts' adapters from their ranks
         full = ctx.wrapping.full_state_dict(model)
         return fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)}, inner.arch)
     import paddle.distributed as dist

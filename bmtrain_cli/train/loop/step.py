@@ -105,9 +105,9 @@ def train_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     # non-finite one: overflows in the first steps are expected with dynamic scaling from 32768
     finite = math.isfinite(loss) and (math.isfinite(grad_norm) or overflow)
     optim.stepper.clear_grad(set_to_zero=False)
-    metrics = objective.step_metrics()
-    if aux_losses:  # the micro-batches' mean on this rank
-        metrics = {**metrics, "aux_loss": float(paddle.add_n(aux_losses).numpy()) / len(aux_losses)}
+    metrics = dict(objective.step_metrics())
+    if aux_losses:  # the mean over every micro-batch of the step (all data ranks), as one process logs it
+        metrics["aux_loss"] = mean_over_ranks(ctx, float(paddle.add_n(aux_losses)), len(aux_losses))
     if loads is not None:
         metrics = {**metrics, **load_metrics(loads, parts.model.raw.arch.num_experts_per_tok)}
     return StepOutput(
@@ -141,6 +141,9 @@ def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
     overflow = precision.overflowed()
     grad_norm = fleet_grad_norm(parts, step, overflow)  # measured by fleet's clip inside train_batch
     metrics = loss_on_last.step_metrics() if loss_on_last is not None else {}
+    aux = parts.ctx.wrapping.pipeline_aux_losses(parts.model.wrapped)  # on the last stage, or None
+    if aux is not None:
+        metrics = {**metrics, "aux_loss": mean_over_ranks(parts.ctx, *aux)}
     return StepOutput(
         loss=loss,
         lr=lr,
@@ -150,6 +153,16 @@ def pipeline_step(parts: Parts, step: int, micro: List[Batch]) -> StepOutput:
         finite=math.isfinite(loss),
         metrics=metrics,
     )
+
+
+def mean_over_ranks(ctx: Any, local_sum: float, local_count: float) -> float:
+    """A per-micro-batch figure's mean over the step's micro-batches on every data rank (collective)."""
+    import paddle
+
+    total = ctx.collectives.all_reduce_sum(
+        paddle.to_tensor([local_sum, local_count], dtype="float64")
+    ).numpy()
+    return float(total[0]) / max(float(total[1]), 1.0)
 
 
 def fleet_grad_norm(parts: Parts, step: int, overflow: bool = False) -> float:

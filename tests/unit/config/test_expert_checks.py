@@ -4,6 +4,8 @@ the key's file:line with the reason, before any process starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bmtrain_cli.config import load_config
@@ -32,6 +34,20 @@ def test_expert_ranks_are_data_ranks(write_yaml):
     assert "expert 2 = 2) does not match the 4 launched processes" in str(info.value)
     with pytest.raises(ConfigError, match="expert_parallel 2\\), so it must be a multiple of 2"):
         load_config(write_yaml(_text(batch=3)))
+
+
+def test_expert_parallel_admits_dpo_and_adapters_on_the_experts(write_yaml):
+    """DPO (its reference forwards dispatch in step on every rank) and LoRA on the experts' projections
+    (each rank holds its experts' adapters) run under expert parallel (tests/integration/test_expert_methods.py)."""
+    lora = _text(train="  finetuning: lora\n  lora_target_modules: all-linear\n")
+    assert load_config(write_yaml(lora), world_size=2).config.train.lora_target_modules == "all-linear"
+    checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
+    dpo = (
+        f"model_config:\n  model_name_or_path: {checkpoint}\n"
+        "train_config:\n  stage: dpo\n  demo_data: reverse\n  micro_batch_size: 1\n  global_batch_size: 4\n"
+        "parallel_config:\n  expert_parallel: 2\n  tensor_parallel: 2\n"
+    )
+    assert load_config(write_yaml(dpo), world_size=4).config.train.stage == "dpo"
 
 
 def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
@@ -68,11 +84,11 @@ def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
             14,
             "does not compress gradients",
         ),
-        ({"train": "  stage: dpo\n"}, 12, "trains on pairs"),
+        ({"train": "  stage: grpo\n"}, 12, "does not run stage 'grpo' yet"),
         (
-            {"train": "  finetuning: lora\n  lora_target_modules: all-linear\n"},
-            13,
-            "does not split adapters on the experts' projections yet (down_proj, gate_proj, up_proj)",
+            {"train": "  stage: dpo\n  finetuning: lora\n"},
+            8,
+            "expert parallel with LoRA scores the held-out pairs' reference",
         ),
         (
             {

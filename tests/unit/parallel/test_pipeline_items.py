@@ -79,8 +79,10 @@ def test_moe_items_carry_the_load_balancing_loss():
     assert len(sums) == 1 and sums[0].shape == [3, 4]
     target = paddle.concat([labels[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
     ce, count = reference.cross_entropy_sum(logits.reshape([-1, arch.vocab_size]), target.reshape([-1]))
-    got = with_aux(ce, count, sums, arch)
+    logged: list = []
+    got = with_aux(ce, count, sums, arch, logged)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    np.testing.assert_allclose(float(logged[0]), float(model.last_aux_loss), rtol=1e-6)  # what the log shows
     assert abs(float(got) - float(ce)) > 1e-3  # the auxiliary term is there
     got.backward()
     for w, g in zip(routers, want_grads):

@@ -135,6 +135,9 @@ def _pipeline_parts(overflow: bool, recorded_norm):
             calls["autocast"] = precision.inside
             return 6.0, 3.0
 
+        def pipeline_aux_losses(self, model):
+            return None  # a dense model: no load-balancing loss to log
+
     class Collectives:
         def all_reduce_sum(self, value):
             return value

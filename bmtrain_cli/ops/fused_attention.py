@@ -12,7 +12,7 @@ models/attention.py runs it as the ``cpu_fused`` kernel when the model's op set 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import paddle
 from paddle.autograd import PyLayer
@@ -110,39 +110,37 @@ def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
         raise ValueError(f"{op}: the fused CPU attention takes float32 or float64 on a CPU, got {q.dtype}")
 
 
-def attention_pair_forward(
-    q: paddle.Tensor,
-    k: paddle.Tensor,
-    v: paddle.Tensor,
-    segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]],
-    causal: bool,
-    scale: float,
-) -> Tuple[paddle.Tensor, paddle.Tensor]:
-    """One (query chunk, key chunk) pair of a ring attention (no autograd: the ring's own backward calls
-    :func:`attention_pair_backward`): q [b, sq, h, d] over k, v [b, sk, hk, d], ``causal`` (the diagonal
-    pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries [b, sq] and of the keys
-    [b, sk] (a query sees only keys with its id) or None. Returns the output [b, sq, h, d] and the per-query
-    log-sum-exp [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
+class Pair(NamedTuple):
+    """One (query chunk, key chunk) pair of a ring attention: q [b, sq, h, d] over k, v [b, sk, hk, d],
+    ``causal`` (the diagonal pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries
+    [b, sq] and of the keys [b, sk] (a query sees only keys with its id) or None, the score ``scale``."""
+
+    q: paddle.Tensor
+    k: paddle.Tensor
+    v: paddle.Tensor
+    segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]]
+    causal: bool
+    scale: float
+
+
+def attention_pair_forward(pair: Pair) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """One chunk pair's attention (no autograd: the ring's own backward calls
+    :func:`attention_pair_backward`). Returns the output [b, sq, h, d] and the per-query log-sum-exp
+    [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
+    q, k, v, segments, causal, scale = pair
     _check_pair(q, k, causal)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_fwd(q, k, v, qs, ks, bool(causal), float(scale))
 
 
 def attention_pair_backward(
-    q: paddle.Tensor,
-    k: paddle.Tensor,
-    v: paddle.Tensor,
-    segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]],
-    causal: bool,
-    scale: float,
-    lse: paddle.Tensor,
-    delta: paddle.Tensor,
-    dout: paddle.Tensor,
+    pair: Pair, lse: paddle.Tensor, delta: paddle.Tensor, dout: paddle.Tensor
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The gradients (dq, dk, dv) of one pair's share of an attention whose merged log-sum-exp is ``lse``
     and whose D = rowsum(dO * O) is ``delta`` (both [b, h, sq], q's dtype), given its output's gradient
     ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale).
-    Arguments as :func:`attention_pair_forward`."""
+    """
+    q, k, v, segments, causal, scale = pair
     _check_pair(q, k, causal)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_bwd(

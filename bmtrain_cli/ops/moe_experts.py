@@ -89,18 +89,27 @@ class _Grouped(PyLayer):
         )
 
 
-def grouped_experts(rows: paddle.Tensor, counts: Sequence[int], weights: Weights) -> paddle.Tensor:
-    """Our CPU grouped GEMM (float32 on a CPU; a ValueError otherwise)."""
+def _check(rows: paddle.Tensor, counts: Sequence[int], weights: Weights, cuda: bool) -> None:
+    """A ValueError unless the grouped GEMM takes these arguments: on a CPU (``cuda`` False) float32 only,
+    on a GPU one of :func:`takes`' dtypes throughout; a count per expert, summing to the rows."""
     gate, up, down = weights
     dtypes = {rows.dtype, *(w.dtype for w in (*gate, *up, *down))}
-    if dtypes != {paddle.float32} or not rows.place.is_cpu_place():
+    got = sorted(str(d).replace("paddle.", "") for d in dtypes)
+    if len(got) != 1 or got[0] not in _dtypes(cuda) or rows.place.is_cpu_place() == cuda:
         raise ValueError(
-            f"moe experts: the grouped GEMM takes float32 on a CPU, got {dtypes} on {rows.place}"
+            f"moe experts: the {'CUDA' if cuda else 'CPU'} grouped GEMM takes one dtype of "
+            f"{'/'.join(_dtypes(cuda))} on {'a GPU' if cuda else 'a CPU'}, got {', '.join(got)} on {rows.place}"
         )
     if not len(counts) == len(gate) == len(up) == len(down):
         raise ValueError(f"moe experts: {len(counts)} counts for {len(gate)}/{len(up)}/{len(down)} weights")
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"moe experts: the counts sum to {sum(counts)}, the rows are {rows.shape[0]}")
+
+
+def grouped_experts(rows: paddle.Tensor, counts: Sequence[int], weights: Weights) -> paddle.Tensor:
+    """Our CPU grouped GEMM (float32 on a CPU; a ValueError otherwise)."""
+    _check(rows, counts, weights, cuda=False)
+    gate, up, down = weights
     rows, flat = contiguous(rows), [contiguous(w) for w in (*gate, *up, *down)]
     needs_grad = not rows.stop_gradient or any(not w.stop_gradient for w in flat)
     if paddle.is_grad_enabled() and needs_grad:
@@ -137,17 +146,8 @@ class _GroupedLinear(PyLayer):
 def cuda_grouped_experts(rows: paddle.Tensor, counts: Sequence[int], weights: Weights) -> paddle.Tensor:
     """Our CUDA grouped GEMM: ``(silu(x gate_e) * x up_e) down_e`` for every expert's rows, three grouped
     launches (fp32/fp16/bf16 on a GPU, one dtype throughout; a ValueError otherwise)."""
+    _check(rows, counts, weights, cuda=True)
     gate, up, down = weights
-    dtypes = {rows.dtype, *(w.dtype for w in (*gate, *up, *down))}
-    if len(dtypes) != 1 or rows.place.is_cpu_place():
-        got = ", ".join(sorted(str(d).replace("paddle.", "") for d in dtypes))
-        raise ValueError(
-            f"moe experts: the CUDA grouped GEMM takes one dtype on a GPU, got {got} on {rows.place}"
-        )
-    if not len(counts) == len(gate) == len(up) == len(down):
-        raise ValueError(f"moe experts: {len(counts)} counts for {len(gate)}/{len(up)}/{len(down)} weights")
-    if sum(counts) != rows.shape[0]:
-        raise ValueError(f"moe experts: the counts sum to {sum(counts)}, the rows are {rows.shape[0]}")
     n = [int(c) for c in counts]
 
     def project(x: paddle.Tensor, ws: Sequence[paddle.Tensor]) -> paddle.Tensor:
@@ -211,10 +211,13 @@ def choose(mode: str, device: str, ours_built: bool) -> Tuple[str, str]:
 
 
 def takes(grouped: Callable, dtype: Any) -> bool:
-    """Whether the grouped implementation ``grouped`` runs rows of ``dtype``: our CPU GEMM float32 only,
-    the CUDA one float32, float16 and bfloat16 (each with weights of the same dtype)."""
-    dtypes = ("float32", "float16", "bfloat16") if grouped is cuda_grouped_experts else ("float32",)
-    return str(dtype).replace("paddle.", "") in dtypes
+    """Whether the grouped implementation ``grouped`` runs rows of ``dtype`` (weights of the same dtype)."""
+    return str(dtype).replace("paddle.", "") in _dtypes(grouped is cuda_grouped_experts)
+
+
+def _dtypes(cuda: bool) -> Tuple[str, ...]:
+    """Our CPU GEMM takes float32, the CUDA one float32, float16 and bfloat16."""
+    return ("float32", "float16", "bfloat16") if cuda else ("float32",)
 
 
 def for_device(

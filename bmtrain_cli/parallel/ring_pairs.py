@@ -64,17 +64,17 @@ class FusedPairs:
     def forward(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segs: Segments, causal: bool, scale: float
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        from bmtrain_cli.ops.fused_attention import attention_pair_forward
+        from bmtrain_cli.ops.fused_attention import Pair, attention_pair_forward
 
-        return attention_pair_forward(q, k, v, segs, causal, scale)
+        return attention_pair_forward(Pair(q, k, v, segs, causal, scale))
 
     def backward(
         self, q: Any, k: Any, v: Any, segs: Segments, causal: bool, scale: float, stats: Dict[str, Any]
     ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        from bmtrain_cli.ops.fused_attention import attention_pair_backward
+        from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward
 
         lse, delta = stats["lse"].astype(q.dtype), stats["delta"].astype(q.dtype)
-        return attention_pair_backward(q, k, v, segs, causal, scale, lse, delta, stats["dout"])
+        return attention_pair_backward(Pair(q, k, v, segs, causal, scale), lse, delta, stats["dout"])
 
 
 class FlashPairs:

@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.ops.fused_attention import attention_pair_backward, attention_pair_forward
+from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward, attention_pair_forward
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore
 from bmtrain_cli.parallel.ring_pairs import FusedPairs, pair_kernel
 
@@ -95,7 +95,7 @@ def test_pair_forward_and_backward_match_dense_ops(ext, shape, dtype, tol):
         segs = (qseg, kseg)
     seg_t = None if segs is None else tuple(paddle.to_tensor(x) for x in segs)
     scale = d**-0.5
-    out, lse = attention_pair_forward(q, k, v, seg_t, causal, scale)
+    out, lse = attention_pair_forward(Pair(q, k, v, seg_t, causal, scale))
     _, _, _, allowed, ref_out, ref_lse = _dense(q, k, v, segs, causal, scale)
     np.testing.assert_allclose(out.numpy(), ref_out.numpy(), atol=tol, rtol=tol)
     np.testing.assert_allclose(lse.numpy(), ref_lse.numpy(), atol=tol, rtol=tol)
@@ -105,7 +105,7 @@ def test_pair_forward_and_backward_match_dense_ops(ext, shape, dtype, tol):
     other = paddle.to_tensor(rng.standard_normal(lse.shape).astype(dtype))
     glob = paddle.logaddexp(ref_lse, other)
     delta = paddle.to_tensor(rng.standard_normal(lse.shape).astype(dtype))
-    grads = attention_pair_backward(q, k, v, seg_t, causal, scale, glob, delta, dout)
+    grads = attention_pair_backward(Pair(q, k, v, seg_t, causal, scale), glob, delta, dout)
     refs = _dense_backward(q, k, v, segs, causal, scale, glob, delta, dout)
     for name, g, r in zip("qkv", grads, refs):
         np.testing.assert_allclose(g.numpy(), r.numpy(), atol=tol, rtol=tol, err_msg=f"d{name}")
@@ -115,7 +115,7 @@ def test_pair_refuses_a_causal_pair_of_unequal_lengths(ext):
     q = paddle.zeros([1, 4, 2, 8])
     k = paddle.zeros([1, 6, 1, 8])
     with pytest.raises(ValueError, match="causal pair"):
-        attention_pair_forward(q, k, k, None, True, 0.3)
+        attention_pair_forward(Pair(q, k, k, None, True, 0.3))
 
 
 def _ring_call(fused, q, k, v, seg, w):

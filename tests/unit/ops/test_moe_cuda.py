@@ -84,7 +84,7 @@ def test_the_real_launch_check_rejects_what_does_not_run_here():
     CUDA path refuses CPU tensors, so the check fails with that reason and the experts fall back."""
     assert for_device("auto", "gpu:0", True) is None
     assert (
-        "ValueError: moe experts: the CUDA grouped GEMM takes one dtype on a GPU"
+        "ValueError: moe experts: the CUDA grouped GEMM takes one dtype of float32/float16/bfloat16 on a GPU"
         in moe_experts._why[("auto", "gpu:0")]
     )
 

@@ -4,7 +4,6 @@ PEFT adapts transformers 5.x's stacked experts (lora/peft_experts.py)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,11 @@ from bmtrain_cli.export.meta import ExportResult, write_export_meta
 from bmtrain_cli.lora.adapter_store import BASE_FILE, find_base, is_lora_checkpoint
 from bmtrain_cli.lora.merge import (
     ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    PEFT_PREFIX,
     load_adapter_arrays,
-    peft_config,
     read_adapter_config,
     save_adapters,
     settings_from_adapter_config,
 )
-from bmtrain_cli.lora.peft_experts import has_expert_adapters, peft_expert_layout
-from bmtrain_cli.models.safetensors_io import save_numpy_file
 
 
 def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
@@ -40,14 +34,7 @@ def export_adapters(ckpt: Path, out: Path, log: Any = print) -> ExportResult:
     base = find_base(ckpt)  # PEFT needs the base too: name a verified one
     log(f"writing the LoRA adapters of {ckpt} (base {base}) in PEFT layout")
     with writes_to(out), atomic_directory(out, f".{out.name}.tmp-export", create=False) as tmp:
-        if has_expert_adapters(arrays):  # transformers 5.x's stacked experts (lora/peft_experts.py)
-            tensors, entries = peft_expert_layout(arrays, settings, PEFT_PREFIX)
-            tmp.mkdir(parents=True, exist_ok=True)
-            save_numpy_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-            cfg = {**peft_config(settings, str(base)), **entries}
-            (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        else:
-            save_adapters(str(tmp), settings, arrays, str(base))
+        save_adapters(str(tmp), settings, arrays, str(base))  # stacked experts: lora/peft_experts.py
         shutil.copy2(ckpt / BASE_FILE, tmp / BASE_FILE)
         tokenizer = None
         if any((ckpt / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):

@@ -18,7 +18,12 @@ from paddle import nn
 from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.inject import HOOK_ATTR, LoRASettings, is_lora_name, lora_layers, lora_settings
 from bmtrain_cli.lora.layers import LoRALinear
-from bmtrain_cli.lora.peft_experts import mlp_targets, split_expert_layout
+from bmtrain_cli.lora.peft_experts import (
+    has_expert_adapters,
+    mlp_targets,
+    peft_expert_layout,
+    split_expert_layout,
+)
 from bmtrain_cli.lora.split_parts import split_adapter_arrays
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -119,13 +124,20 @@ def save_adapters(
     arrays: Dict[str, np.ndarray],
     base_model_name_or_path: Optional[str] = None,
 ) -> Path:
-    """Write adapter_config.json + adapter_model.safetensors from whole adapter arrays (our names)."""
+    """Write adapter_config.json + adapter_model.safetensors from whole adapter arrays (our names). Adapters
+    on a mixture of experts' routed experts are written as PEFT adapts transformers 5.x's stacked experts
+    (lora/peft_experts.py), so a checkpoint and ``export --no-merge`` both load in PEFT."""
     from bmtrain_cli.models.safetensors_io import save_numpy_file
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    save_numpy_file(to_peft_tensors(arrays), d / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     cfg = peft_config(settings, base_model_name_or_path)
+    if has_expert_adapters(arrays):
+        tensors, entries = peft_expert_layout(arrays, settings, PEFT_PREFIX)
+        cfg.update(entries)
+    else:
+        tensors = to_peft_tensors(arrays)
+    save_numpy_file(tensors, d / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (d / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     return d
 

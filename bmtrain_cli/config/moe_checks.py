@@ -25,12 +25,14 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
             f"{what}: {problem}",
             "use a tensor_parallel degree that divides it",
         )
-    if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":
+    sample = method_of(t).sample
+    if p.pipeline_parallel > 1 and sample != "sequence" and (sample != "pair" or arch.output_router_logits):
+        # preference pairs run through the pipeline when no load-balancing loss is added to theirs
         err(
             "train_config.stage",
-            f"{what} under pipeline parallel trains on single token sequences (stage sft) yet; stage "
-            f"{t.stage!r} computes its loss on the last stage without the routers' load-balancing sums",
-            "use data_parallel or expert_parallel for this stage",
+            f"{what} under pipeline parallel: stage {t.stage!r} computes its loss on the last stage without "
+            "the routers' load-balancing sums (output_router_logits)",
+            "set model_config.output_router_logits: false, or use data_parallel or expert_parallel",
         )
     if t.to_static:
         err(

@@ -106,3 +106,24 @@ def test_refused_at_file_line(write_yaml, kwargs, line, message):
         load_config(path, has_gpu=False)
     errors = [(p.file, p.line, p.message) for p in info.value.problems if p.severity == "error"]
     assert any((f, n) == (str(path), line) and message in text for f, n, text in errors), errors
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_dpo_under_pipeline_parallel_on_a_mixture_of_experts(write_yaml, aux):
+    """Preference pairs run through the pipeline on an MoE policy (tests/integration/
+    test_preference_parallel.py); with the load-balancing loss, which the pipeline's pair loss leaves out,
+    they are refused at train_config.stage."""
+    checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
+    text = (
+        f"model_config:\n  model_name_or_path: {checkpoint}\n  output_router_logits: {str(aux).lower()}\n"
+        "train_config:\n  stage: dpo\n  demo_data: reverse\n  micro_batch_size: 1\n  global_batch_size: 4\n"
+        "  precompute_ref_log_probs: true\n  finetuning: lora\n"
+        "parallel_config:\n  pipeline_parallel: 2\n"
+    )
+    if not aux:
+        assert load_config(write_yaml(text), world_size=2).config.parallel.pipeline_parallel == 2
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(text), world_size=2)
+    assert ":5:" in str(info.value)  # train_config.stage's line
+    assert "stage 'dpo' computes its loss on the last stage without the routers'" in str(info.value)

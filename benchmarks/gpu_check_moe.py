@@ -3,9 +3,10 @@
 Each case runs the three launchers (fwd y_e = x_e op(w_e), dx, dw) over rows sorted by expert on device
 buffers owned by PyTorch or CuPy, and compares them with a float64 NumPy reference of the same (rounded)
 inputs, expert by expert: odd sizes, experts without rows (their weight gradient must be overwritten with
-zeros), one expert taking every row, no rows at all, both weight layouts. The Qwen3-MoE-shaped case (64
-experts, 4096 routed rows, hidden 1024, expert ffn 256) is timed against the same products written as a
-framework loop over the experts, and its throughput reported in TFLOP/s.
+zeros), one expert taking every row, no rows at all, both weight layouts, one expert with more row tiles
+than a CUDA grid has rows. The Qwen3-MoE-shaped case (64 experts, 4096 routed rows, hidden 1024, expert
+ffn 256) is timed against the same products written as a framework loop over the experts, and its
+throughput reported in TFLOP/s.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def cases(rng) -> Dict[str, tuple]:
         "one row": ([1], 5, 3, 0, False),
         "no rows at all": ([0, 0, 0], 16, 8, 0, False),
         "tall: 3000 rows of one expert": ([3000, 5], 40, 24, 1, False),
+        # more row tiles than a grid has rows (65535): the kernel's blocks loop over row tiles
+        "past the grid: 65535 x 64 + 1 rows of one expert": ([65535 * 64 + 1, 3], 8, 4, 0, False),
         "qwen3-moe gate/up 64 x [1024, 256]": (routed, 1024, 256, 0, True),
         "qwen3-moe down 64 x [256, 1024]": (routed, 256, 1024, 0, True),
     }
@@ -132,7 +135,10 @@ def run(be, lib, dtypes: List[str], rng) -> List[str]:
             key = f"grouped_gemm {name} {dtype}"
             res = check_grouped(be, lib, dtype, counts, k, n, trans_w, rng, timed)
             errs = {k_: v for k_, v in res.items() if k_ in ("y", "dx", "dw")}
-            bad = [k_ for k_, v in errs.items() if not v <= TOL[dtype]]
+            # an fp32 sum of m products rounds by about eps sqrt(m) of its size: the weight gradient of an
+            # expert with millions of rows gets a proportionally wider tolerance
+            tol = TOL[dtype] * max(1.0, float(np.sqrt(max(counts) / 65536)))
+            bad = [k_ for k_, v in errs.items() if not v <= tol]
             if bad:
                 failures.append(f"{key}: {bad}")
             speed = "".join(f"  {k_} {v:.3f}" for k_, v in res.items() if k_ not in errs)

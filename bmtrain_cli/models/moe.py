@@ -164,7 +164,9 @@ class SparseMoE(nn.Layer):
     def _held_experts(self, rows: paddle.Tensor, counts: List[int]) -> paddle.Tensor:
         if self.grouped is not None and takes(self.grouped, rows.dtype):
             weights = [[_grouped_weight(getattr(x, n)) for x in self.experts] for n in _PROJS]
-            if all(w is not None for ws in weights for w in ws):
+            # one dtype throughout: under AMP O1 the rows are autocast (bf16/fp16) while the weights stay
+            # fp32, which the reference composition's autocast matmuls take and the grouped GEMM does not
+            if all(w is not None and w.dtype == rows.dtype for ws in weights for w in ws):
                 return self.grouped(rows, counts, tuple(weights))
         held = list(self.experts)
         quantised = quantised_experts(held, rows, counts, held[0].ops.swiglu) if held else None

@@ -107,7 +107,9 @@ def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
             f"{op}: a causal pair needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}"
         )
     if q.dtype not in _DTYPES or not q.place.is_cpu_place():
-        raise ValueError(f"{op}: the fused CPU attention takes float32 or float64 on a CPU, got {q.dtype}")
+        raise ValueError(
+            f"{op}: the fused CPU attention takes float32 or float64 on a CPU, got {q.dtype} on {q.place}"
+        )
 
 
 class Pair(NamedTuple):

@@ -60,7 +60,24 @@ def run_check(
     name: str, ours: Callable, ref: Callable, atol: float = 2e-3, inputs: Optional[Callable[[], Tuple]] = None
 ) -> Optional[str]:
     """Forward and backward of ``ours`` and ``ref`` on a tiny fp32 input on the current device (``inputs()``
-    where given, fresh for each; else the op's own below)."""
+    where given, fresh for each; else the op's own below). The inputs are seeded; the random generators
+    are restored afterwards, so the run's seeded stream (the check runs while the model is built) goes on
+    as if the check had not run."""
+    import paddle
+
+    cpu = paddle.get_rng_state("cpu")
+    cuda = paddle.get_cuda_rng_state() if paddle.is_compiled_with_cuda() else None
+    try:
+        return _compare(name, ours, ref, atol, inputs)
+    finally:
+        paddle.set_rng_state(cpu, "cpu")
+        if cuda is not None:
+            paddle.set_cuda_rng_state(cuda)
+
+
+def _compare(
+    name: str, ours: Callable, ref: Callable, atol: float, inputs: Optional[Callable[[], Tuple]]
+) -> Optional[str]:
     import numpy as np
     import paddle
 

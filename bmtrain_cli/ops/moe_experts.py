@@ -30,7 +30,6 @@ from bmtrain_cli.errors import NoticeWarning
 from bmtrain_cli.ops.build import load_extension
 from bmtrain_cli.ops.custom import contiguous
 
-IMPLS = ("grouped", "grouped_cuda", "reference")
 Weights = Tuple[Sequence[paddle.Tensor], Sequence[paddle.Tensor], Sequence[paddle.Tensor]]
 
 

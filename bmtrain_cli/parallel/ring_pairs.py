@@ -12,7 +12,8 @@ dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), whi
   ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids.
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
-reference, for ``kernels: reference``, builds without our kernels, packed rows on a GPU). The first rank
+reference: on a CPU without our fused kernel, ``kernels: paddle``/``reference`` or no build; on a GPU
+packed rows, fp32, or what flash attention refuses). The first rank
 of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 

@@ -16,7 +16,7 @@ embedding's codes, so one set of codes stands for both.
 The embedding is quantised in blocks of vocabulary rows (:func:`quantize_rows`, at most
 :data:`ROW_BLOCK_WEIGHTS` weights at a time): a scale per row makes each block's codes those of the whole
 matrix, byte for byte. Loading a checkpoint reads it from the file block by block
-(models/safetensors_io.py ``LazyTensors.rows``), so its full-precision matrix never exists whole.
+(models/safetensors_io.py ``LazyTensors.row_reader``), so its full-precision matrix never exists whole.
 """
 
 from __future__ import annotations

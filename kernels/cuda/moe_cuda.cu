@@ -10,11 +10,13 @@
 //
 // The kernel is one tiled GEMM, C [M, N] = op(A) [M, K] op(B) [K, N], whose operands are addressed through
 // element strides, so the three products (and both weight layouts) are the same code: a grid of
-// (N tiles, M tiles, experts) blocks, each computing a kTile x kTile tile of one expert's C in fp32
-// registers from kDepth-deep slices of op(A) and op(B) staged in shared memory. The row-grouped operands
-// start at off_e rows; the per-expert ones are read from a device array of pointers. The launcher copies
-// the offsets and the pointers into a caller-provided device workspace (bmt_cuda_grouped_gemm_workspace)
-// with an asynchronous copy on the stream, so a launch needs no allocation and no synchronisation.
+// (N tiles, M tiles, experts) blocks (at most 65535 M tiles: a block then takes every gridDim.y-th row
+// tile in turn), each computing a kTile x kTile tile of one expert's C in fp32 registers from kDepth-deep
+// slices of op(A) and op(B) staged in shared memory. The row-grouped operands start at off_e rows; the
+// per-expert ones are read from a device array of pointers. The launcher copies the offsets and the
+// pointers into a caller-provided device workspace (bmt_cuda_grouped_gemm_workspace) with an asynchronous
+// copy on the stream, so a launch needs no allocation and no synchronisation.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -30,6 +32,13 @@ constexpr int kTile = 64;   // rows and columns of C per block
 constexpr int kDepth = 16;  // reduction slice staged in shared memory
 constexpr int kSide = 16;   // threads per block side: kSide x kSide threads, each 4 x 4 outputs
 constexpr int kPer = kTile / kSide;
+
+// CUDA's limit on gridDim.y (and z); a build may lower it (the host emulation of the tests does, to reach
+// the loop over row tiles below with small inputs)
+#ifndef BMT_GRID_Y_MAX
+#define BMT_GRID_Y_MAX 65535
+#endif
+constexpr int64_t kGridYMax = BMT_GRID_Y_MAX;
 
 // One operand as the kernel reads it: op(X)[i, p] = base[i * si + p * sp], where base is list[e] for a
 // per-expert operand (list set) or ptr + off[e] * row for a row-grouped one.
@@ -76,38 +85,43 @@ __global__ void grouped_gemm_kernel(Problem<T> pr) {
   const int64_t e = blockIdx.z;
   const int64_t first = pr.off[e], count = pr.off[e + 1] - first;
   const int64_t m = pr.m < 0 ? count : pr.m, n = pr.n, k = pr.k < 0 ? count : pr.k;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kTile, j0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  if (i0 >= m) return;  // the same for the whole block: an expert with fewer row tiles than the grid
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const T* a = base_of(pr.a, e, first);
   const T* b = base_of(pr.b, e, first);
-  float acc[kPer][kPer] = {};
-  for (int64_t p0 = 0; p0 < k; p0 += kDepth) {
-    stage(sa, a, pr.a.si, pr.a.sp, i0, p0, m, k);
-    // op(B)[p, j] = b[p * si + j * sp]: staged as sb[p][j], i.e. the transposed slice of the N x K view
-    stage(sb, b, pr.b.sp, pr.b.si, j0, p0, n, k);
-    __syncthreads();
+  T* out = pr.c_list != nullptr ? pr.c_list[e] : pr.c + first * pr.ldc;
+  // row tiles i0 = blockIdx.y, + gridDim.y, ...: more row tiles than the grid's rows (capped at kGridYMax)
+  // are taken in turn; the bounds are the same for the whole block (an expert with fewer row tiles than
+  // the grid runs none), so every thread meets the same __syncthreads
+  for (int64_t i0 = static_cast<int64_t>(blockIdx.y) * kTile; i0 < m;
+       i0 += static_cast<int64_t>(gridDim.y) * kTile) {
+    float acc[kPer][kPer] = {};
+    for (int64_t p0 = 0; p0 < k; p0 += kDepth) {
+      stage(sa, a, pr.a.si, pr.a.sp, i0, p0, m, k);
+      // op(B)[p, j] = b[p * si + j * sp]: staged as sb[p][j], i.e. the transposed slice of the N x K view
+      stage(sb, b, pr.b.sp, pr.b.si, j0, p0, n, k);
+      __syncthreads();
 #pragma unroll
-    for (int p = 0; p < kDepth; ++p) {
-      float av[kPer], bv[kPer];
+      for (int p = 0; p < kDepth; ++p) {
+        float av[kPer], bv[kPer];
 #pragma unroll
-      for (int r = 0; r < kPer; ++r) av[r] = sa[p][threadIdx.y + r * kSide];
+        for (int r = 0; r < kPer; ++r) av[r] = sa[p][threadIdx.y + r * kSide];
 #pragma unroll
-      for (int c = 0; c < kPer; ++c) bv[c] = sb[p][threadIdx.x + c * kSide];
+        for (int c = 0; c < kPer; ++c) bv[c] = sb[p][threadIdx.x + c * kSide];
 #pragma unroll
-      for (int r = 0; r < kPer; ++r)
+        for (int r = 0; r < kPer; ++r)
 #pragma unroll
-        for (int c = 0; c < kPer; ++c) acc[r][c] += av[r] * bv[c];
+          for (int c = 0; c < kPer; ++c) acc[r][c] += av[r] * bv[c];
+      }
+      __syncthreads();
     }
-    __syncthreads();
-  }
-  T* c = pr.c_list != nullptr ? pr.c_list[e] : pr.c + first * pr.ldc;
 #pragma unroll
-  for (int r = 0; r < kPer; ++r) {
-    const int64_t i = i0 + threadIdx.y + r * kSide;
+    for (int r = 0; r < kPer; ++r) {
+      const int64_t i = i0 + threadIdx.y + r * kSide;
 #pragma unroll
-    for (int cc = 0; cc < kPer; ++cc) {
-      const int64_t j = j0 + threadIdx.x + cc * kSide;
-      if (i < m && j < n) c[i * pr.ldc + j] = from_f<T>(acc[r][cc]);
+      for (int cc = 0; cc < kPer; ++cc) {
+        const int64_t j = j0 + threadIdx.x + cc * kSide;
+        if (i < m && j < n) out[i * pr.ldc + j] = from_f<T>(acc[r][cc]);
+      }
     }
   }
 }
@@ -149,8 +163,9 @@ template <typename T>
 int launch(Problem<T> pr, int64_t experts, int64_t m_tiles_of, cudaStream_t st) {
   const int64_t n_tiles = (pr.n + kTile - 1) / kTile, m_tiles = (m_tiles_of + kTile - 1) / kTile;
   if (m_tiles == 0) return BMT_OK;  // no expert has rows: nothing to write
-  if (n_tiles > 2147483647 || m_tiles > 65535 || experts > 65535) return BMT_ERR_SHAPE;
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(experts));
+  if (n_tiles > 2147483647 || experts > 65535) return BMT_ERR_SHAPE;
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(std::min(m_tiles, kGridYMax)),
+                  static_cast<unsigned>(experts));
   grouped_gemm_kernel<T><<<grid, dim3(kSide, kSide), 0, st>>>(pr);
   return status();
 }

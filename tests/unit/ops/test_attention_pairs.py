@@ -116,6 +116,9 @@ def test_pair_refuses_a_causal_pair_of_unequal_lengths(ext):
     k = paddle.zeros([1, 6, 1, 8])
     with pytest.raises(ValueError, match="causal pair"):
         attention_pair_forward(Pair(q, k, k, None, True, 0.3))
+    half = paddle.zeros([1, 4, 2, 8], "float16")
+    with pytest.raises(ValueError, match=r"float32 or float64 on a CPU, got paddle.float16 on Place\(cpu\)"):
+        attention_pair_forward(Pair(half, half, half, None, False, 0.3))
 
 
 def _ring_call(fused, q, k, v, seg, w):

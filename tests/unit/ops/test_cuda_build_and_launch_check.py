@@ -53,6 +53,34 @@ def test_launch_check_keeps_working_kernels_and_drops_failing_ones():
     assert "\n" not in line and "swiglu" in line and "cross_entropy_sum" in line
 
 
+def test_the_launch_check_leaves_the_random_stream_as_it_found_it():
+    """The check seeds its own inputs (the op's and the MoE experts'), and runs while the model is built:
+    the run's seeded stream (initial weights, adapters, dropout) must go on as if it had not run, passing
+    or failing."""
+    import numpy as np
+    import paddle
+
+    from bmtrain_cli.ops.moe_experts import launch_check_inputs, launch_check_pair
+
+    _, experts = launch_check_pair()
+
+    def fails(*args):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    paddle.seed(123)
+    want = paddle.randn([6]).numpy()
+    for ours, inputs in (
+        (reference.swiglu, None),
+        (experts, launch_check_inputs),
+        (fails, launch_check_inputs),
+    ):
+        paddle.seed(123)
+        name = "swiglu" if inputs is None else "moe_experts"
+        ref = reference.swiglu if inputs is None else experts
+        launch_checked({name: ours}, {name: ref}, lambda n, a, b, i=inputs: run_check(n, a, b, inputs=i))
+        np.testing.assert_array_equal(paddle.randn([6]).numpy(), want)
+
+
 def test_our_cpu_kernels_pass_the_same_check():
     from bmtrain_cli.ops import OP_NAMES, custom
 

@@ -165,6 +165,9 @@ def test_the_launcher_checks_its_arguments_on_the_host(cuda_lib):
         assert fn(0, None, None, None, empty, 3, 8, 4, 0, None, None) == 0
 
 
+GRID_Y_MAX = 2  # the emulated build's limit on the grid's rows
+
+
 @pytest.fixture(scope="module")
 def emulated_lib(tmp_path_factory):
     """kernels/cuda/moe_cuda.cu built for the CPU with the host emulation of tests/unit/ops/cuda_emu (each
@@ -188,7 +191,10 @@ def emulated_lib(tmp_path_factory):
     (out / "moe_emu.cc").write_text(emulated)
     emu = Path(__file__).resolve().parent / "cuda_emu"
     include = [f"-I{emu}", f"-I{KERNELS_DIR / 'include'}", f"-I{KERNELS_DIR / 'cuda'}"]
-    cmd = [cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", *include, str(out / "moe_emu.cc")]
+    # a grid of at most 2 rows (CUDA: 65535), so the cases below with 3 row tiles take the kernel's loop
+    # over row tiles that a GPU takes past 65535 x 64 rows per expert
+    limit = f"-DBMT_GRID_Y_MAX={GRID_Y_MAX}"
+    cmd = [cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", limit, *include, str(out / "moe_emu.cc")]
     subprocess.run([*cmd, "-o", str(out / "libemu.so")], check=True, capture_output=True)
     return _bound(ctypes.CDLL(str(out / "libemu.so")))
 
@@ -201,6 +207,7 @@ def emulated_lib(tmp_path_factory):
         ([0, 0, 70, 0], 64, 80, 0, 2),  # one expert takes every row; the bf16 dispatch
         ([1], 5, 3, 1, 1),  # one row; the fp16 dispatch
         ([3, 2], 70, 65, 0, 0),  # several tiles of the weight gradient in both dimensions
+        ([5, 0, 3], 150, 9, 0, 0),  # more row tiles of the weight gradient than the grid has rows
     ],
 )
 def test_the_kernel_emulated_on_the_host_equals_numpy(emulated_lib, counts, k, n, trans_w, dtype):

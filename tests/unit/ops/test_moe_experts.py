@@ -153,6 +153,27 @@ def test_an_moe_layer_trains_the_same_with_the_grouped_gemm(ext):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_rows_autocast_apart_from_their_weights_run_the_reference(ext, monkeypatch):
+    """AMP O1 autocasts the rows (bf16 on a GPU) but not the fp32 weights: a grouped implementation that
+    takes the rows' dtype (as the CUDA one takes bf16; ``takes`` patched so here) must not be handed
+    weights of another dtype (its argument check refuses them): the layer runs the reference composition
+    (recorded here: Paddle's CPU autocast does not cast its matmuls as a GPU's does)."""
+    from bmtrain_cli.models import moe
+    from tests.unit.models.test_moe import _fresh_arch
+
+    arch = replace(_fresh_arch(), num_experts=4, num_experts_per_tok=2)
+    layer = SparseMoE(arch, select("custom", device="cpu"))
+    layer.to(dtype="float32")
+    monkeypatch.setattr(moe, "takes", lambda grouped, dtype: True)
+    calls = []
+    monkeypatch.setattr(moe, "reference_experts", lambda rows, counts, experts: calls.append(counts) or rows)
+    rows = paddle.randn([5, arch.hidden_size]).astype("bfloat16")
+    assert layer._held_experts(rows, [2, 0, 3, 0]) is rows and calls == [[2, 0, 3, 0]]
+    calls.clear()  # rows of the weights' dtype still take the grouped GEMM
+    rows32 = rows.astype("float32")
+    assert layer._held_experts(rows32, [2, 0, 3, 0]).shape == rows32.shape and calls == []
+
+
 def test_the_launcher_without_mkl_equals_numpy(tmp_path):
     """kernels/cpu/moe_cpu.cc built alone without BMT_WITH_MKL (its own loops, where Paddle ships no MKL),
     called through its C ABI: forward and every gradient equal numpy in float64, experts without rows

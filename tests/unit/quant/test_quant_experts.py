@@ -38,9 +38,13 @@ def _swiglu(g, u):
 
 
 @pytest.mark.parametrize("method, block, double", FORMATS)
-@pytest.mark.parametrize("n, k, counts", [(37, 29, [5, 0, 7, 1, 0]), (130, 110, [0, 300, 20])])
+@pytest.mark.parametrize(
+    "n, k, counts", [(37, 29, [5, 0, 7, 1, 0]), (130, 110, [0, 300, 20]), (300, 211, [3, 0, 5])]
+)
 def test_grouped_linear_equals_dequantise_then_matmul(method, block, double, n, k, counts):
-    """(130 x 110 x 320 rows is over the launcher's threading threshold: the OpenMP path runs.)"""
+    """(130 x 110 x 320 rows is over the launcher's threading threshold: the OpenMP path runs. A 300 x 211
+    weight is over the launcher's 32Ki-weight tile: each expert's weight spans several blocks, of 155 rows
+    forward and 109 columns for the input gradient, which start inside a group and on odd nibbles.)"""
     rng = np.random.default_rng(n + k)
     layers = [_quant(rng, method, block, double, n, k) for _ in counts]
     x = rng.standard_normal((sum(counts), k)).astype(np.float32)

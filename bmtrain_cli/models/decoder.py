@@ -406,7 +406,7 @@ class CausalLM(nn.Layer):
             return self._token_loss(hidden, targets)
         assert labels is not None  # one of labels and targets
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
-        aux = self._aux_loss(attention_mask)
+        aux = self.aux_loss(attention_mask)
         hidden = hidden[:, :-1]
         target = labels[:, 1:]
         if attention_mask is not None:
@@ -437,8 +437,9 @@ class CausalLM(nn.Layer):
             hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
         )
 
-    def _aux_loss(self, attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
-        """The load-balancing loss of the forward just run, when the architecture adds it to the loss."""
+    def aux_loss(self, attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
+        """The load-balancing loss of the forward just run over the tokens where ``attention_mask`` is not 0
+        (all: None), when the architecture adds it to the loss (else None); kept in ``last_aux_loss``."""
         self.last_aux_loss = None
         if not (self.arch.num_experts and self.arch.output_router_logits):
             return None

@@ -8,7 +8,9 @@ the micro-batches and data ranks; ``loss_sum(model, batch)`` returns a micro-bat
 which the trainer divides by the step's pair count before backward, so the gradient is that of the mean
 pair loss of the whole step whatever the layout (as the SFT loss is token-weighted). ORPO's NLL term is
 scaled so that, after that division, it is the NLL averaged over every chosen response token of the step.
-``step_metrics()`` gives TRL's rewards/* and logps/* means over the step's pairs.
+``step_metrics()`` gives TRL's rewards/* and logps/* means over the step's pairs. A mixture of experts with
+output_router_logits adds ``router_aux_loss_coef x`` the load-balancing loss of each micro-batch's policy
+forward, weighted by its pairs (TRL's DPO, CPO and ORPO trainers add it to each batch's mean loss).
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def _counted_pairs(batch: Dict[str, np.ndarray]) -> int:
 def _count_chosen_tokens(batch: Dict[str, np.ndarray]) -> int:
     index = batch["sequence_index"]
     return int(((index >= 0) & (index % 2 == 0)).sum())
+
+
+def _policy_aux_loss(model: Any, batch: Dict[str, np.ndarray]) -> Optional[paddle.Tensor]:
+    """The MoE load-balancing loss of the policy forward just run over the batch's sequences (prompts and
+    responses, padding left out), with output_router_logits; None without. Kept in the model's
+    ``last_aux_loss``, which the step logs as ``aux_loss``."""
+    return model.aux_loss(paddle.to_tensor(batch["attention_mask"]))
 
 
 class PreferenceObjective:
@@ -76,8 +85,12 @@ class PreferenceObjective:
         """(summed loss of the batch's pairs incl. the scaled ORPO NLL, [N_STATS] metric sums)."""
         n = 2 * len(batch["pair_ids"])
         logps, counts = sequence_logps(model, batch, n)
+        aux = _policy_aux_loss(model, batch)  # before a reference forward (adapters off) reroutes
         ref = self.reference.logps(batch, n) if self.reference is not None else None
-        return self.pair_loss(logps, counts, ref)
+        loss, stats = self.pair_loss(logps, counts, ref)
+        if aux is not None:  # TRL: pair loss mean + coef x aux per micro-batch; here summed over its pairs
+            loss = loss + model.arch.router_aux_loss_coef * aux * float(len(batch["pair_ids"]))
+        return loss, stats
 
     def pair_loss(
         self, logps: paddle.Tensor, counts: np.ndarray, ref: Optional[paddle.Tensor]
@@ -122,7 +135,9 @@ class PreferenceObjective:
     def loss_sum(self, model: Any, batch: Dict[str, np.ndarray]) -> Tuple[paddle.Tensor, float]:
         """(summed pair losses of one micro-batch, its pair count); records the step's metric sums."""
         if len(batch["pair_ids"]) == 0:  # this rank's share of the data ran out: zero, with a graph
-            return model.hidden_states(**model_inputs(batch)).sum() * 0.0, 0.0
+            zero = model.hidden_states(**model_inputs(batch)).sum() * 0.0
+            _policy_aux_loss(model, batch)  # logged as SFT logs an exhausted rank's (weight 0 in the loss)
+            return zero, 0.0
         loss, stats = self._terms(model, batch)
         if not batch.get("context_lead", True):  # counted by the group's first rank (see ContextSum)
             loss, stats = loss * 0.0, stats * 0.0

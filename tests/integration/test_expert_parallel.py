@@ -70,7 +70,7 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "ernie4_5_moe": ("ernie4_5_moe", AUX, 0.5),
     "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
     "qwen3_moe + LoRA on the experts": ("qwen3_moe", AUX + EXPERT_LORA, 0.05),
-    "qwen3_moe DPO": ("qwen3_moe", DPO, 0.05),
+    "qwen3_moe DPO": ("qwen3_moe", DPO + AUX, 0.05),  # the pair loss + coef x the load-balancing loss
     # the reference is the policy with its adapters off, its log-probs computed once by every rank
     "qwen3_moe DPO + LoRA": (
         "qwen3_moe",

@@ -161,6 +161,15 @@ def fused_cpu_attention(w: Workload, device: Device) -> bool:
     return device.kind == "cpu" and any(src == "custom" for src, _ in offered)
 
 
+def ring_pair_kernel(w: Workload, device: Device) -> bool:
+    """Whether the ring attends each chunk pair with one kernel call (parallel/ring_pairs.py pair_kernel):
+    our fused CPU attention on a CPU where our kernels take part, Paddle's flash attention on a GPU for
+    fp16/bf16 rows without segment ids; else blocks of Paddle ops."""
+    if device.kind == "cpu":
+        return fused_cpu_attention(w, device)
+    return w.precision in ("bf16", "fp16") and not w.packed
+
+
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
     """The kernel training runs (models/attention_choice.py): a flash, fused CPU or blocked one keeps no
     score matrix; sdpa and eager on a CPU keep the softmax probabilities [b, heads, s, s] of every layer.
@@ -315,14 +324,19 @@ def layer_activations(
         )
         work = max(work, (per_token - mlp_freed) * tokens * e)
     elif kernel == "ring":
-        # its backward (parallel/ring_attention.py): grouped copies of q and of the output's gradient, the
-        # query gradients in fp32 and their cast, the stacked K/V with the block received from the ring,
-        # the travelling fp32 K/V gradient accumulators with the pair received, and one block pair's fp32
-        # temporaries [b, heads, block, block] (a fixed size, counted per token of the micro-batch)
+        # its backward (parallel/ring_attention.py): copies of q and of the output's gradient, the query
+        # gradients in fp32 and their cast, the stacked K/V with the block received from the ring, the
+        # travelling fp32 K/V gradient accumulators with the pair received; then per chunk pair either one
+        # kernel call's outputs and inputs (parallel/ring_pairs.py: a chunk's dq, the pair's dk, dv and its
+        # K/V slots) or one block pair's fp32 temporaries [b, heads, block, block] of the Paddle-op blocks
+        # (a fixed size, counted per token of the micro-batch)
         q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
-        block = min(RING_BLOCK, w.seq_len // 2)
-        pair = RING_TEMPORARIES * heads * block * block * w.micro_sequences(layout) / tokens
-        per_token = (3 + 4 / e) * q_el + (4 + 4 * 4 / e) * kv_el + pair * 4 / e
+        if ring_pair_kernel(w, device):
+            pair = q_el / 2 + 2 * kv_el
+        else:
+            block = min(RING_BLOCK, w.seq_len // 2)
+            pair = RING_TEMPORARIES * heads * block * block * w.micro_sequences(layout) / tokens * 4 / e
+        per_token = (3 + 4 / e) * q_el + (4 + 4 * 4 / e) * kv_el + pair
         work = max(work, (per_token - mlp_freed) * tokens * e)
     elif kernel == "cpu_fused":
         # its gradients of q, k, v and the K/V gradient accumulators (kernels/cpu/attention_cpu.cc: one

@@ -164,3 +164,21 @@ def test_the_ulysses_mode_reads_from_the_config(repo_root) -> None:
     )
     layout = Layout.from_config(cfg)
     assert layout.cp_mode == "ulysses" and "context 4 (ulysses)" in layout.describe()
+
+
+def test_the_ring_is_planned_with_the_pair_kernel_it_runs(lora_7b) -> None:
+    """parallel/ring_pairs.py pair_kernel: one fused-kernel call per chunk pair on a CPU with our kernels,
+    flash attention on a GPU for half-precision unpacked rows, else blocks of Paddle ops, whose 512 x 512
+    fp32 temporaries the plan adds."""
+    from bmtrain_cli.plan.activations import ring_pair_kernel
+
+    cpu = get_device("cpu")
+    ring = Layout(cp=2, micro_batch=1, recompute="none")
+    long_rows = replace(lora_7b, seq_len=4096, precision="fp32", kernels="custom")
+    blocks = replace(long_rows, kernels="reference")
+    assert ring_pair_kernel(long_rows, cpu) and not ring_pair_kernel(blocks, cpu)
+    assert ring_pair_kernel(replace(lora_7b, precision="bf16", packed=False), A100)
+    assert not ring_pair_kernel(replace(lora_7b, precision="bf16", packed=True), A100)
+    assert not ring_pair_kernel(replace(lora_7b, precision="fp32"), A100)
+    fused_est, blocks_est = (estimate_layout(w, ring, cpu) for w in (long_rows, blocks))
+    assert fused_est.activations < blocks_est.activations

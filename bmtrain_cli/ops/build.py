@@ -55,7 +55,14 @@ CPU_SOURCES = [
     "paddle/grouped_gemm_op.cc",
 ]
 CUDA_SOURCES = ["cuda/fused_cuda.cu", "cuda/moe_cuda.cu"]
-HEADERS = ["include/bmt_kernels.h", "cpu/parallel.h", "cpu/simd_math.h", "cpu/gemm.h", "cuda/cuda_common.h"]
+HEADERS = [
+    "include/bmt_kernels.h",
+    "cpu/parallel.h",
+    "cpu/simd_math.h",
+    "cpu/gemm.h",
+    "cuda/cuda_common.h",
+    "paddle/op_dtype.h",
+]
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 

@@ -10,23 +10,9 @@
 
 #include "bmt_kernels.h"
 #include "paddle/extension.h"
+#include "op_dtype.h"
 
 namespace {
-
-int dtype_code(const paddle::Tensor& t) {
-  switch (t.dtype()) {
-    case paddle::DataType::FLOAT32:
-      return BMT_F32;
-    case paddle::DataType::FLOAT64:
-      return BMT_F64;
-    case paddle::DataType::FLOAT16:
-      return BMT_F16;
-    case paddle::DataType::BFLOAT16:
-      return BMT_BF16;
-    default:
-      return -1;
-  }
-}
 
 void check_float(const paddle::Tensor& t, const char* op, const char* name) {
   const int code = dtype_code(t);

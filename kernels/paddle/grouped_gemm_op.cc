@@ -12,25 +12,13 @@
 
 #include "bmt_kernels.h"
 #include "paddle/extension.h"
+#include "op_dtype.h"
 
 namespace {
 
-int gg_dtype(const paddle::Tensor& t) {
-  switch (t.dtype()) {
-    case paddle::DataType::FLOAT32:
-      return BMT_F32;
-    case paddle::DataType::FLOAT16:
-      return BMT_F16;
-    case paddle::DataType::BFLOAT16:
-      return BMT_BF16;
-    default:
-      return -1;
-  }
-}
-
 void check_gpu(const paddle::Tensor& t, const paddle::Tensor& first, const char* op, const char* name) {
   PD_CHECK(!t.is_cpu(), op, ": ", name, " is on the CPU; this op is GPU only (the CPU experts run bmt_moe_swiglu_*)");
-  PD_CHECK(gg_dtype(t) >= 0, op, ": ", name, " must be float32, float16 or bfloat16");
+  PD_CHECK(dtype_code(t) >= 0 && dtype_code(t) != BMT_F64, op, ": ", name, " must be float32, float16 or bfloat16");
   PD_CHECK(t.dtype() == first.dtype() && t.place() == first.place(), op, ": ", name,
            " must have the dtype and device of the rows");
   PD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
@@ -92,7 +80,7 @@ std::vector<paddle::Tensor> GroupedGemmForward(const paddle::Tensor& x, const st
   int st = BMT_ERR_CUDA;
 #ifdef BMT_WITH_CUDA
   const auto wp = ptrs<const void*>(w);
-  st = bmt_cuda_grouped_gemm_fwd(gg_dtype(x), x.data(), wp.data(), y.data(), counts.data(),
+  st = bmt_cuda_grouped_gemm_fwd(dtype_code(x), x.data(), wp.data(), y.data(), counts.data(),
                                  static_cast<int64_t>(counts.size()), k, n, trans_w ? 1 : 0, ws.data(),
                                  reinterpret_cast<void*>(x.stream()));
 #endif
@@ -109,7 +97,7 @@ std::vector<paddle::Tensor> GroupedGemmInputGrad(const paddle::Tensor& dy, const
   int st = BMT_ERR_CUDA;
 #ifdef BMT_WITH_CUDA
   const auto wp = ptrs<const void*>(w);
-  st = bmt_cuda_grouped_gemm_dx(gg_dtype(dy), dy.data(), wp.data(), dx.data(), counts.data(),
+  st = bmt_cuda_grouped_gemm_dx(dtype_code(dy), dy.data(), wp.data(), dx.data(), counts.data(),
                                 static_cast<int64_t>(counts.size()), k, n, trans_w ? 1 : 0, ws.data(),
                                 reinterpret_cast<void*>(dy.stream()));
 #endif
@@ -128,7 +116,7 @@ void GroupedGemmWeightGrad(const paddle::Tensor& x, const paddle::Tensor& dy, st
   int st = BMT_ERR_CUDA;
 #ifdef BMT_WITH_CUDA
   const auto dp = ptrs<void*>(dw);
-  st = bmt_cuda_grouped_gemm_dw(gg_dtype(x), x.data(), dy.data(), dp.data(), counts.data(),
+  st = bmt_cuda_grouped_gemm_dw(dtype_code(x), x.data(), dy.data(), dp.data(), counts.data(),
                                 static_cast<int64_t>(counts.size()), k, n, trans_w ? 1 : 0, ws.data(),
                                 reinterpret_cast<void*>(x.stream()));
 #endif

@@ -110,6 +110,7 @@ def test_the_int8_embedding_is_quantised_as_it_is_read_so_loading_peaks_near_its
         grown[kind] = int(r.stdout.split()[-1])
     matrix = 32000 * 256
     assert grown["whole"] > matrix * 4, grown  # at least the fp32 matrix
-    # the codes and scales, the small layers, and a few copies of one fp32 block
-    assert grown["rows"] < matrix * 1.1 + 6 * (1 << 18) * 4 + (2 << 20), grown
+    # the codes and scales (1.03 bytes a weight) and a few copies of one fp32 block: the fp32 matrix never
+    # exists whole (12.9 MiB here, 17.5 MiB on another machine whose allocator keeps more; 31.25 MiB whole)
+    assert grown["rows"] < 0.75 * matrix * 4, grown
     assert grown["rows"] < 0.4 * grown["whole"], grown

@@ -65,6 +65,34 @@ def flash_refusal(
     return None
 
 
+def ring_pair_kernel(
+    dtype: str,
+    on_gpu: bool,
+    packed: bool,
+    fused_cpu: bool,
+    capability: Optional[Tuple[int, int]] = None,
+    head_dim: Optional[int] = None,
+) -> Tuple[Optional[str], str]:
+    """(kernel, why) for the chunk pairs of context parallel's ring attention (parallel/ring_pairs.py):
+    ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids, where
+    :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel, float32/float64, where the model's
+    op set carries it), or None with the reason the blocks of Paddle ops run. ``dtype`` is the rows' dtype
+    name (``float32``, ``bfloat16``, ...); the run passes its rows' facts, the memory planner the configured
+    ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
+    if on_gpu:
+        if packed:
+            return None, "packed rows: flash attention takes no segment ids"
+        if dtype not in ("float16", "bfloat16"):
+            return None, f"{dtype}: flash attention takes fp16/bf16"
+        refusal = flash_refusal(capability, head_dim)
+        return (None, refusal) if refusal else ("flash", "Paddle's flash attention per chunk pair")
+    if not fused_cpu:
+        return None, "kernels: reference, or our kernels are not built"
+    if dtype not in ("float32", "float64"):
+        return None, f"{dtype}: the fused CPU kernel takes float32/float64"
+    return "cpu_fused", "the fused CPU attention kernel per chunk pair"
+
+
 def choose_kernel(
     kind: str,
     implementation: str,

@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 
+from bmtrain_cli.models.attention_choice import ring_pair_kernel
+
 _LOGGED: set = set()  # the paths this process has reported
 
 Segments = Optional[Tuple[paddle.Tensor, paddle.Tensor]]
@@ -197,27 +199,18 @@ def pair_backward(
 
 def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool, report: bool = False) -> Any:
     """The pair kernel for a ring call with queries ``q`` [b, 2c, h, d] (``seg``: the rows' segment ids or
-    None; ``fused``: the model's op set carries our fused CPU attention), or None for Paddle-op blocks.
-    ``report``: say on stderr which path runs (once per path and process)."""
-    kernel: Any = None
-    why = ""
-    if not q.place.is_cpu_place():
-        if seg is not None:
-            why = "packed rows: flash attention takes no segment ids"
-        elif q.dtype not in (paddle.float16, paddle.bfloat16):
-            why = f"{q.dtype}: flash attention takes fp16/bf16"
-        else:
-            from bmtrain_cli.models.attention import gpu_capability
-            from bmtrain_cli.models.attention_choice import flash_refusal
+    None; ``fused``: the model's op set carries our fused CPU attention), or None for Paddle-op blocks, as
+    models/attention_choice.ring_pair_kernel decides. ``report``: say on stderr which path runs (once per
+    path and process)."""
+    gpu = not q.place.is_cpu_place()
+    capability = None
+    if gpu:
+        from bmtrain_cli.models.attention import gpu_capability
 
-            why = flash_refusal(gpu_capability(), q.shape[-1]) or ""
-            kernel = None if why else FlashPairs()
-    elif not fused:
-        why = "kernels: reference, or our kernels are not built"
-    elif q.dtype not in (paddle.float32, paddle.float64):
-        why = f"{q.dtype}: the fused CPU kernel takes float32/float64"
-    else:
-        kernel = FusedPairs()
+        capability = gpu_capability()
+    dtype = str(q.dtype).replace("paddle.", "")
+    name, why = ring_pair_kernel(dtype, gpu, seg is not None, fused, capability, q.shape[-1])
+    kernel: Any = {"flash": FlashPairs, "cpu_fused": FusedPairs}[name]() if name else None
     if report:
         _report_once(kernel, why)
     return kernel

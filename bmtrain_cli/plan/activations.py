@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List, Tuple
 
 from bmtrain_cli.machine import find_cxx
+from bmtrain_cli.models import attention_choice
 from bmtrain_cli.models.arch import LORA_PROJECTIONS, ModelArch
 from bmtrain_cli.models.attention_choice import ATTENTION_BLOCK, RING_BLOCK, choose_kernel, training_mask_kind
 from bmtrain_cli.models.families import deepseek_v3 as mla
@@ -162,12 +163,14 @@ def fused_cpu_attention(w: Workload, device: Device) -> bool:
 
 
 def ring_pair_kernel(w: Workload, device: Device) -> bool:
-    """Whether the ring attends each chunk pair with one kernel call (parallel/ring_pairs.py pair_kernel):
-    our fused CPU attention on a CPU where our kernels take part, Paddle's flash attention on a GPU for
-    fp16/bf16 rows without segment ids; else blocks of Paddle ops."""
-    if device.kind == "cpu":
-        return fused_cpu_attention(w, device)
-    return w.precision in ("bf16", "fp16") and not w.packed
+    """Whether the ring attends each chunk pair with one kernel call (models/attention_choice.py
+    ring_pair_kernel: the run's rule, given the configured precision, packing and head size)."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(w.precision, "float32")
+    gpu, fused = device.kind != "cpu", fused_cpu_attention(w, device)
+    return (
+        attention_choice.ring_pair_kernel(dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim)[0]
+        is not None
+    )
 
 
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:

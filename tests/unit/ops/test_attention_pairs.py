@@ -165,5 +165,5 @@ def test_the_path_is_reported_once_with_the_reason(ext, capsys, monkeypatch):
     assert lines == [
         "ring attention: the fused CPU attention kernel per chunk pair",
         "ring attention: blocks of Paddle ops (kernels: reference, or our kernels are not built)",
-        "ring attention: blocks of Paddle ops (paddle.float16: the fused CPU kernel takes float32/float64)",
+        "ring attention: blocks of Paddle ops (float16: the fused CPU kernel takes float32/float64)",
     ]

@@ -9,7 +9,9 @@ emulation of the kernel (the CUDA source run on the CPU, one std::thread per GPU
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import warnings
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -122,15 +124,12 @@ def cuda_lib(cuda_launchers):
 
 
 def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, p, i = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.bmt_cuda_grouped_gemm_workspace.argtypes, lib.bmt_cuda_grouped_gemm_workspace.restype = [i64], i64
-    for name in (
-        "fwd",
-        "dx",
-        "dw",
-    ):  # (dtype, three pointers, counts, experts, k, n, trans_w, workspace, stream)
-        fn = getattr(lib, f"bmt_cuda_grouped_gemm_{name}")
-        fn.argtypes, fn.restype = [i, p, p, p, p, i64, i64, i64, i, p, p], i
+    """The launchers' C signatures as the GPU check (benchmarks/gpu_check_moe.py) binds them."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check_moe.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.bind(lib)
     return lib
 
 

@@ -39,12 +39,12 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
         )
     if t.to_static:
         err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
-    if method_of(t).sample == "completion":
+    if method_of(t).sample == "completion" and p.tensor_parallel > 1:
         err(
             key,
-            f"context parallel splits training sequences; train_config.stage {t.stage!r} also samples "
-            "completions token by token, whose generation it does not split yet",
-            "set context_parallel: 1 for this method",
+            f"context parallel with train_config.stage {t.stage!r} is checked against one process beside "
+            "data parallel and sharding stage 1, not beside tensor_parallel > 1 yet",
+            "set tensor_parallel: 1 or context_parallel: 1 for this method",
         )
     _check_arch(arch, m.max_seq_len, err)
     if p.context_parallel_mode == "ulysses" and arch is not None:

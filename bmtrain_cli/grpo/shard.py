@@ -66,6 +66,8 @@ class DataShard:
         """Every rank's token lists (the same number on each), in rank order."""
         if self.alone:
             return [list(s) for s in seqs]
+        if not self.lead:  # the group's lead's lists arrive through the sums (padded to their lengths)
+            seqs = [[] for _ in seqs]
         lengths = self.gather(np.asarray([len(s) for s in seqs], dtype=np.int64))
         padded = np.zeros((len(seqs), max(1, int(lengths.max()))), dtype=np.int64)
         for i, s in enumerate(seqs):

@@ -33,8 +33,9 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
     if p.sharding_parallel > 1 and p.sharding_stage != 1:
         err(
             "parallel_config.sharding_stage",
-            f"context parallel does not support sharding_stage {p.sharding_stage} yet (only stage 1's "
-            "sharded optimizer is checked against one process beside the context groups)",
+            f"context parallel does not support sharding_stage {p.sharding_stage} yet: stage 2/3 run only on "
+            "a GPU build of Paddle (group_sharded_parallel), where their reductions beside the context groups "
+            "are not checked against one process (stage 1's are)",
             "use sharding_stage: 1",
         )
     if t.to_static:

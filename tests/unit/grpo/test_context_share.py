@@ -86,3 +86,18 @@ def test_only_the_first_rank_of_a_context_group_adds_to_the_rollout_sums():
     np.testing.assert_array_equal(other.gather(values), np.zeros_like(values))
     assert other.gather_lists([[4, 5, 6]]) == [[]]  # the lead's lists arrive through the sum
     assert len(added) == 4 and not added[1].any()
+
+
+def test_a_rank_that_holds_no_prediction_still_takes_part_in_the_backward():
+    """Its zeros come from the hidden states, so the group's sum (ContextSum) runs its backward there too."""
+    import types
+
+    from bmtrain_cli.grpo.objective import _summed_over_group
+
+    hidden = paddle.to_tensor(np.random.default_rng(0).normal(size=(2, 4, 8)), "float32", stop_gradient=False)
+    model = types.SimpleNamespace(context_attention=RingCore(Ring(None, [0], 0)))
+    logps, entropy = _summed_over_group(model, hidden, np.zeros((2, 3), dtype=bool), None, None, True)
+    assert logps.shape == [2, 3] and not logps.numpy().any()
+    assert entropy is not None and not entropy.numpy().any()
+    logps.sum().backward()
+    assert hidden.grad is not None and not hidden.grad.numpy().any()

@@ -90,7 +90,13 @@ def prompt_data(rt: Runtime, tokenizer: Any, paths: Dict[str, Any], ctx: Paralle
         num_iterations=g.num_iterations,
         seed=t.seed,
         shuffle=t.shuffle,
-        shard=DataShard(ctx.data_rank, ctx.data_world, ctx.collectives.all_reduce_sum),
+        shard=DataShard(  # the ranks of a context group share one block (grpo/shard.py)
+            ctx.loader_rank,
+            ctx.loader_world,
+            ctx.collectives.all_reduce_sum,
+            ctx.context_degree,
+            lead=ctx.context_ring is None or ctx.context_ring.rank == 0,
+        ),
     )
     evaluation = read(paths["eval"]) if paths["eval"] is not None else None
     return train_data(rt, paths, source, evaluation)
@@ -114,7 +120,9 @@ def grpo_objective(
         else:
             precision = optim.precision
             dtype = precision.dtype if precision.master_weights else None
-            frozen = FrozenCopy(load_reference_model(config, ctx.wrapping.factory, dtype)).model
+            frozen = FrozenCopy(
+                ctx.wrapping.attach_context(load_reference_model(config, ctx.wrapping.factory, dtype))
+            ).model
             ref = no_grad_logps(frozen, g.temperature)
             console.say(f"reference model: a frozen copy of {config.model.model_name_or_path}")
     rollouts, prompts = data.loader, data.eval_loader  # as prompt_data built them

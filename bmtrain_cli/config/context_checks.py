@@ -33,18 +33,19 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
     if p.sharding_parallel > 1 and p.sharding_stage != 1:
         err(
             "parallel_config.sharding_stage",
-            f"context parallel does not support sharding_stage {p.sharding_stage} yet (only stage 1's "
-            "sharded optimizer is checked against one process beside the context groups)",
+            f"context parallel does not support sharding_stage {p.sharding_stage} yet: stage 2/3 run only on "
+            "a GPU build of Paddle (group_sharded_parallel), where their reductions beside the context groups "
+            "are not checked against one process (stage 1's are)",
             "use sharding_stage: 1",
         )
     if t.to_static:
         err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
-    if method_of(t).sample == "completion":
+    if method_of(t).sample == "completion" and p.tensor_parallel > 1:
         err(
             key,
-            f"context parallel splits training sequences; train_config.stage {t.stage!r} also samples "
-            "completions token by token, whose generation it does not split yet",
-            "set context_parallel: 1 for this method",
+            f"context parallel with train_config.stage {t.stage!r} is checked against one process beside "
+            "data parallel and sharding stage 1, not beside tensor_parallel > 1 yet",
+            "set tensor_parallel: 1 or context_parallel: 1 for this method",
         )
     _check_arch(arch, m.max_seq_len, err)
     if p.context_parallel_mode == "ulysses" and arch is not None:

@@ -29,7 +29,7 @@ from bmtrain_cli.grpo.rollout import (
 )
 from bmtrain_cli.methods import GRPO_EVAL_ROWS
 from bmtrain_cli.models.decoding import SamplingOptions
-from bmtrain_cli.preference.logps import model_inputs, token_logps
+from bmtrain_cli.preference.logps import model_inputs, share_inputs, token_logps
 from bmtrain_cli.preference.reference import adapters_disabled
 
 Batch = Dict[str, np.ndarray]
@@ -40,19 +40,79 @@ def completion_logps(
 ) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
     """(log p(completion token) [rows, T] under ``model`` with logits / temperature, as TRL scores them;
     the entropy of each of those predictions, or None). Only the positions that predict a completion
-    token go through the LM head."""
-    hidden = model.hidden_states(**model_inputs(batch))
-    rows, width = batch["input_ids"].shape
-    t = batch["completion_ids"].shape[1]
+    token go through the LM head. A context-parallel share (parallel/ring_attention.split_batch) runs the
+    ring over its columns and scores the predictions it holds; both are then summed over the context group
+    (each position is held by one rank), so every rank of the group returns the whole rows'."""
+    rows, t = batch["completion_ids"].shape
     cols = batch["completion_start"][:, None] - 1 + np.arange(t)[None, :]
     cols = np.where(batch["completion_mask"] > 0, cols, batch["completion_start"][:, None] - 1)
-    flat = paddle.to_tensor((np.arange(rows)[:, None] * width + cols).reshape(-1).astype(np.int64))
+    share = "context_columns" in batch
+    hidden = model.hidden_states(**(share_inputs(model, batch) if share else model_inputs(batch)))
+    held, local = held_columns(batch["context_columns"], cols) if share else (np.ones(cols.shape, bool), cols)
+    logps, entropy = _scored(model, hidden, batch, held, local, temperature, with_entropy)
+    if not share:
+        assert logps is not None  # one process predicts every completion token
+        return logps.reshape([rows, t]), None if entropy is None else entropy.reshape([rows, t])
+    return _summed_over_group(model, hidden, held, logps, entropy, with_entropy)
+
+
+def _scored(
+    model: Any,
+    hidden: paddle.Tensor,
+    batch: Batch,
+    held: np.ndarray,
+    local: np.ndarray,
+    temperature: float,
+    with_entropy: bool,
+) -> Tuple[Optional[paddle.Tensor], Optional[paddle.Tensor]]:
+    """(log-probs, entropies or None) of the ``held`` predictions in row order, from the hidden states at
+    their ``local`` columns; (None, None) when none is held."""
+    if not held.any():
+        return None, None
+    rows, width = held.shape[0], batch["input_ids"].shape[1]
+    flat = paddle.to_tensor((np.arange(rows)[:, None] * width + local)[held].astype(np.int64))
     picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
     logits = model.logits_from_hidden(picked).astype("float32") / temperature
-    targets = paddle.to_tensor(batch["completion_ids"].reshape(-1).astype(np.int64))
-    logps = token_logps(logits, targets, getattr(model, "factory", None)).reshape([rows, t])
-    entropy = token_entropy(logits, model.factory).reshape([rows, t]) if with_entropy else None
-    return logps, entropy
+    targets = paddle.to_tensor(batch["completion_ids"][held].astype(np.int64))
+    logps = token_logps(logits, targets, getattr(model, "factory", None))
+    return logps, token_entropy(logits, model.factory) if with_entropy else None
+
+
+def held_columns(columns: np.ndarray, cols: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(which of the row positions ``cols`` a context-parallel share holds, their index in the share)."""
+    local = np.full(max(int(cols.max()), int(columns.max())) + 1, -1, dtype=np.int64)
+    local[columns] = np.arange(len(columns))
+    at = local[cols]
+    return at >= 0, np.maximum(at, 0)
+
+
+def _summed_over_group(
+    model: Any,
+    hidden: paddle.Tensor,
+    held: np.ndarray,
+    logps: Optional[paddle.Tensor],
+    entropy: Optional[paddle.Tensor],
+    with_entropy: bool,
+) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+    """The held values put at their [rows, T] places (zeros elsewhere) and summed over the context group:
+    the log-probs through ContextSum (its gradient reaches each rank's own predictions), the entropy plainly.
+    A zero taken from the hidden states keeps the graph on a rank that holds no prediction, so that every
+    rank runs the sum's backward."""
+    from bmtrain_cli.parallel.ring_attention import ContextSum
+
+    ring = model.context_attention.ring
+    n = int(held.sum())
+    slot = np.full(held.size, n, dtype=np.int64)
+    slot[held.reshape(-1)] = np.arange(n)
+    slot_t = paddle.to_tensor(slot)
+    zero = hidden.reshape([-1])[:1].astype("float32") * 0.0
+    whole = paddle.gather(zero if logps is None else paddle.concat([logps, zero]), slot_t)
+    out = ContextSum.apply(whole.reshape(list(held.shape)), ring)
+    if not with_entropy:
+        return out, None
+    with paddle.no_grad():
+        ent = paddle.zeros([1]) if entropy is None else paddle.concat([entropy, paddle.zeros([1])])
+        return out, ring.all_reduce(paddle.gather(ent, slot_t).reshape(list(held.shape)))
 
 
 @paddle.no_grad()
@@ -72,9 +132,15 @@ def no_grad_logps(
 ) -> Callable[[Batch], np.ndarray]:
     """Per-token completion log-probs of ``model`` without gradient, in eval mode: the old policy (the
     current weights when the rollout is sampled) or the reference (a frozen copy, or the policy with its
-    LoRA adapters off)."""
+    LoRA adapters off). A model with a context group (collective) scores its share of the rows as the
+    training step does, so that the policy and these log-probs round alike."""
 
     def logps(batch: Batch) -> np.ndarray:
+        core = getattr(model, "context_attention", None)
+        if core is not None:
+            from bmtrain_cli.parallel.ring_attention import split_batch
+
+            batch = split_batch(batch, core.ring.degree, core.ring.rank)
         was_training = model.training
         model.eval()
         try:
@@ -131,6 +197,8 @@ class GrpoObjective:
         terms = grpo_loss(logps, old, ref, adv, mask, s, num_items=1.0)  # dapo: the token sum
         rows = len(batch["advantages"])
         loss = terms.loss if s.loss_type == "dapo" else terms.loss * rows
+        if not batch.get("context_lead", True):  # counted by the group's first rank (see ContextSum)
+            loss = loss * 0.0
         entropies = entropy.numpy() if entropy is not None else None
         self._micro.append(loss_metrics(terms, batch["advantages"], batch["completion_mask"], s, entropies))
         return loss, paddle.to_tensor(float(rows))

@@ -453,7 +453,8 @@ class CausalLM(nn.Layer):
 
 class LossSum(paddle.nn.Layer):
     """A layer whose forward is ``model.loss_sum``: what paddle.jit.to_static compiles (train/loop/to_static.py) and
-    what the group-sharded wrapper runs (its buffers are prepared in forward())."""
+    what the group-sharded wrapper runs (its buffers are prepared in forward()), whole rows or a
+    context-parallel share (``targets``, ``segment_ids``)."""
 
     def __init__(self, model: paddle.nn.Layer) -> None:
         super().__init__()
@@ -462,10 +463,17 @@ class LossSum(paddle.nn.Layer):
     def forward(
         self,
         input_ids: paddle.Tensor,
-        labels: paddle.Tensor,
+        labels: Optional[paddle.Tensor] = None,
         attention_mask: Optional[paddle.Tensor] = None,
         position_ids: Optional[paddle.Tensor] = None,
+        targets: Optional[paddle.Tensor] = None,
+        segment_ids: Optional[paddle.Tensor] = None,
     ) -> Any:
         return self.model.loss_sum(
-            input_ids, labels, attention_mask=attention_mask, position_ids=position_ids
+            input_ids,
+            labels,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            targets=targets,
+            segment_ids=segment_ids,
         )

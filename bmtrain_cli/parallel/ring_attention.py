@@ -192,7 +192,10 @@ def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[st
     across a segment boundary and at the row's end), ``position_ids`` (the tokens' positions in their
     row, for the rotary tables) and ``attention_mask`` (this share's segment ids, for counting), plus the
     whole rows' ``segment_ids`` for the ring when the rows are packed (right-padded rows attend causally,
-    as in one process). Rows are padded to a multiple of 2 x ``degree`` first."""
+    as in one process). Rows are padded to a multiple of 2 x ``degree`` first. A completion batch (GRPO,
+    grpo/rollout.py ``pack``) has no labels: :func:`_completion_share`."""
+    if "completion_ids" in batch:
+        return _completion_share(batch, degree, rank)
     ids, labels = batch["input_ids"], batch["labels"]
     b, s = ids.shape
     mask = batch.get("attention_mask")
@@ -232,3 +235,24 @@ def _pair_share(batch: Dict[str, np.ndarray], width: int, idx: np.ndarray, rank:
         if key in batch:
             out[key] = batch[key]
     return out
+
+
+def _completion_share(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, Any]:
+    """A completion batch's share: this rank's ``input_ids`` and ``position_ids`` of the right-padded rows
+    (padded to a multiple of 2 x ``degree``; attended causally), ``context_columns`` (the row positions
+    they are) and ``context_lead`` (the group's first rank, which alone counts the rows); every other key
+    whole (prompt and completion layout, masks, advantages, old and reference log-probs), so that every
+    rank of the group computes the loss of whole completions from their log-probs summed over the group
+    (grpo/objective.py)."""
+    ids = batch["input_ids"]
+    s = ids.shape[1]
+    width = -(-s // (2 * degree)) * 2 * degree
+    idx = local_indices(width, degree, rank)
+    ids, pos = (np.pad(x, ((0, 0), (0, width - s))) for x in (ids, batch["position_ids"]))
+    return {
+        **batch,
+        "input_ids": ids[:, idx],
+        "position_ids": np.ascontiguousarray(pos[:, idx]),
+        "context_columns": idx,
+        "context_lead": rank == 0,
+    }

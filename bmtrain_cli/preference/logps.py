@@ -75,7 +75,7 @@ def sequence_logps(
     gradient reaches every rank's partial), so every rank of the group returns the whole sequences'."""
     index = batch["sequence_index"]
     share = "targets" in batch
-    hidden = model.hidden_states(**(_share_inputs(model, batch) if share else model_inputs(batch)))
+    hidden = model.hidden_states(**(share_inputs(model, batch) if share else model_inputs(batch)))
     rows, width = batch["input_ids"].shape
     r, c = response_positions(index)
     flat = paddle.to_tensor((r * width + c).astype(np.int64))
@@ -96,7 +96,7 @@ def sequence_logps(
     return ContextSum.apply(logps, ring), whole
 
 
-def _share_inputs(model: Any, batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
+def share_inputs(model: Any, batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
     """hidden_states' inputs of a context-parallel share: its tokens and positions, and the ring with the
     whole rows' segment ids (None: right-padded rows, causal)."""
     from bmtrain_cli.models.attention import ContextShard

@@ -42,7 +42,11 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"parallel": "  pipeline_parallel: 2\n", "train": "  stage: dpo\n"}, 10, "trains SFT only yet"),
         ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
-        ({"train": "  stage: grpo\n"}, 9, "samples completions token by token"),
+        (
+            {"train": "  stage: grpo\n", "parallel": "  tensor_parallel: 2\n"},
+            9,
+            "not beside tensor_parallel > 1 yet",
+        ),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
         ({"model": "  family: mistral\n  sliding_window: 64\n"}, 10, "sliding window (64)"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),

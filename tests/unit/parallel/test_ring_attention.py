@@ -11,7 +11,7 @@ import pytest
 
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.attention import blocked_attention
-from bmtrain_cli.models.decoder import CausalLM
+from bmtrain_cli.models.decoder import CausalLM, LossSum
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
 from bmtrain_cli.parallel.ulysses import UlyssesCore
@@ -80,21 +80,24 @@ def test_a_ring_of_one_equals_blocked_attention(packed):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-6)
 
 
+@pytest.mark.parametrize("layer", [False, True])
 @pytest.mark.parametrize("core", [RingCore, UlyssesCore])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_model_context_path_equals_its_loss(packed, core):
+def test_the_model_context_path_equals_its_loss(packed, core, layer):
     """CausalLM.loss_sum on a share (targets, positions, the rows' segment ids) with a context group of
     one (the ring's blocks; ulysses: the model's own attention kernel over whole rows): the same loss and
-    gradients as on the unsplit batch."""
+    gradients as on the unsplit batch; also through ``LossSum`` (``layer``), the forward that sharding
+    stage 2/3's group-sharded wrapper runs."""
     paddle.seed(3)
     model = CausalLM(ARCH, kernels="reference")
     model.init_weights()
+    loss_fn = LossSum(model) if layer else model.loss_sum
     batch = _batch(packed)
     results = []
     for share in (False, True):
         if share:
             model.context_attention = core(Ring(None, [0], 0))
-        total, count = model.loss_sum(**to_tensors(split_batch(batch, 1, 0) if share else batch))
+        total, count = loss_fn(**to_tensors(split_batch(batch, 1, 0) if share else batch))
         total.backward()
         results.append((float(total), float(count), [p.grad.numpy().copy() for p in model.parameters()]))
         model.clear_gradients()

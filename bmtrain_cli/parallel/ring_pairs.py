@@ -6,14 +6,18 @@ it, and returns the chunk's output with its per-query log-sum-exp [b, h, c]. Its
 log-sum-exp of the whole attention (and D = rowsum(dO * O) or O itself) and returns that pair's share of
 dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), which the ring sums.
 
+A layer's sliding window skips the chunk pairs whose keys all lie outside it (:func:`pair_list`) and reaches
+the kernel of a pair it cuts as (window, offset) (:data:`Window`).
+
 - :class:`FusedPairs`: our fused CPU kernel (ops/fused_attention.py attention_pair_*), float32/float64, with
-  the query chunk's and the key chunk's segment ids for packed rows.
+  the query chunk's and the key chunk's segment ids for packed rows, and the window.
 - :class:`FlashPairs`: Paddle's flash attention on a GPU (``_C_ops.flash_attn`` returns the log-sum-exp,
-  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids.
+  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids
+  or a window (FA2's flash_attn takes none).
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
 reference: on a CPU without our fused kernel, ``kernels: paddle``/``reference`` or no build; on a GPU
-packed rows, fp32, or what flash attention refuses). The first rank
+packed rows, fp32, a sliding window shorter than the rows, or what flash attention refuses). The first rank
 of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 

@@ -58,7 +58,7 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
         0.02,
     ),
     # Gemma 3's pattern: 5 sliding layers (window 96 of 4096 tokens) and 1 global layer; at cp2 (chunks of
-    # 1024 tokens) the back chunks skip the key chunks more than 96 tokens back and the window cuts the rest
+    # 1024 tokens) the sliding layers skip the key chunks 96 or more tokens back and the window cuts the rest
     "gemma3": (
         "long.jsonl",
         [

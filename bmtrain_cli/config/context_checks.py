@@ -47,7 +47,7 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
             "data parallel and sharding stage 1, not beside tensor_parallel > 1 yet",
             "set tensor_parallel: 1 or context_parallel: 1 for this method",
         )
-    _check_arch(arch, m.max_seq_len, err)
+    _check_arch(arch, err)
     if p.context_parallel_mode == "ulysses" and arch is not None:
         _check_ulysses(arch, n, p.tensor_parallel, err)
 
@@ -66,19 +66,14 @@ def _check_ulysses(arch: Any, n: int, tp: int, err: Callable[..., None]) -> None
         )
 
 
-def _check_arch(arch: Optional[Any], max_seq_len: int, err: Callable[..., None]) -> None:
+def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
+    """What the context group's attention cannot split (a sliding window can: the ring applies it on the
+    tokens' places in the whole rows, the ulysses mode attends whole rows)."""
     if arch is None:
         return
     key = "parallel_config.context_parallel"
     if arch.position_embedding == "alibi":
         err(key, "context parallel does not support ALiBi attention biases", "use context_parallel: 1")
-    if arch.sliding_window is not None and arch.sliding_window < max_seq_len:
-        err(
-            key,
-            f"context parallel does not support a sliding window ({arch.sliding_window}) shorter than "
-            f"max_seq_len ({max_seq_len}): the ring attends every earlier key",
-            "use context_parallel: 1",
-        )
     if rope_type(arch.rope_scaling) in ("dynamic", "longrope"):
         err(
             key,

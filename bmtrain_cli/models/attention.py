@@ -74,11 +74,17 @@ class AttentionCore(Protocol):
 class ContextShard:
     """The mask of a rank's share of each sequence under context parallel: attention runs ``core`` (the
     context group's ring attention, parallel/ring_attention.py RingCore, or its all-to-all of heads,
-    parallel/ulysses.py UlyssesCore) with the whole rows' segment ids [b, S] (None: plain causal rows)."""
+    parallel/ulysses.py UlyssesCore) with the whole rows' segment ids [b, S] (None: plain causal rows) and
+    the layer's sliding window (None: none)."""
 
-    def __init__(self, core: Any, segment_ids: Optional[paddle.Tensor]) -> None:
+    def __init__(self, core: Any, segment_ids: Optional[paddle.Tensor], window: Optional[int] = None) -> None:
         self.core = core
         self.segment_ids = segment_ids
+        self.window = window
+
+    def windowed(self, window: Optional[int]) -> ContextShard:
+        """This shard for a layer with sliding window ``window`` (None: itself)."""
+        return self if window is None else ContextShard(self.core, self.segment_ids, window)
 
 
 def build_bias(
@@ -311,7 +317,7 @@ def attend(
         whole = functools.partial(
             attend, implementation=implementation, training=training, cpu_kernel=cpu_kernel
         )
-        return mask.core(q, k, v, mask.segment_ids, whole)
+        return mask.core(q, k, v, mask.segment_ids, whole, mask.window)
     held = mask if isinstance(mask, SegmentIds) else None
     if held is not None:
         mask = held.ids

@@ -72,16 +72,20 @@ def ring_pair_kernel(
     fused_cpu: bool,
     capability: Optional[Tuple[int, int]] = None,
     head_dim: Optional[int] = None,
+    windowed: bool = False,
 ) -> Tuple[Optional[str], str]:
     """(kernel, why) for the chunk pairs of context parallel's ring attention (parallel/ring_pairs.py):
-    ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids, where
-    :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel, float32/float64, where the model's
-    op set carries it), or None with the reason the blocks of Paddle ops run. ``dtype`` is the rows' dtype
-    name (``float32``, ``bfloat16``, ...); the run passes its rows' facts, the memory planner the configured
-    ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
+    ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids or a sliding window,
+    where :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel, float32/float64, where the
+    model's op set carries it; it applies the window itself), or None with the reason the blocks of Paddle
+    ops run. ``dtype`` is the rows' dtype name (``float32``, ``bfloat16``, ...); ``windowed``: the layer's
+    sliding window is shorter than the rows. The run passes its rows' facts, the memory planner the
+    configured ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
     if on_gpu:
         if packed:
             return None, "packed rows: flash attention takes no segment ids"
+        if windowed:
+            return None, "a sliding window: Paddle's flash_attn (FA2) takes no window"
         if dtype not in ("float16", "bfloat16"):
             return None, f"{dtype}: flash attention takes fp16/bf16"
         refusal = flash_refusal(capability, head_dim)

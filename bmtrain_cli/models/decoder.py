@@ -156,10 +156,10 @@ class LayerInputs:
         window: Optional[int] = None,
     ) -> Optional[paddle.Tensor]:
         """What the attention core gets as its mask (models/attention.py): None for plain causal rows,
-        the segment ids [b, s] for padded or packed rows without a cache, a ContextShard as it is, else an
-        additive bias."""
+        the segment ids [b, s] for padded or packed rows without a cache, a ContextShard with the layer's
+        window (the context group's core applies it), else an additive bias."""
         if isinstance(attention_mask, ContextShard):
-            return attention_mask
+            return attention_mask.windowed(window)
         if window is not None and isinstance(s, int) and past + s <= window:
             # the window cannot bite: keep the plain causal fast path (a static graph's length is unknown)
             window = None

@@ -98,8 +98,10 @@ def fused_attention(
     return load_extension().bmt_attention_fwd(q, k, v, seg, scale)[0]
 
 
-def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
+def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool, window: int) -> None:
     op = "attention_pair"
+    if window < 0:
+        raise ValueError(f"{op}: the window must be positive (0: none), got {window}")
     if q.ndim != 4 or k.ndim != 4 or [k.shape[0], k.shape[3]] != [q.shape[0], q.shape[3]]:
         raise ValueError(f"{op}: q {list(q.shape)} and k/v {list(k.shape)} do not fit")
     if causal and q.shape[1] != k.shape[1]:
@@ -115,7 +117,9 @@ def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool) -> None:
 class Pair(NamedTuple):
     """One (query chunk, key chunk) pair of a ring attention: q [b, sq, h, d] over k, v [b, sk, hk, d],
     ``causal`` (the diagonal pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries
-    [b, sq] and of the keys [b, sk] (a query sees only keys with its id) or None, the score ``scale``."""
+    [b, sq] and of the keys [b, sk] (a query sees only keys with its id) or None, the score ``scale``;
+    a sliding ``window`` (0: none) with the queries' ``offset`` (query i sits offset positions after key 0
+    in the sequence): query i sees only the keys j with i + offset - j < window."""
 
     q: paddle.Tensor
     k: paddle.Tensor
@@ -123,16 +127,20 @@ class Pair(NamedTuple):
     segments: Optional[Tuple[paddle.Tensor, paddle.Tensor]]
     causal: bool
     scale: float
+    window: int = 0
+    offset: int = 0
 
 
 def attention_pair_forward(pair: Pair) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """One chunk pair's attention (no autograd: the ring's own backward calls
     :func:`attention_pair_backward`). Returns the output [b, sq, h, d] and the per-query log-sum-exp
     [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
-    q, k, v, segments, causal, scale = pair
-    _check_pair(q, k, causal)
+    q, k, v, segments, causal, scale, window, offset = pair
+    _check_pair(q, k, causal, window)
     qs, ks = (None, None) if segments is None else segments
-    return load_extension().bmt_attention_pair_fwd(q, k, v, qs, ks, bool(causal), float(scale))
+    return load_extension().bmt_attention_pair_fwd(
+        q, k, v, qs, ks, bool(causal), float(scale), int(window), int(offset)
+    )
 
 
 def attention_pair_backward(
@@ -142,9 +150,9 @@ def attention_pair_backward(
     and whose D = rowsum(dO * O) is ``delta`` (both [b, h, sq], q's dtype), given its output's gradient
     ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale).
     """
-    q, k, v, segments, causal, scale = pair
-    _check_pair(q, k, causal)
+    q, k, v, segments, causal, scale, window, offset = pair
+    _check_pair(q, k, causal, window)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_bwd(
-        q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale)
+        q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale), int(window), int(offset)
     )

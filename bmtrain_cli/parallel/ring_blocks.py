@@ -4,10 +4,12 @@ reference``, builds without our kernels, and calls no pair kernel takes, paralle
 Queries and keys are both taken in blocks of ``block`` tokens, so the transient scores of one block pair
 (and their probabilities and gradients) do not grow with the sequence or the chunk. K/V keep their own
 number of heads (grouped-query attention): the query heads of a KV head are stacked on the query axis.
+A sliding window skips the block pairs whose keys all lie outside it and masks those it cuts.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
@@ -22,9 +24,17 @@ _MASKED = -1e30
 class _Layout:
     """Shapes and per-block masks of one call: q [b, 2c, h, d] and k/v [b, 2c, hk, d] on every rank. Queries
     are grouped by KV head, token-major: row t * rep + j of [b, hk, c * rep, d] is token t, query head j of
-    the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range."""
+    the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range. ``window``: the
+    layer's sliding window on the tokens' places in the whole rows (None: every earlier key)."""
 
-    def __init__(self, q: paddle.Tensor, k: paddle.Tensor, seg: Optional[paddle.Tensor], block: int) -> None:
+    def __init__(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        seg: Optional[paddle.Tensor],
+        block: int,
+        window: Optional[int] = None,
+    ) -> None:
         self.b, s2, self.h, self.d = q.shape
         self.hk = k.shape[2]
         self.rep = self.h // self.hk
@@ -32,6 +42,7 @@ class _Layout:
         self.seg = seg
         self.scale = float(self.d) ** -0.5
         self.block = block
+        self.window = window
         self.blocks = [(t, min(t + block, self.c)) for t in range(0, self.c, block)]
 
     def q_slot(self, x: paddle.Tensor, i: int) -> paddle.Tensor:
@@ -48,11 +59,18 @@ class _Layout:
     def rows(self, t0: int, t1: int) -> slice:
         return slice(t0 * self.rep, t1 * self.rep)
 
-    def key_blocks(self, t1: int, causal: bool) -> List[Tuple[int, int]]:
-        """The key blocks (chunk-local token ranges) a query block ending at token t1 can see: all of a full
-        pair, those up to t1 of a causal one."""
+    def key_blocks(self, t0: int, t1: int, causal: bool, gap: int) -> List[Tuple[int, int]]:
+        """The key blocks (chunk-local token ranges) the query block [t0, t1) can see: all of a full pair,
+        those up to t1 of a causal one, less those whose keys all lie outside the window (``gap``: how many
+        positions the pair's query chunk starts after its key chunk)."""
         end = t1 if causal else self.c
-        return [(k0, min(k0 + self.block, end)) for k0 in range(0, end, self.block)]
+        blocks = [(k0, min(k0 + self.block, end)) for k0 in range(0, end, self.block)]
+        if self.window is None:
+            return blocks
+        return [(k0, k1) for k0, k1 in blocks if gap + t0 - (k1 - 1) < self.window]
+
+    def pairs(self, q_chunks: Tuple[int, int], k_chunks: Tuple[int, int]) -> List[Tuple[int, int, bool]]:
+        return pair_list(q_chunks, k_chunks, self.c, self.window)
 
     def scores(
         self, qb: paddle.Tensor, kc: paddle.Tensor, qc: int, kchunk: int, t0: int, k0: int, causal: bool
@@ -62,10 +80,15 @@ class _Layout:
         s = paddle.matmul(qb, kc, transpose_y=True).astype("float32") * self.scale
         n, kl = qb.shape[2] // self.rep, kc.shape[2]
         allowed = None
-        if causal and k0 + kl > t0 + 1:  # a block pair on the diagonal: some keys lie after some queries
-            q_tok = paddle.arange(n * self.rep, dtype="int64") // self.rep + t0
+        gap = (qc - kchunk) * self.c  # a query's place in the row less a key's, past their chunk indices
+        diagonal = causal and k0 + kl > t0 + 1  # some keys lie after some queries
+        cut = self.window is not None and gap + t0 + n - 1 - k0 >= self.window  # some keys lie outside it
+        if diagonal or cut:
+            q_tok = paddle.arange(n * self.rep, dtype="int64") // self.rep + t0 + gap
             k_tok = paddle.arange(k0, k0 + kl, dtype="int64")
-            allowed = (k_tok.unsqueeze(0) <= q_tok.unsqueeze(1)).unsqueeze(0)
+            back = q_tok.unsqueeze(1) - k_tok.unsqueeze(0)  # how many places each key lies before each query
+            conds = ([back >= 0] if diagonal else []) + ([back < self.window] if cut else [])
+            allowed = functools.reduce(paddle.logical_and, conds).unsqueeze(0)
         if self.seg is not None:
             sq = self.seg[:, qc * self.c + t0 : qc * self.c + t0 + n]
             if self.rep > 1:
@@ -84,11 +107,17 @@ def _kv_layout(k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
 
 
 def blocks_forward(
-    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, block: int
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    seg: Optional[paddle.Tensor],
+    ring: Any,
+    block: int,
+    window: Optional[int] = None,
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """The ring's forward: the output [b, 2c, h, d] and the per-query log-sum-exp of each query slot,
     stacked [2, b, hk, c * rep] (fp32)."""
-    lay = _Layout(q, k, seg, block)
+    lay = _Layout(q, k, seg, block, window)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     acc: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
@@ -96,10 +125,11 @@ def blocks_forward(
     for t in range(ring.degree):
         k_chunks = chunks_of(ring.degree, (ring.rank - t) % ring.degree)
         incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
-        for qi, ki, causal in pair_list(q_chunks, k_chunks):
+        for qi, ki, causal in lay.pairs(q_chunks, k_chunks):
+            gap = (q_chunks[qi] - k_chunks[ki]) * lay.c
             for bi, (t0, t1) in enumerate(lay.blocks):
                 qb = qgs[qi][:, :, lay.rows(t0, t1)]
-                for k0, k1 in lay.key_blocks(t1, causal):
+                for k0, k1 in lay.key_blocks(t0, t1, causal, gap):
                     keys = slice(ki * lay.c + k0, ki * lay.c + k1)
                     kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
                     s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
@@ -116,11 +146,11 @@ def blocks_forward(
 
 
 def blocks_backward(
-    saved: Tuple[Any, ...], ring: Any, block: int, dout: paddle.Tensor
+    saved: Tuple[Any, ...], ring: Any, block: int, dout: paddle.Tensor, window: Optional[int] = None
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The ring's backward from ``saved`` = (q, k, v, out, lse, seg) of :func:`blocks_forward`: dq, dk, dv."""
     q, k, v, out, lse, seg = saved
-    lay = _Layout(q, k, seg, block)
+    lay = _Layout(q, k, seg, block, window)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     dos = [lay.q_slot(dout, i) for i in range(2)]
@@ -136,11 +166,12 @@ def blocks_backward(
     for t in range(ring.degree):
         k_chunks = chunks_of(ring.degree, (ring.rank - t) % ring.degree)
         incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
-        for qi, ki, causal in pair_list(q_chunks, k_chunks):
+        for qi, ki, causal in lay.pairs(q_chunks, k_chunks):
+            gap = (q_chunks[qi] - k_chunks[ki]) * lay.c
             for t0, t1 in lay.blocks:
                 rows = lay.rows(t0, t1)
                 qb, dob = qgs[qi][:, :, rows], dos[qi][:, :, rows]
-                for k0, k1 in lay.key_blocks(t1, causal):
+                for k0, k1 in lay.key_blocks(t0, t1, causal, gap):
                     keys = slice(ki * lay.c + k0, ki * lay.c + k1)
                     kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
                     s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)

@@ -6,14 +6,18 @@ it, and returns the chunk's output with its per-query log-sum-exp [b, h, c]. Its
 log-sum-exp of the whole attention (and D = rowsum(dO * O) or O itself) and returns that pair's share of
 dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), which the ring sums.
 
+A layer's sliding window skips the chunk pairs whose keys all lie outside it (:func:`pair_list`) and reaches
+the kernel of a pair it cuts as (window, offset) (:data:`Window`).
+
 - :class:`FusedPairs`: our fused CPU kernel (ops/fused_attention.py attention_pair_*), float32/float64, with
-  the query chunk's and the key chunk's segment ids for packed rows.
+  the query chunk's and the key chunk's segment ids for packed rows, and the window.
 - :class:`FlashPairs`: Paddle's flash attention on a GPU (``_C_ops.flash_attn`` returns the log-sum-exp,
-  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids.
+  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids
+  or a window (FA2's flash_attn takes none).
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
 reference: on a CPU without our fused kernel, ``kernels: paddle``/``reference`` or no build; on a GPU
-packed rows, fp32, or what flash attention refuses). The first rank
+packed rows, fp32, a sliding window shorter than the rows, or what flash attention refuses). The first rank
 of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 
@@ -29,15 +33,23 @@ from bmtrain_cli.models.attention_choice import ring_pair_kernel
 _LOGGED: set = set()  # the paths this process has reported
 
 Segments = Optional[Tuple[paddle.Tensor, paddle.Tensor]]
+# a chunk pair's sliding window (window, offset): query i, offset positions after key 0 in the sequence,
+# sees only the keys j with i + offset - j < window; None where no key of the pair lies outside it
+Window = Optional[Tuple[int, int]]
 
 
-def pair_list(q_chunks: Tuple[int, int], k_chunks: Tuple[int, int]) -> List[Tuple[int, int, bool]]:
+def pair_list(
+    q_chunks: Tuple[int, int], k_chunks: Tuple[int, int], c: int = 0, window: Optional[int] = None
+) -> List[Tuple[int, int, bool]]:
     """(query slot, key slot, causal) of the chunk pairs with something visible: a key chunk before the
-    query chunk is fully visible, the same chunk causal, a later one not at all."""
+    query chunk is fully visible, the same chunk causal, a later one not at all; with a sliding ``window``
+    (chunks of ``c`` tokens) neither is a key chunk whose nearest key lies ``window`` or more positions
+    before the query chunk's first query."""
     out = []
     for qi, qc in enumerate(q_chunks):
         for ki, kc in enumerate(k_chunks):
-            if kc <= qc:
+            nearest = max(0, (qc - kc - 1) * c + 1)
+            if kc <= qc and (window is None or nearest < window):
                 out.append((qi, ki, kc == qc))
     return out
 
@@ -65,19 +77,35 @@ class FusedPairs:
     needs_out = False  # its backward takes D = rowsum(dO * O), not O
 
     def forward(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segs: Segments, causal: bool, scale: float
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        segs: Segments,
+        causal: bool,
+        scale: float,
+        window: Window = None,
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
         from bmtrain_cli.ops.fused_attention import Pair, attention_pair_forward
 
-        return attention_pair_forward(Pair(q, k, v, segs, causal, scale))
+        return attention_pair_forward(Pair(q, k, v, segs, causal, scale, *(window or (0, 0))))
 
     def backward(
-        self, q: Any, k: Any, v: Any, segs: Segments, causal: bool, scale: float, stats: Dict[str, Any]
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        segs: Segments,
+        causal: bool,
+        scale: float,
+        stats: Dict[str, Any],
+        window: Window = None,
     ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward
 
         lse, delta = stats["lse"].astype(q.dtype), stats["delta"].astype(q.dtype)
-        return attention_pair_backward(Pair(q, k, v, segs, causal, scale), lse, delta, stats["dout"])
+        pair = Pair(q, k, v, segs, causal, scale, *(window or (0, 0)))
+        return attention_pair_backward(pair, lse, delta, stats["dout"])
 
 
 class FlashPairs:
@@ -92,20 +120,37 @@ class FlashPairs:
         self.width = 0
 
     def forward(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, segs: Segments, causal: bool, scale: float
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        segs: Segments,
+        causal: bool,
+        scale: float,
+        window: Window = None,
     ) -> Tuple[paddle.Tensor, paddle.Tensor]:
         from paddle import _C_ops
 
+        _no_window(window)
         # (q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name)
         out, _, lse, seed = _C_ops.flash_attn(q, k, v, None, None, 0.0, causal, False, False, "")  # type: ignore[arg-type]
         self.seed, self.width = seed, int(lse.shape[-1])
         return out, lse[:, :, : q.shape[1]]
 
     def backward(
-        self, q: Any, k: Any, v: Any, segs: Segments, causal: bool, scale: float, stats: Dict[str, Any]
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        segs: Segments,
+        causal: bool,
+        scale: float,
+        stats: Dict[str, Any],
+        window: Window = None,
     ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         from paddle import _C_ops
 
+        _no_window(window)
         lse = stats["lse"].astype("float32")
         if self.width > lse.shape[-1]:
             lse = paddle.concat(
@@ -115,13 +160,25 @@ class FlashPairs:
         return _C_ops.flash_attn_grad(q, k, v, stats["out"], lse, self.seed, None, stats["dout"], 0.0, causal)
 
 
+def _no_window(window: Window) -> None:
+    if window is not None:
+        raise ValueError(
+            "Paddle's flash_attn takes no sliding window: models/attention_choice.ring_pair_kernel gives "
+            "windowed layers the blocks of Paddle ops"
+        )
+
+
 class _Chunks:
     """One call's chunks in the model's layout: q [b, 2c, h, d] as two query slots, a K/V pair [2, b, 2c,
-    hk, d] (what travels) as two key slots, and the rows' segment ids [b, S] cut by sequence chunk."""
+    hk, d] (what travels) as two key slots, the rows' segment ids [b, S] cut by sequence chunk, and the
+    layer's sliding window (None: every earlier key)."""
 
-    def __init__(self, q: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any) -> None:
+    def __init__(
+        self, q: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, window: Optional[int] = None
+    ) -> None:
         self.c = q.shape[1] // 2
         self.seg = seg
+        self.window = window
         self.scale = float(q.shape[-1]) ** -0.5
         self.acc = paddle.float64 if q.dtype == paddle.float64 else paddle.float32
         self.q_chunks = chunks_of(ring.degree, ring.rank)
@@ -136,42 +193,59 @@ class _Chunks:
         q_ids, k_ids = (self.seg[:, x * self.c : (x + 1) * self.c].contiguous() for x in (qc, kc))
         return q_ids, k_ids
 
+    def pair_window(self, qc: int, kc: int) -> Window:
+        """The window of sequence chunks qc (the queries) and kc (the keys), or None where it holds every
+        key of the pair (its farthest key, (qc - kc + 1) c - 1 positions back, lies inside)."""
+        if self.window is None or (qc - kc + 1) * self.c - 1 < self.window:
+            return None
+        return self.window, (qc - kc) * self.c
+
     def steps(self, ring: Any, kv: paddle.Tensor) -> Any:
         """(key chunks, K/V held, pairs) of each step round the ring; the next K/V are exchanged with the
         neighbours before a step computes (as the Paddle-op blocks do)."""
         for t in range(ring.degree):
             k_chunks = chunks_of(ring.degree, (ring.rank - t) % ring.degree)
             incoming = ring.exchange([kv]) if t < ring.degree - 1 else None
-            yield k_chunks, kv, pair_list(self.q_chunks, k_chunks)
+            yield k_chunks, kv, pair_list(self.q_chunks, k_chunks, self.c, self.window)
             if incoming is not None:
                 kv = incoming[0]
 
 
 def pair_forward(
-    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, kernel: Any
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    seg: Optional[paddle.Tensor],
+    ring: Any,
+    kernel: Any,
+    window: Optional[int] = None,
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
-    """The ring's forward, one ``kernel`` call per chunk pair: the output [b, 2c, h, d] (q's dtype) and the
-    merged log-sum-exp [b, 2c, h] (float32, float64 for float64 rows)."""
-    ch = _Chunks(q, seg, ring)
+    """The ring's forward, one ``kernel`` call per chunk pair (none for a pair outside the sliding
+    ``window``): the output [b, 2c, h, d] (q's dtype) and the merged log-sum-exp [b, 2c, h] (float32,
+    float64 for float64 rows)."""
+    ch = _Chunks(q, seg, ring, window)
     qs = [ch.slot(q, i) for i in range(2)]
     acc: Dict[int, Tuple[Any, Any]] = {}
     for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
-            segs = ch.segments(ch.q_chunks[qi], k_chunks[ki])
-            o, lse = kernel.forward(qs[qi], ch.slot(kv[0], ki), ch.slot(kv[1], ki), segs, causal, ch.scale)
+            qc, kc = ch.q_chunks[qi], k_chunks[ki]
+            kv_slots = ch.slot(kv[0], ki), ch.slot(kv[1], ki)
+            o, lse = kernel.forward(
+                qs[qi], *kv_slots, ch.segments(qc, kc), causal, ch.scale, ch.pair_window(qc, kc)
+            )
             acc[qi] = merge(acc.get(qi), o.astype(ch.acc), lse.astype(ch.acc).transpose([0, 2, 1]))
     out = paddle.concat([acc[0][0], acc[1][0]], axis=1).astype(q.dtype)
     return out, paddle.concat([acc[0][1], acc[1][1]], axis=1)
 
 
 def pair_backward(
-    saved: Tuple[Any, ...], ring: Any, kernel: Any, dout: paddle.Tensor
+    saved: Tuple[Any, ...], ring: Any, kernel: Any, dout: paddle.Tensor, window: Optional[int] = None
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The ring's backward, one ``kernel`` call per chunk pair; ``saved``: (q, k, v, out, lse, seg) of
     :func:`pair_forward`. Each K/V's gradient accumulators travel with it and come home after the last
     step."""
     q, k, v, out, lse, seg = saved
-    ch = _Chunks(q, seg, ring)
+    ch = _Chunks(q, seg, ring, window)
     qs = [ch.slot(q, i) for i in range(2)]
     delta = (dout.astype(ch.acc) * out.astype(ch.acc)).sum(axis=-1)  # D_i = dO_i . O_i, [b, 2c, h]
     stats: List[Dict[str, Any]] = []
@@ -184,9 +258,10 @@ def pair_backward(
     dv = paddle.zeros(v.shape, dtype=ch.acc)
     for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
-            segs = ch.segments(ch.q_chunks[qi], k_chunks[ki])
-            kc, vc = ch.slot(kv[0], ki), ch.slot(kv[1], ki)
-            dq_p, dk_p, dv_p = kernel.backward(qs[qi], kc, vc, segs, causal, ch.scale, stats[qi])
+            qc, kc = ch.q_chunks[qi], k_chunks[ki]
+            kv_slots = ch.slot(kv[0], ki), ch.slot(kv[1], ki)
+            segs, shift = ch.segments(qc, kc), ch.pair_window(qc, kc)
+            dq_p, dk_p, dv_p = kernel.backward(qs[qi], *kv_slots, segs, causal, ch.scale, stats[qi], shift)
             dqs[qi] += dq_p.astype(ch.acc)
             keys = slice(ki * ch.c, (ki + 1) * ch.c)
             dk[:, keys] += dk_p.astype(ch.acc)
@@ -197,9 +272,16 @@ def pair_backward(
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool, report: bool = False) -> Any:
+def pair_kernel(
+    q: paddle.Tensor,
+    seg: Optional[paddle.Tensor],
+    fused: bool,
+    report: bool = False,
+    windowed: bool = False,
+) -> Any:
     """The pair kernel for a ring call with queries ``q`` [b, 2c, h, d] (``seg``: the rows' segment ids or
-    None; ``fused``: the model's op set carries our fused CPU attention), or None for Paddle-op blocks, as
+    None; ``fused``: the model's op set carries our fused CPU attention; ``windowed``: the layer's sliding
+    window is shorter than the rows), or None for Paddle-op blocks, as
     models/attention_choice.ring_pair_kernel decides. ``report``: say on stderr which path runs (once per
     path and process)."""
     gpu = not q.place.is_cpu_place()
@@ -209,7 +291,7 @@ def pair_kernel(q: paddle.Tensor, seg: Optional[paddle.Tensor], fused: bool, rep
 
         capability = gpu_capability()
     dtype = str(q.dtype).replace("paddle.", "")
-    name, why = ring_pair_kernel(dtype, gpu, seg is not None, fused, capability, q.shape[-1])
+    name, why = ring_pair_kernel(dtype, gpu, seg is not None, fused, capability, q.shape[-1], windowed)
     kernel: Any = {"flash": FlashPairs, "cpu_fused": FusedPairs}[name]() if name else None
     if report:
         _report_once(kernel, why)

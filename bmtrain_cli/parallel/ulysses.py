@@ -28,10 +28,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import paddle
 
+from bmtrain_cli.models.attention import build_bias
 from bmtrain_cli.parallel.expert_parallel import ExpertGroup, all_to_all
 from bmtrain_cli.parallel.ring_attention import local_indices
 
-# the model's attention over whole rows: (q, k, v, segment ids or None) -> output
+# the model's attention over whole rows: (q, k, v, the rows' segment ids, an additive bias or None) -> output
 WholeAttention = Callable[
     [paddle.Tensor, paddle.Tensor, paddle.Tensor, Optional[paddle.Tensor]], paddle.Tensor
 ]
@@ -45,7 +46,9 @@ def layout_order(seq_len: int, degree: int) -> np.ndarray:
 class UlyssesCore:
     """The attention core of one context group in ulysses mode (models/attention.py ``ContextShard.core``):
     q [b, 2c, h, d], k/v [b, 2c, hk, d] of this rank's chunks, the whole rows' int segment ids [b, S] (or
-    None) and ``whole``, the model's attention over whole rows of its heads."""
+    None), ``whole``, the model's attention over whole rows of its heads, and the layer's sliding
+    ``window``, which (shorter than the rows) becomes the additive bias one process gives that attention
+    (models/attention.py build_bias)."""
 
     def __init__(self, ring: Any) -> None:
         self.ring = ring  # the group's sums of partial log-probs (preference/logps.py) run over it
@@ -58,12 +61,16 @@ class UlyssesCore:
         v: paddle.Tensor,
         segment_ids: Optional[paddle.Tensor],
         whole: WholeAttention,
+        window: Optional[int] = None,
     ) -> paddle.Tensor:
         n = self.group.degree
         b, s2, h, d = q.shape
         hk = k.shape[2]
+        mask = segment_ids
+        if window is not None and window < s2 * n:
+            mask = build_bias(segment_ids, segment_ids, s2 * n, s2 * n, 0, q.dtype, window)
         if n == 1:
-            return whole(q, k, v, segment_ids)
+            return whole(q, k, v, mask)
         order = layout_order(s2 * n, n)
         natural = np.empty_like(order)
         natural[order] = np.arange(order.size)
@@ -73,7 +80,7 @@ class UlyssesCore:
         rows = mine.transpose([1, 0, 2, 3, 4]).reshape([b, s2 * n, mine.shape[3], d])
         rows = paddle.gather(rows, paddle.to_tensor(natural), axis=1)
         qw, kw, vw = paddle.split(rows, [h // n, hk // n, hk // n], axis=2)
-        out = whole(qw, kw, vw, segment_ids)  # [b, S, h / n, d]
+        out = whole(qw, kw, vw, mask)  # [b, S, h / n, d]
         out = paddle.gather(out, paddle.to_tensor(order), axis=1).reshape([b, n, s2, h // n, d])
         back = self._exchange(out.transpose([1, 0, 2, 3, 4]))  # [n (head group), b, 2c, h / n, d]
         return back.transpose([1, 2, 0, 3, 4]).reshape([b, s2, h, d])

@@ -162,15 +162,19 @@ def fused_cpu_attention(w: Workload, device: Device) -> bool:
     return device.kind == "cpu" and any(src == "custom" for src, _ in offered)
 
 
-def ring_pair_kernel(w: Workload, device: Device) -> bool:
+def ring_pair_kernel(w: Workload, device: Device, cp: int = 1) -> bool:
     """Whether the ring attends each chunk pair with one kernel call (models/attention_choice.py
-    ring_pair_kernel: the run's rule, given the configured precision, packing and head size)."""
+    ring_pair_kernel: the run's rule, given the configured precision, packing, head size and sliding
+    window; ``w.seq_len`` is a rank's share of rows of ``cp`` shares, which a window shorter than the rows
+    cuts: its layers take the blocks of Paddle ops on a GPU, the most any layer holds)."""
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(w.precision, "float32")
     gpu, fused = device.kind != "cpu", fused_cpu_attention(w, device)
-    return (
-        attention_choice.ring_pair_kernel(dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim)[0]
-        is not None
+    window = getattr(w.arch, "sliding_window", None)
+    windowed = window is not None and window < w.seq_len * cp
+    name, _ = attention_choice.ring_pair_kernel(
+        dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim, windowed=windowed
     )
+    return name is not None
 
 
 def attention_kernel(w: Workload, device: Device, layout: Layout) -> str:
@@ -334,7 +338,7 @@ def layer_activations(
         # K/V slots) or one block pair's fp32 temporaries [b, heads, block, block] of the Paddle-op blocks
         # (a fixed size, counted per token of the micro-batch)
         q_el, kv_el = heads * a.head_dim, a.num_key_value_heads * a.head_dim / layout.tp
-        if ring_pair_kernel(w, device):
+        if ring_pair_kernel(w, device, layout.cp):
             pair = q_el / 2 + 2 * kv_el
         else:
             block = min(RING_BLOCK, w.seq_len // 2)

@@ -3,7 +3,9 @@
 // Causal (sq == sk: a query sees the keys at the same or an earlier index) or not (every key), optionally
 // restricted to equal segment ids (query ids [b, sq], key ids [b, sk]). The model's causal attention
 // passes one array of ids for both; a ring attention's block pair (parallel/ring_attention.py) passes the
-// ids of its query chunk and of its key chunk, causal on the diagonal pair and not before it. A query that
+// ids of its query chunk and of its key chunk, causal on the diagonal pair and not before it, and a sliding
+// window where the layer has one: query i, `offset` positions after key 0 (the distance of the chunks'
+// starts in the sequence), sees only the keys j with i + offset - j < window. A query that
 // sees no key of the call gets a zero output and the log-sum-exp kEmptyLse (finite: its weight in a
 // log-sum-exp merge underflows to zero). The backward takes the log-sum-exp and D = dO . O from the
 // caller, so a block pair's gradients are taken against the merged (global) statistics.
@@ -50,6 +52,8 @@ struct Shape {
   int64_t sp, dp;  // s and d rounded up to whole tiles
   bool parallel;
   int64_t chunks;  // chunks per (batch, kv head) item
+  int64_t window = 0;  // > 0: query i sees only the keys j with i + offset - j < window
+  int64_t offset = 0;
   int64_t qblocks() const { return (sq + kQB - 1) / kQB; }
   int64_t items() const { return b * hk * chunks; }
   int64_t qrow(int64_t bb, int64_t i, int64_t head) const { return ((bb * sq + i) * h + head) * d; }
@@ -74,7 +78,7 @@ struct Segments {
 
 // The K/V of one (batch, kv head), packed and zero-padded; the segment ids of its keys and queries and,
 // per query, the first key that may be visible (the first key of its segment id, s where none; 0 without
-// segments).
+// segments; no earlier than the window's first key, s where the window holds no key of the call).
 template <typename T>
 struct Item {
   std::vector<T> kt, vt, kp, vp;     // [dp, sp] transposed, [sp, dp] row-major
@@ -107,17 +111,20 @@ struct Item {
     seg.assign(sh.s, 0);
     qseg.assign(sh.sq, 0);
     lo.assign(sh.sq, 0);
-    if (segs.k == nullptr) return;
-    std::unordered_map<int64_t, int64_t> first;
-    for (int64_t j = 0; j < sh.s; ++j) {
-      seg[j] = segs.k[bb * sh.s + j];
-      first.emplace(seg[j], j);
+    if (segs.k != nullptr) {
+      std::unordered_map<int64_t, int64_t> first;
+      for (int64_t j = 0; j < sh.s; ++j) {
+        seg[j] = segs.k[bb * sh.s + j];
+        first.emplace(seg[j], j);
+      }
+      for (int64_t i = 0; i < sh.sq; ++i) {
+        qseg[i] = segs.q[bb * sh.sq + i];
+        const auto at = first.find(qseg[i]);
+        lo[i] = at == first.end() ? sh.s : at->second;
+      }
     }
-    for (int64_t i = 0; i < sh.sq; ++i) {
-      qseg[i] = segs.q[bb * sh.sq + i];
-      const auto at = first.find(qseg[i]);
-      lo[i] = at == first.end() ? sh.s : at->second;
-    }
+    if (sh.window > 0)
+      for (int64_t i = 0; i < sh.sq; ++i) lo[i] = std::min(std::max(lo[i], i + sh.offset - sh.window + 1), sh.s);
   }
 };
 
@@ -413,6 +420,12 @@ int run_backward(const Shape& sh, const void* q, const void* k, const void* v, S
   return BMT_OK;
 }
 
+Shape windowed(Shape sh, int64_t window, int64_t offset) {
+  sh.window = window;
+  sh.offset = offset;
+  return sh;
+}
+
 bool bad_shape(int64_t b, int64_t sq, int64_t s, int64_t h, int64_t hk, int64_t d, int causal) {
   return b < 0 || sq < 0 || s < 0 || h <= 0 || hk <= 0 || d <= 0 || h % hk != 0 || (causal && sq != s);
 }
@@ -424,8 +437,8 @@ extern "C" {
 int bmt_cpu_attention_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
                           void* out, void* lse, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                           int64_t dim, double scale) {
-  return bmt_cpu_attention_pair_fwd(dtype, q, k, v, segment_ids, segment_ids, 1, out, lse, batch, seq, seq, heads,
-                                    kv_heads, dim, scale);
+  return bmt_cpu_attention_pair_fwd(dtype, q, k, v, segment_ids, segment_ids, 1, 0, 0, out, lse, batch, seq, seq,
+                                    heads, kv_heads, dim, scale);
 }
 
 int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
@@ -440,13 +453,13 @@ int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v
 }
 
 int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
-                               const int64_t* k_segment_ids, int causal, void* out, void* lse, int64_t batch,
-                               int64_t q_len, int64_t k_len, int64_t heads, int64_t kv_heads, int64_t dim,
-                               double scale) {
+                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset, void* out,
+                               void* lse, int64_t batch, int64_t q_len, int64_t k_len, int64_t heads,
+                               int64_t kv_heads, int64_t dim, double scale) {
   if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
-      (q_segment_ids == nullptr) != (k_segment_ids == nullptr))
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0)
     return BMT_ERR_SHAPE;
-  const Shape sh = make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0);
+  const Shape sh = windowed(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset);
   const Segments seg{q_segment_ids, k_segment_ids};
   if (dtype == BMT_F32) return run_forward<float>(sh, q, k, v, seg, out, lse, scale);
   if (dtype == BMT_F64) return run_forward<double>(sh, q, k, v, seg, out, lse, scale);
@@ -454,13 +467,14 @@ int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const vo
 }
 
 int bmt_cpu_attention_pair_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
-                               const int64_t* k_segment_ids, int causal, const void* lse, const void* delta,
-                               const void* dout, void* dq, void* dk, void* dv, int64_t batch, int64_t q_len,
-                               int64_t k_len, int64_t heads, int64_t kv_heads, int64_t dim, double scale) {
+                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset,
+                               const void* lse, const void* delta, const void* dout, void* dq, void* dk, void* dv,
+                               int64_t batch, int64_t q_len, int64_t k_len, int64_t heads, int64_t kv_heads,
+                               int64_t dim, double scale) {
   if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
-      (q_segment_ids == nullptr) != (k_segment_ids == nullptr))
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0)
     return BMT_ERR_SHAPE;
-  const Shape sh = make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0);
+  const Shape sh = windowed(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset);
   const Segments seg{q_segment_ids, k_segment_ids};
   if (dtype == BMT_F32) return run_backward<float>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);
   if (dtype == BMT_F64) return run_backward<double>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);

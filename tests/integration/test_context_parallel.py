@@ -5,7 +5,8 @@ samples), a tiny grouped-query model (4 heads, 2 KV heads), 4 optimizer steps of
 diverges from step 2.
 Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024 (cp2) and 512 (cp4).
 Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
-the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows;
+the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows; a tiny Gemma 3 (sliding
+layers with a window of 96 tokens and a global layer) at cp2;
 DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process.
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
@@ -56,6 +57,17 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
         ["train_config.finetuning=lora", "train_config.lora_target_modules=all-linear"],
         0.02,
     ),
+    # Gemma 3's pattern: 5 sliding layers (window 96 of 4096 tokens) and 1 global layer; at cp2 (chunks of
+    # 1024 tokens) the sliding layers skip the key chunks 96 or more tokens back and the window cuts the rest
+    "gemma3": (
+        "long.jsonl",
+        [
+            "model_config.family=gemma3_text",
+            "model_config.num_hidden_layers=6",
+            "model_config.sliding_window=96",
+        ],
+        0.2,
+    ),
 }
 CP2, CP4 = ["parallel_config.context_parallel=2"], ["parallel_config.context_parallel=4"]
 ULYSSES2 = CP2 + ["parallel_config.context_parallel_mode=ulysses"]
@@ -74,6 +86,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("lora", "cp2", CP2),
     ("long", "ulysses cp2", ULYSSES2),
     ("packed", "ulysses cp2", ULYSSES2),
+    ("gemma3", "cp2, sliding window", CP2),
 ]
 
 

@@ -48,7 +48,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
             "not beside tensor_parallel > 1 yet",
         ),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
-        ({"model": "  family: mistral\n  sliding_window: 64\n"}, 10, "sliding window (64)"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
         ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
         ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
@@ -104,5 +103,18 @@ def test_ulysses_runs_where_the_heads_divide(write_yaml, has_gpu):
         load_config(write_yaml(_text(cp=4, parallel=mode)), world_size=8, has_gpu=True)
 
 
-def test_a_window_longer_than_the_sequence_passes(write_yaml):
-    load_config(write_yaml(_text(model="  family: mistral\n  sliding_window: 4096\n")), has_gpu=False)
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "  family: mistral\n  sliding_window: 64\n",
+        "  family: mistral\n  sliding_window: 4096\n",
+        "  family: gemma3_text\n  num_key_value_heads: 2\n  sliding_window: 32\n",
+    ],
+)
+def test_sliding_windows_pass(write_yaml, model, mode):
+    """Windows shorter or longer than the rows, one for every layer (Mistral) or for the sliding layers
+    (Gemma 3): the ring applies them on the tokens' places in the whole rows, ulysses over whole rows."""
+    parallel = f"  context_parallel_mode: {mode}\n"
+    cfg = load_config(write_yaml(_text(model=model, parallel=parallel)), has_gpu=False).config
+    assert cfg.parallel.context_parallel == 2 and cfg.model.sliding_window in (32, 64, 4096)

@@ -17,23 +17,26 @@ from bmtrain_cli.parallel.ring_attention import Ring, RingCore
 from bmtrain_cli.parallel.ring_pairs import FusedPairs, pair_kernel
 
 
-def _visible(sq, sk, causal, segs):
-    """Boolean [b or 1, 1, sq, sk]: which keys each query sees."""
+def _visible(sq, sk, causal, segs, window=0, offset=0):
+    """Boolean [b or 1, 1, sq, sk]: which keys each query sees (window > 0: query i, offset positions after
+    key 0, sees only the keys j with i + offset - j < window)."""
     allowed = np.ones((1, sq, sk), dtype=bool)
     if causal:
         allowed = allowed & (np.arange(sk)[None, :] <= np.arange(sq)[:, None])[None]
+    if window:
+        allowed = allowed & ((np.arange(sq)[:, None] + offset - np.arange(sk)[None, :]) < window)[None]
     if segs is not None:
         allowed = allowed & (segs[0][:, :, None] == segs[1][:, None, :])
     return paddle.to_tensor(allowed[:, None])
 
 
-def _dense(q, k, v, segs, causal, scale):
+def _dense(q, k, v, segs, causal, scale, window=0, offset=0):
     """Scores, probabilities, output, lse with Paddle ops: q [b, sq, h, d], k/v [b, sk, hk, d]."""
     rep = q.shape[2] // k.shape[2]
     qh = q.transpose([0, 2, 1, 3])
     kh = paddle.repeat_interleave(k, rep, axis=2).transpose([0, 2, 1, 3])
     vh = paddle.repeat_interleave(v, rep, axis=2).transpose([0, 2, 1, 3])
-    allowed = _visible(q.shape[1], k.shape[1], causal, segs)
+    allowed = _visible(q.shape[1], k.shape[1], causal, segs, window, offset)
     s = paddle.matmul(qh, kh, transpose_y=True) * scale
     s = paddle.where(allowed, s, paddle.full([1], -np.inf, dtype=s.dtype))
     lse = paddle.logsumexp(s, axis=-1)  # [b, h, sq]
@@ -44,10 +47,10 @@ def _dense(q, k, v, segs, causal, scale):
     return qh, kh, vh, allowed, out, lse
 
 
-def _dense_backward(q, k, v, segs, causal, scale, lse, delta, dout):
+def _dense_backward(q, k, v, segs, causal, scale, lse, delta, dout, window=0, offset=0):
     """The FA2 recurrences against ``lse``/``delta`` [b, h, sq], in dense Paddle ops; K/V grads summed over
     the query heads of each KV head."""
-    qh, kh, vh, allowed, _, _ = _dense(q, k, v, segs, causal, scale)
+    qh, kh, vh, allowed, _, _ = _dense(q, k, v, segs, causal, scale, window, offset)
     s = paddle.matmul(qh, kh, transpose_y=True) * scale
     p = paddle.where(allowed, paddle.exp(s - lse.unsqueeze(-1)), paddle.zeros([1], dtype=s.dtype))
     do = dout.transpose([0, 2, 1, 3])
@@ -84,7 +87,35 @@ SHAPES = [
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-10)])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pair_forward_and_backward_match_dense_ops(ext, shape, dtype, tol):
-    b, sq, sk, h, hk, d, causal, segmented = shape
+    _check_pair_against_dense(shape, dtype, tol)
+
+
+# (batch, q_len, k_len, heads, kv_heads, head_dim, causal, segmented, window, offset): the window inside
+# one chunk (causal pair) or reaching back over part of an earlier chunk, over more than one score tile,
+# cutting every key of some queries (output 0, lse -1e30), with packed segments, grouped-query heads and
+# odd lengths; then the OpenMP path
+WINDOWED = [
+    (2, 13, 13, 4, 2, 8, True, False, 4, 0),
+    (2, 13, 13, 4, 2, 8, True, True, 1, 0),
+    (1, 40, 40, 2, 2, 24, True, True, 19, 0),
+    (1, 11, 19, 3, 1, 16, False, False, 7, 19),
+    (2, 11, 19, 4, 2, 8, False, True, 25, 19),
+    (3, 9, 33, 6, 3, 8, False, True, 30, 33),
+    (1, 17, 17, 2, 1, 8, False, False, 20, 34),
+    (1, 190, 190, 9, 3, 64, True, True, 37, 0),
+    (1, 150, 170, 9, 3, 64, False, True, 100, 170),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-10)])
+@pytest.mark.parametrize("shape", WINDOWED)
+def test_windowed_pair_matches_dense_ops(ext, shape, dtype, tol):
+    _check_pair_against_dense(shape, dtype, tol)
+
+
+def _check_pair_against_dense(shape, dtype, tol):
+    b, sq, sk, h, hk, d, causal, segmented, *window = shape
+    window, offset = window or (0, 0)
     rng = np.random.default_rng(sq * 31 + sk)
     q, dout = (paddle.to_tensor(rng.standard_normal((b, sq, h, d)).astype(dtype)) for _ in range(2))
     k, v = (paddle.to_tensor(rng.standard_normal((b, sk, hk, d)).astype(dtype)) for _ in range(2))
@@ -95,18 +126,19 @@ def test_pair_forward_and_backward_match_dense_ops(ext, shape, dtype, tol):
         segs = (qseg, kseg)
     seg_t = None if segs is None else tuple(paddle.to_tensor(x) for x in segs)
     scale = d**-0.5
-    out, lse = attention_pair_forward(Pair(q, k, v, seg_t, causal, scale))
-    _, _, _, allowed, ref_out, ref_lse = _dense(q, k, v, segs, causal, scale)
+    pair = Pair(q, k, v, seg_t, causal, scale, window, offset)
+    out, lse = attention_pair_forward(pair)
+    _, _, _, allowed, ref_out, ref_lse = _dense(q, k, v, segs, causal, scale, window, offset)
     np.testing.assert_allclose(out.numpy(), ref_out.numpy(), atol=tol, rtol=tol)
     np.testing.assert_allclose(lse.numpy(), ref_lse.numpy(), atol=tol, rtol=tol)
-    if segmented and not causal:
-        assert (~allowed.numpy().any(-1)).any()  # some queries see no key of this pair
+    if (segmented and not causal) or window > 1:
+        assert (~allowed.numpy().all(-1)).any()  # the mask cuts: some keys of some queries are hidden
     # the backward against a global lse (this pair's merged with another share) and an arbitrary D
     other = paddle.to_tensor(rng.standard_normal(lse.shape).astype(dtype))
     glob = paddle.logaddexp(ref_lse, other)
     delta = paddle.to_tensor(rng.standard_normal(lse.shape).astype(dtype))
-    grads = attention_pair_backward(Pair(q, k, v, seg_t, causal, scale), glob, delta, dout)
-    refs = _dense_backward(q, k, v, segs, causal, scale, glob, delta, dout)
+    grads = attention_pair_backward(pair, glob, delta, dout)
+    refs = _dense_backward(q, k, v, segs, causal, scale, glob, delta, dout, window, offset)
     for name, g, r in zip("qkv", grads, refs):
         np.testing.assert_allclose(g.numpy(), r.numpy(), atol=tol, rtol=tol, err_msg=f"d{name}")
 
@@ -119,6 +151,8 @@ def test_pair_refuses_a_causal_pair_of_unequal_lengths(ext):
     half = paddle.zeros([1, 4, 2, 8], "float16")
     with pytest.raises(ValueError, match=r"float32 or float64 on a CPU, got paddle.float16 on Place\(cpu\)"):
         attention_pair_forward(Pair(half, half, half, None, False, 0.3))
+    with pytest.raises(ValueError, match=r"window must be positive \(0: none\), got -1"):
+        attention_pair_forward(Pair(q, q, q, None, True, 0.3, -1))
 
 
 def _ring_call(fused, q, k, v, seg, w):

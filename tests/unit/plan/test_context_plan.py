@@ -182,3 +182,24 @@ def test_the_ring_is_planned_with_the_pair_kernel_it_runs(lora_7b) -> None:
     assert not ring_pair_kernel(replace(lora_7b, precision="fp32"), A100)
     fused_est, blocks_est = (estimate_layout(w, ring, cpu) for w in (long_rows, blocks))
     assert fused_est.activations < blocks_est.activations
+
+
+def test_a_sliding_window_keeps_flash_off_the_ring_on_a_gpu(lora_7b) -> None:
+    """Paddle's flash_attn (FA2) takes no window: where a layer's window is shorter than the whole rows
+    (rank share x cp), the run's rule gives the ring's pairs to the Paddle-op blocks on a GPU, and the plan
+    counts their temporaries (activations.py ring_pair_kernel); the fused CPU kernel applies the window itself; a window as long as the
+    rows changes nothing."""
+    from bmtrain_cli.models.attention_choice import ring_pair_kernel as rule
+    from bmtrain_cli.plan.activations import ring_pair_kernel
+
+    assert rule("bfloat16", True, False, False, windowed=True) == (
+        None,
+        "a sliding window: Paddle's flash_attn (FA2) takes no window",
+    )
+    assert rule("float32", False, False, True, windowed=True)[0] == "cpu_fused"
+    share = replace(lora_7b, seq_len=8192, precision="bf16", packed=False)
+    windowed = replace(share, arch=replace(share.arch, sliding_window=4096))
+    assert ring_pair_kernel(share, A100, 4) and not ring_pair_kernel(windowed, A100, 4)
+    assert ring_pair_kernel(replace(share, arch=replace(share.arch, sliding_window=32768)), A100, 4)
+    cpu = get_device("cpu")
+    assert ring_pair_kernel(replace(windowed, precision="fp32", kernels="custom"), cpu, 4)

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import paddle
 
 from bmtrain_cli.models.attention_choice import ring_pair_kernel
+from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward, attention_pair_forward
 
 _LOGGED: set = set()  # the paths this process has reported
 
@@ -76,35 +77,13 @@ class FusedPairs:
     name = "the fused CPU attention kernel per chunk pair"
     needs_out = False  # its backward takes D = rowsum(dO * O), not O
 
-    def forward(
-        self,
-        q: paddle.Tensor,
-        k: paddle.Tensor,
-        v: paddle.Tensor,
-        segs: Segments,
-        causal: bool,
-        scale: float,
-        window: Window = None,
-    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        from bmtrain_cli.ops.fused_attention import Pair, attention_pair_forward
-
-        return attention_pair_forward(Pair(q, k, v, segs, causal, scale, *(window or (0, 0))))
+    def forward(self, pair: Pair) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        return attention_pair_forward(pair)
 
     def backward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        segs: Segments,
-        causal: bool,
-        scale: float,
-        stats: Dict[str, Any],
-        window: Window = None,
+        self, pair: Pair, stats: Dict[str, Any]
     ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward
-
-        lse, delta = stats["lse"].astype(q.dtype), stats["delta"].astype(q.dtype)
-        pair = Pair(q, k, v, segs, causal, scale, *(window or (0, 0)))
+        lse, delta = stats["lse"].astype(pair.q.dtype), stats["delta"].astype(pair.q.dtype)
         return attention_pair_backward(pair, lse, delta, stats["dout"])
 
 
@@ -119,52 +98,37 @@ class FlashPairs:
         self.seed: Optional[paddle.Tensor] = None
         self.width = 0
 
-    def forward(
-        self,
-        q: paddle.Tensor,
-        k: paddle.Tensor,
-        v: paddle.Tensor,
-        segs: Segments,
-        causal: bool,
-        scale: float,
-        window: Window = None,
-    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    def forward(self, pair: Pair) -> Tuple[paddle.Tensor, paddle.Tensor]:
         from paddle import _C_ops
 
-        _no_window(window)
+        _flash_takes(pair)
         # (q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name)
+        q, k, v, causal = pair.q, pair.k, pair.v, pair.causal
         out, _, lse, seed = _C_ops.flash_attn(q, k, v, None, None, 0.0, causal, False, False, "")  # type: ignore[arg-type]
         self.seed, self.width = seed, int(lse.shape[-1])
-        return out, lse[:, :, : q.shape[1]]
+        return out, lse[:, :, : pair.q.shape[1]]
 
     def backward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        segs: Segments,
-        causal: bool,
-        scale: float,
-        stats: Dict[str, Any],
-        window: Window = None,
+        self, pair: Pair, stats: Dict[str, Any]
     ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         from paddle import _C_ops
 
-        _no_window(window)
+        _flash_takes(pair)
         lse = stats["lse"].astype("float32")
         if self.width > lse.shape[-1]:
             lse = paddle.concat(
                 [lse, paddle.zeros([*lse.shape[:2], self.width - lse.shape[-1]], "float32")], -1
             )
+        q, k, v, causal = pair.q, pair.k, pair.v, pair.causal
         # (q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad, dropout, causal)
         return _C_ops.flash_attn_grad(q, k, v, stats["out"], lse, self.seed, None, stats["dout"], 0.0, causal)
 
 
-def _no_window(window: Window) -> None:
-    if window is not None:
+def _flash_takes(pair: Pair) -> None:
+    if pair.window or pair.segments is not None:
         raise ValueError(
-            "Paddle's flash_attn takes no sliding window: models/attention_choice.ring_pair_kernel gives "
-            "windowed layers the blocks of Paddle ops"
+            "Paddle's flash_attn takes no sliding window or segment ids: models/attention_choice."
+            "ring_pair_kernel gives such layers and rows the blocks of Paddle ops"
         )
 
 
@@ -192,6 +156,13 @@ class _Chunks:
             return None
         q_ids, k_ids = (self.seg[:, x * self.c : (x + 1) * self.c].contiguous() for x in (qc, kc))
         return q_ids, k_ids
+
+    def pair(self, q: paddle.Tensor, kv: paddle.Tensor, qc: int, kc: int, ki: int, causal: bool) -> Pair:
+        """The kernel call of query chunk ``q`` (sequence chunk qc) and key slot ``ki`` (sequence chunk kc) of
+        the K/V held."""
+        window = self.pair_window(qc, kc) or (0, 0)
+        k, v = self.slot(kv[0], ki), self.slot(kv[1], ki)
+        return Pair(q, k, v, self.segments(qc, kc), causal, self.scale, *window)
 
     def pair_window(self, qc: int, kc: int) -> Window:
         """The window of sequence chunks qc (the queries) and kc (the keys), or None where it holds every
@@ -228,11 +199,7 @@ def pair_forward(
     acc: Dict[int, Tuple[Any, Any]] = {}
     for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
-            qc, kc = ch.q_chunks[qi], k_chunks[ki]
-            kv_slots = ch.slot(kv[0], ki), ch.slot(kv[1], ki)
-            o, lse = kernel.forward(
-                qs[qi], *kv_slots, ch.segments(qc, kc), causal, ch.scale, ch.pair_window(qc, kc)
-            )
+            o, lse = kernel.forward(ch.pair(qs[qi], kv, ch.q_chunks[qi], k_chunks[ki], ki, causal))
             acc[qi] = merge(acc.get(qi), o.astype(ch.acc), lse.astype(ch.acc).transpose([0, 2, 1]))
     out = paddle.concat([acc[0][0], acc[1][0]], axis=1).astype(q.dtype)
     return out, paddle.concat([acc[0][1], acc[1][1]], axis=1)
@@ -258,10 +225,8 @@ def pair_backward(
     dv = paddle.zeros(v.shape, dtype=ch.acc)
     for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
         for qi, ki, causal in pairs:
-            qc, kc = ch.q_chunks[qi], k_chunks[ki]
-            kv_slots = ch.slot(kv[0], ki), ch.slot(kv[1], ki)
-            segs, shift = ch.segments(qc, kc), ch.pair_window(qc, kc)
-            dq_p, dk_p, dv_p = kernel.backward(qs[qi], *kv_slots, segs, causal, ch.scale, stats[qi], shift)
+            pair = ch.pair(qs[qi], kv, ch.q_chunks[qi], k_chunks[ki], ki, causal)
+            dq_p, dk_p, dv_p = kernel.backward(pair, stats[qi])
             dqs[qi] += dq_p.astype(ch.acc)
             keys = slice(ki * ch.c, (ki + 1) * ch.c)
             dk[:, keys] += dk_p.astype(ch.acc)

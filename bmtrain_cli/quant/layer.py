@@ -10,7 +10,7 @@ whole-weight paths (saving a fresh base).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import paddle
@@ -103,6 +103,24 @@ class QuantLinear(nn.Layer):
         return f"in={self.in_features}, out={self.out_features}, {self.method}, impl={self.impl}"
 
 
+class HeldElsewhere(nn.Layer):
+    """A routed expert's projection that another expert-parallel rank holds: a quantised load reads and
+    quantises only this rank's experts (:class:`Quantizer`), and this stands for the others, shape only,
+    no codes and no parameters, so that every rank's model has the same parameters (LoRA wraps it like a
+    QuantLinear) until parallel/expert_parallel.shard_experts drops it, before any forward."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, dtype
+        self.bias = None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        raise RuntimeError("an expert another expert-parallel rank holds ran here (shard_experts not called)")
+
+
+WEIGHTLESS = (QuantLinear, HeldElsewhere)  # frozen linear layers with no weight parameter
+
+
 def quantize_linear(
     layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None, name: str = ""
 ) -> nn.Layer:
@@ -177,14 +195,30 @@ class Quantizer:
     models/hf.py's load_hf_state_dict): the model was built under paddle.LazyGuard, so those layers'
     full-precision weights are never allocated; each is read, quantised and dropped."""
 
-    def __init__(self, model: nn.Layer, settings: Any, kernels: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Layer,
+        settings: Any,
+        kernels: str = "auto",
+        held_experts: Optional[Callable[[int], Sequence[int]]] = None,
+    ) -> None:
         self.settings = settings
         self.factory = getattr(model, "factory", None)
         self.impl = impl_for(settings, kernels)
         self.targets = {f"{name}.weight": place for name, place in quantizable(model, settings).items()}
+        self.elsewhere = _elsewhere(model, held_experts, self.targets) if held_experts is not None else set()
+
+    def _skip(self, name: str) -> bool:
+        """An expert another rank holds: never read, a :class:`HeldElsewhere` in its place."""
+        parent, attr, layer = self.targets.pop(name)
+        k, n = (int(d) for d in layer.weight.shape)
+        setattr(parent, attr, HeldElsewhere(k, n, str(layer.weight.dtype).replace("paddle.", "")))
+        return True
 
     def take(self, name: str, weight: np.ndarray) -> bool:
         """Quantise ``weight`` ([in, out]) into its layer when ``name`` is a quantised layer's weight."""
+        if name in self.elsewhere:
+            return self._skip(name)
         place = self.targets.pop(name, None)
         if place is None:
             return False
@@ -199,7 +233,10 @@ class Quantizer:
 
     def take_rows(self, name: str, source: Optional[Tuple[RowReader, Tuple[int, ...]]]) -> bool:
         """Quantise an embedding a block of rows at a time as ``source`` (read(r0, r1), shape) reads it from
-        its file (quant/vocab.py), when ``name`` is a quantised embedding's weight of the file's shape."""
+        its file (quant/vocab.py), when ``name`` is a quantised embedding's weight of the file's shape; an
+        expert another expert-parallel rank holds is taken unread."""
+        if name in self.elsewhere:
+            return self._skip(name)
         place = self.targets.get(name)
         if source is None or place is None or not isinstance(place[2], nn.Embedding):
             return False
@@ -210,6 +247,21 @@ class Quantizer:
         dtype = str(layer.weight.dtype).replace("paddle.", "")
         setattr(parent, attr, QuantEmbedding((read, int(shape[0]), int(shape[1])), dtype))
         return True
+
+
+def _elsewhere(
+    model: nn.Layer, held_experts: Callable[[int], Sequence[int]], targets: Dict[str, Any]
+) -> Set[str]:
+    """The quantised weights of the routed experts ``held_experts(num_experts)`` leaves to other ranks, in
+    every MoE layer (a layer with ``shard_experts``, models/moe.py)."""
+    out: Set[str] = set()
+    for name, layer in model.named_sublayers():
+        if getattr(layer, "shard_experts", None) is None:
+            continue
+        mine = set(held_experts(layer.num_experts))
+        stems = tuple(f"{name}.experts.{e}." for e in range(layer.num_experts) if e not in mine)
+        out |= {t for t in targets if t.startswith(stems)}
+    return out
 
 
 def quantized_layers(model: nn.Layer) -> List[Tuple[str, Any]]:

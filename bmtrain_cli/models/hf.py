@@ -167,7 +167,8 @@ def load_hf_state_dict(
     itself (the quantised layers of bmtrain_cli/quant/layer.py) and return True; the others are copied
     into their parameters (initialised first when the model was built under paddle.LazyGuard).
     ``take_rows(name, (read, shape) or None)`` is asked first for a tensor still in its file, and may keep it
-    reading ``read(r0, r1)`` one block of rows at a time (the int8 embedding, quant/vocab.py)."""
+    reading ``read(r0, r1)`` one block of rows at a time (the int8 embedding and head, quant/vocab.py), or
+    skip it unread (an expert another expert-parallel rank holds)."""
     arch = model.arch
     renames = family(arch.family).hf_renames
     if renames:

@@ -1,15 +1,14 @@
 """validate-config checks of mixture-of-experts models (Qwen3-MoE, Mixtral, ...): what runs today.
 The experts are per-expert layers (models/moe.py), split between ranks by expert parallel
-(config/expert_checks.py); pipeline parallel carries the load-balancing sums between stages
-(parallel/pipeline_moe.py); tensor parallel splits the attention and the shared experts and keeps the
-router and the routed experts whole on every rank of its group (each computes them alike); no static
-graph."""
+(config/expert_checks.py); pipeline parallel carries the load-balancing sums between stages to the last
+stage's loss, SFT's tokens' or the preference pairs' (parallel/pipeline_moe.py); tensor parallel splits
+the attention and the shared experts and keeps the router and the routed experts whole on every rank of
+its group (each computes them alike); no static graph."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from bmtrain_cli.methods import method_of
 from bmtrain_cli.models.moe import tensor_parallel_problem
 
 
@@ -24,15 +23,6 @@ def check_moe(config: Any, arch: Any, err: Callable[..., None]) -> None:
             "parallel_config.tensor_parallel",
             f"{what}: {problem}",
             "use a tensor_parallel degree that divides it",
-        )
-    sample = method_of(t).sample
-    if p.pipeline_parallel > 1 and sample != "sequence" and (sample != "pair" or arch.output_router_logits):
-        # preference pairs run through the pipeline when no load-balancing loss is added to theirs
-        err(
-            "train_config.stage",
-            f"{what} under pipeline parallel: stage {t.stage!r} computes its loss on the last stage without "
-            "the routers' load-balancing sums (output_router_logits)",
-            "set model_config.output_router_logits: false, or use data_parallel or expert_parallel",
         )
     if t.to_static:
         err(

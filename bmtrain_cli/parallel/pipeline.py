@@ -342,13 +342,13 @@ class PipelineObjective(Protocol):
     """A loss other than the token cross entropy, computed on the last stage from (logits, labels):
     ``pipeline_data`` gives fleet's per-micro-batch inputs (a tuple of three lists: input_ids,
     attention_mask, position_ids) and labels, with the step's denominator summed over the data ranks;
-    ``loss_sum`` one micro-batch's summed loss from its logits and labels."""
+    ``loss_sum`` (one micro-batch's summed loss from its logits and labels, its load-balancing loss's weight)."""
 
     def pipeline_data(
         self, micro_batches: Sequence[Dict[str, Any]], length: int
     ) -> Tuple[Any, Any, float]: ...
 
-    def loss_sum(self, logits: Any, labels: Any) -> Any: ...
+    def loss_sum(self, logits: Any, labels: Any) -> Tuple[Any, Any]: ...
 
 
 class _PipelineLoss:
@@ -368,7 +368,7 @@ class _PipelineLoss:
 
         logits, sums = split_sums(logits)  # a mixture of experts' load-balancing sums
         if self.objective is not None:
-            loss_sum = self.objective.loss_sum(logits, target)
+            loss_sum, count = self.objective.loss_sum(logits, target)
         else:
             flat, labels = logits.reshape([-1, logits.shape[-1]]), target.reshape([-1])
             if self.ctx.wrapping.factory.tp_degree > 1:
@@ -377,7 +377,7 @@ class _PipelineLoss:
                 from bmtrain_cli.ops import reference
 
                 loss_sum, count = reference.cross_entropy_sum(flat, labels)
-            loss_sum = with_aux(loss_sum, count, sums, self.arch, self.auxes)
+        loss_sum = with_aux(loss_sum, count, sums, self.arch, self.auxes)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 

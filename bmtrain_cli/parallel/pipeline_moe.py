@@ -6,8 +6,8 @@ probabilities per expert (and the counted tokens) first, and takes their product
 those running sums from stage to stage as one more tensor [3, experts] (assignments, probabilities, tokens
 in every column) beside the hidden state: the embedding starts it at zero, each sparse decoder layer adds
 its own, the final norm hands it on with the normed hidden state, and the loss on the last stage adds
-``router_aux_loss_coef x aux x tokens`` to the micro-batch's summed cross entropy, as the single process's
-``loss_sum`` does. The probabilities' gradient travels back with the hidden state's, to the routers of
+``router_aux_loss_coef x aux x tokens`` to the micro-batch's summed cross entropy (x pairs to a pipeline
+objective's summed pair losses, preference/pipeline.py), as the single process's ``loss_sum`` does. The probabilities' gradient travels back with the hidden state's, to the routers of
 every stage. Additions start from an exact zero and run in layer order: the value is the single process's.
 """
 

@@ -8,7 +8,10 @@ pair losses: at every position the next token and the sequence whose response to
 the reference-free losses; a live reference model would need a second pipeline pass and is refused by
 config/checks.py). The last stage returns the micro-batch's summed pair losses (PreferenceObjective.pair_loss,
 the same arithmetic as one process) and records the metric sums; the pipeline step divides by the step's
-pairs over the data ranks, so the gradient is one process's mean pair loss over the step.
+pairs over the data ranks, so the gradient is one process's mean pair loss over the step. A mixture of
+experts with output_router_logits adds ``router_aux_loss_coef x`` the policy forward's load-balancing loss
+x the micro-batch's pairs on the last stage, from the routers' sums the stages carry (parallel/pipeline_moe.py),
+as one process adds it (preference/objective.py); the padded rows are padding, left out of those sums.
 """
 
 from __future__ import annotations
@@ -83,12 +86,13 @@ class PairPipeline:
                 out.append(value)
         return tuple(inputs), tuple(labels), pairs
 
-    def loss_sum(self, logits: paddle.Tensor, labels: Any) -> paddle.Tensor:
-        """One micro-batch's summed pair losses from the last stage's logits [rows, length, vocab]."""
+    def loss_sum(self, logits: paddle.Tensor, labels: Any) -> Tuple[paddle.Tensor, float]:
+        """(One micro-batch's summed pair losses from the last stage's logits [rows, length, vocab], its
+        pairs: the weight of its load-balancing loss, which parallel/pipeline.py adds as one process does)."""
         following, index_t, ref = labels
         n = int(ref.shape[0])
         if n == 0:  # this data rank's share ran out: zero, with a graph
-            return logits.sum() * 0.0
+            return logits.sum() * 0.0, 0.0
         index = index_t.numpy()
         r, c = response_positions(index)
         flat = paddle.to_tensor((r * index.shape[1] + c).astype(np.int64))
@@ -100,7 +104,7 @@ class PairPipeline:
             logps, counts, ref if self.objective.reference is not None else None
         )
         self.objective.record(stats)
-        return loss
+        return loss, float(n // 2)
 
     def step_metrics(self) -> Dict[str, float]:
         """TRL's metrics of the step (recorded on the last stage), on every rank."""

@@ -2,8 +2,10 @@
 relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
 groups, sigmoid routing, a shared expert, latent attention; no auxiliary loss) and ERNIE 4.5 MoE parity
 checkpoints (tests/fixtures/hf), the Qwen3-MoE with LoRA on its attention and on its experts'
-projections (also on an nf4 base, QLoRA: each rank quantises only its own experts), and DPO on the Qwen3-MoE (full, with a frozen reference; LoRA, with precomputed reference
-log-probs, also beside pipeline parallel); expert parallel alone and beside data, pipeline and tensor parallel; the demo task's records,
+projections (also on an nf4 base, QLoRA: each rank quantises only its own experts), and DPO on the
+Qwen3-MoE (full, with a frozen reference; LoRA, with precomputed reference log-probs, also under pipeline
+parallel with and without expert parallel; both with the load-balancing loss); expert parallel alone and
+beside data, pipeline and tensor parallel; the demo task's records,
 4 optimizer steps of 4 rows with a max_grad_norm below every step's norm (asserted), so a layout whose
 norm or clip is off diverges from step 2. The load-balancing loss each step logs is the single process's
 too. The eval loss (each rank evaluates its shard on a copy with every expert gathered) and the
@@ -79,6 +81,7 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "qwen3_moe DPO + LoRA": (
         "qwen3_moe",
         DPO
+        + AUX
         + ["train_config.finetuning=lora", "train_config.lora_target_modules=all-linear"]
         + ["train_config.precompute_ref_log_probs=true"],
         0.01,
@@ -107,7 +110,9 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("qwen3_moe + LoRA on the experts", "ep2", EP2),
     ("qwen3_moe QLoRA on the experts", "ep2", EP2),
     ("qwen3_moe DPO + LoRA", "ep2", EP2),
-    ("qwen3_moe DPO + LoRA", "ep2 x pp2", EP2 + PP2),  # the pair loss on the last stage
+    # the pair loss on the last stage, plus the load-balancing loss of the routers' sums the stages carry
+    ("qwen3_moe DPO + LoRA", "pp2", PP2),
+    ("qwen3_moe DPO + LoRA", "ep2 x pp2", EP2 + PP2),
     ("qwen3_moe DPO", "ep2 x tp2", EP2 + TP2),
 ]
 

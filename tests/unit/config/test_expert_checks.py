@@ -112,21 +112,22 @@ def test_refused_at_file_line(write_yaml, kwargs, line, message):
 
 
 @pytest.mark.parametrize("aux", [False, True])
-def test_dpo_under_pipeline_parallel_on_a_mixture_of_experts(write_yaml, aux):
-    """Preference pairs run through the pipeline on an MoE policy (tests/integration/
-    test_preference_parallel.py); with the load-balancing loss, which the pipeline's pair loss leaves out,
-    they are refused at train_config.stage."""
+@pytest.mark.parametrize("ep", [1, 2])
+def test_dpo_under_pipeline_parallel_on_a_mixture_of_experts(write_yaml, aux, ep):
+    """Preference pairs run through the pipeline on an MoE policy, expert parallel beside or not, with the
+    load-balancing loss (the stages carry the routers' sums to the pair loss) or without
+    (tests/integration/test_expert_parallel.py); beside context parallel they are refused (its pipeline
+    loss reads whole rows), as is the load-balancing loss."""
     checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
     text = (
         f"model_config:\n  model_name_or_path: {checkpoint}\n  output_router_logits: {str(aux).lower()}\n"
+        "  max_seq_len: 32\n"
         "train_config:\n  stage: dpo\n  demo_data: reverse\n  micro_batch_size: 1\n  global_batch_size: 4\n"
         "  precompute_ref_log_probs: true\n  finetuning: lora\n"
-        "parallel_config:\n  pipeline_parallel: 2\n"
+        f"parallel_config:\n  pipeline_parallel: 2\n  expert_parallel: {ep}\n"
     )
-    if not aux:
-        assert load_config(write_yaml(text), world_size=2).config.parallel.pipeline_parallel == 2
-        return
+    cfg = load_config(write_yaml(text), world_size=2 * ep).config
+    assert cfg.parallel.pipeline_parallel == 2 and cfg.model.output_router_logits is aux
     with pytest.raises(ConfigError) as info:
-        load_config(write_yaml(text), world_size=2)
-    assert ":5:" in str(info.value)  # train_config.stage's line
-    assert "stage 'dpo' computes its loss on the last stage without the routers'" in str(info.value)
+        load_config(write_yaml(text + "  context_parallel: 2\n"), world_size=4 * ep)
+    assert "trains SFT only yet (train_config.stage 'dpo'" in str(info.value)

@@ -65,9 +65,3 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "off) through the experts' dispatch, which each rank's own share of pairs would run out of step",
             "set precompute_ref_log_probs: true (every rank computes every pair once), or train full weights",
         )
-    if config.model.quantization is not None:
-        err(
-            "model_config.quantization",
-            "expert parallel does not split a quantised base yet (the experts hold codes, not parameters)",
-            "use data_parallel with a quantised base",
-        )

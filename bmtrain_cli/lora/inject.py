@@ -22,7 +22,7 @@ from bmtrain_cli.errors import UserError
 from bmtrain_cli.lora.layers import LoRALinear
 from bmtrain_cli.lora.split_parts import split_projections, wrap_parts
 from bmtrain_cli.models.arch import LORA_PROJECTIONS
-from bmtrain_cli.quant.layer import QuantLinear
+from bmtrain_cli.quant.layer import WEIGHTLESS
 
 PROJECTIONS = LORA_PROJECTIONS
 ALL_LINEAR = "all-linear"
@@ -60,7 +60,7 @@ def _decoder_projections(model: nn.Layer) -> List[Tuple[str, nn.Layer, str, nn.L
         for attr in PROJECTIONS:
             child = layer._sub_layers.get(attr)
             if child is not None and (
-                isinstance(child, QuantLinear)
+                isinstance(child, WEIGHTLESS)
                 or len(getattr(getattr(child, "weight", None), "shape", [])) == 2
             ):
                 found.append((f"{name}.{attr}" if name else attr, layer, attr, child))

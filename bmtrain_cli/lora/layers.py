@@ -33,7 +33,7 @@ import paddle
 from paddle import nn
 
 from bmtrain_cli.errors import UserError
-from bmtrain_cli.quant.layer import QuantLinear
+from bmtrain_cli.quant.layer import WEIGHTLESS, QuantLinear
 
 LORA_ATTR = "is_lora"  # set on every adapter parameter
 
@@ -68,8 +68,9 @@ class LoRALinear(nn.Layer):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
-        # a quantised base (bmtrain_cli/quant/layer.py) holds codes, not a weight parameter
-        weight = None if isinstance(base, QuantLinear) else base.weight
+        # a quantised base (bmtrain_cli/quant/layer.py) holds codes, not a weight parameter (an expert
+        # another expert-parallel rank holds: nothing)
+        weight = None if isinstance(base, WEIGHTLESS) else base.weight
         if weight is not None and len(weight.shape) != 2:
             raise ValueError("LoRA wraps linear layers with a 2-D weight")
         kind, world, tp_rank, group = tensor_parallel_kind(base)
@@ -165,7 +166,7 @@ class LoRALinear(nn.Layer):
         weight plus ``scaling * A @ B`` (differentiable in A and B), the base weight alone with the adapter
         off or merged; None where no single weight is the function (dropout while training, a quantised
         base, a bias, tensor parallel)."""
-        if isinstance(self.base_layer, QuantLinear) or self.tp_kind is not None or "bias" in self._parameters:
+        if isinstance(self.base_layer, WEIGHTLESS) or self.tp_kind is not None or "bias" in self._parameters:
             return None
         if self.merged or not self.adapter_enabled:
             return self.weight

@@ -15,7 +15,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import paddle
@@ -167,7 +167,8 @@ def load_hf_state_dict(
     itself (the quantised layers of bmtrain_cli/quant/layer.py) and return True; the others are copied
     into their parameters (initialised first when the model was built under paddle.LazyGuard).
     ``take_rows(name, (read, shape) or None)`` is asked first for a tensor still in its file, and may keep it
-    reading ``read(r0, r1)`` one block of rows at a time (the int8 embedding, quant/vocab.py)."""
+    reading ``read(r0, r1)`` one block of rows at a time (the int8 embedding and head, quant/vocab.py), or
+    skip it unread (an expert another expert-parallel rank holds)."""
     arch = model.arch
     renames = family(arch.family).hf_renames
     if renames:
@@ -220,9 +221,13 @@ def load_pretrained(
     factory: Optional[LayerFactory] = None,
     attention_implementation: str = "auto",
     quantization: Any = None,
+    held_experts: Optional[Callable[[int], Sequence[int]]] = None,
 ) -> CausalLM:
     """Load a Hugging Face-style directory (config.json + safetensors, sharded or not), one tensor at a
-    time; with ``quantization`` (model_config.quantization) its linear layers quantised as they are read."""
+    time; with ``quantization`` (model_config.quantization) its linear layers quantised as they are read.
+    ``held_experts(num_experts)``, under expert parallel, names the routed experts this rank holds: a
+    quantised load reads and quantises only theirs (the others' projections stand as
+    quant/layer.HeldElsewhere until parallel/expert_parallel.shard_experts drops them)."""
     d = Path(path)
     arch = read_hf_config(str(d))
     if not d.is_dir():
@@ -239,7 +244,7 @@ def load_pretrained(
     if quantization is not None:
         from bmtrain_cli.quant.layer import Quantizer
 
-        quantizer = Quantizer(model, quantization, kernels)
+        quantizer = Quantizer(model, quantization, kernels, held_experts)
         take, take_rows = quantizer.take, quantizer.take_rows
     load_hf_state_dict(model, tensors, str(d), take=take, take_rows=take_rows)
     model.eval()

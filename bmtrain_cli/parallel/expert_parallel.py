@@ -13,6 +13,11 @@ all-to-all is a PyLayer whose backward is the reverse all-to-all, so the tokens'
 and the owners their experts' gradients. NCCL's ``alltoall_single`` on a GPU; on the CPU build, where gloo
 has none, ``cpu_compat.all_to_all_rows`` (pairwise send/recv in a group per pair, the same rows).
 
+A quantised base (QLoRA): each rank reads and quantises only its own experts' weights from the checkpoint
+(models.load_pretrained's ``held_experts``), runs them as the quantised grouped calls of quant/experts.py
+over the rows it receives, and trains their adapters (when LoRA targets the experts) like a full-precision
+expert's.
+
 Gradients (parallel/context.py's convention: the sum over data ranks of each rank's gradient): the
 replicated parameters are summed over all the data ranks as in plain data parallel; an expert's gradient,
 already the sum over its group's tokens, is summed over its replicas (the ranks of the other expert groups
@@ -168,7 +173,10 @@ def expert_group(hcg: Any, degree: int, on_cpu: bool) -> ExpertGroup:
 
 def shard_experts(model: Any, group: ExpertGroup) -> str:
     """Keep only this rank's experts in every MoE layer of ``model`` (whole and identical on every rank
-    before) and route those layers' rows through :func:`dispatch`; says what this rank holds."""
+    before; a quantised base's other experts read as nothing, quant/layer.HeldElsewhere) and route those
+    layers' rows through :func:`dispatch`; says what this rank holds."""
+    from bmtrain_cli.quant.layer import quantized_layers
+
     total = sum(int(p.size) for p in model.parameters())
     layers, owned = 0, range(0)
     for layer in model.sublayers():
@@ -180,6 +188,8 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
         for p in layer.experts.parameters():
             setattr(p, EXPERT_ATTR, True)
             p.no_sync = True  # fleet's start-up broadcast over the data ranks leaves it alone
+        for _, q in quantized_layers(layer.experts):  # a quantised base's (QLoRA): codes, no parameters
+            setattr(q, EXPERT_ATTR, True)
         layers += 1
     held = sum(int(p.size) for p in model.parameters())
     return (
@@ -189,6 +199,7 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
 
 
 def is_expert(p: Any) -> bool:
+    """A parameter (or a quantised layer) of an expert this rank holds."""
     return bool(getattr(p, EXPERT_ATTR, False))
 
 

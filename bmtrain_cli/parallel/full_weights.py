@@ -9,7 +9,7 @@ in ``models.load_pretrained``, and back under any other layout.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,8 +40,10 @@ def _is_split(p: Any) -> bool:
     return bool(getattr(p, "is_distributed", False)) and getattr(p, "split_axis", None) is not None
 
 
-def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
-    """Whole tensors (Paddle layout, single-process names) on every rank."""
+def full_state_dict(ctx: ParallelCtx, model: Any, dequantize: bool = True) -> Dict[str, np.ndarray]:
+    """Whole tensors (Paddle layout, single-process names) on every rank; with ``dequantize`` a quantised
+    base's layers too (:func:`dequantized_weights`; without it, as for the adapters alone, none is
+    dequantised)."""
     import paddle
     import paddle.distributed as dist
 
@@ -57,15 +59,20 @@ def full_state_dict(ctx: ParallelCtx, model: Any) -> Dict[str, np.ndarray]:
         else:
             t = p.detach() if isinstance(p, paddle.Tensor) else p
             local[name] = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+    experts = None
     if ctx.expert_group is not None:  # expert parallel: every rank adds the experts it holds
         from bmtrain_cli.parallel.expert_parallel import is_expert
 
         held = {n: local[n] for n, p in local_parameters(model) if is_expert(p)}
+        if dequantize:  # a quantised base's experts (QLoRA)
+            held.update(dequantized_weights(model, mp_group, experts=True))
         shares: List[Any] = []
         dist.all_gather_object(shares, held, group=ctx.expert_group.group)
         for share in shares:
             local.update(share)
-    local.update(dequantized_weights(model, mp_group))
+        experts = False
+    if dequantize:
+        local.update(dequantized_weights(model, mp_group, experts))
     if ctx.pp_degree == 1:
         return local
     pieces: List[Any] = []
@@ -85,18 +92,24 @@ def quantized_names(model: Any) -> Dict[int, str]:
     return {id(layer): name for name, layer in quantized_layers(unwrap(model))}
 
 
-def dequantized_weights(model: Any, mp_group: Any = None) -> Dict[str, np.ndarray]:
+def dequantized_weights(
+    model: Any, mp_group: Any = None, experts: Optional[bool] = None
+) -> Dict[str, np.ndarray]:
     """The weights a quantised base's layers stand for (QLoRA; they hold codes, not parameters), whole
     (Paddle layout, single-process names): a tensor-parallel shard's gathered over ``mp_group`` along its
-    ``split_axis`` (collective)."""
+    ``split_axis`` (collective). ``experts`` True: only the expert-parallel experts this rank holds;
+    False: all but those; None: every layer."""
     import paddle.distributed as dist
 
+    from bmtrain_cli.parallel.expert_parallel import is_expert
     from bmtrain_cli.quant.layer import quantized_layers
 
     out: Dict[str, np.ndarray] = {}
     inner = unwrap(model)
     full_names = getattr(inner, QUANT_NAME_MAP_ATTR, None)  # a pipeline stage's
     for name, layer in quantized_layers(inner):
+        if experts is not None and is_expert(layer) != experts:
+            continue
         name = full_names[id(layer)] if full_names is not None else name
         w = layer.dequantized_weight().contiguous()  # the [out, in] codes read as [in, out]
         axis = getattr(layer, "split_axis", None)

@@ -228,11 +228,12 @@ class ModelWrapper:
         return (float(total), float(count)) if count else None
 
     # ------------------------------------------------------------------ checkpoints
-    def full_state_dict(self, model: Any) -> Dict[str, Any]:
-        """Whole (unsplit) weights under the single-process names, as numpy arrays, on every rank."""
+    def full_state_dict(self, model: Any, dequantize: bool = True) -> Dict[str, Any]:
+        """Whole (unsplit) weights under the single-process names, as numpy arrays, on every rank (a
+        quantised base's layers dequantised unless ``dequantize`` is False)."""
         from bmtrain_cli.parallel.full_weights import full_state_dict
 
-        return full_state_dict(self._ctx, model)
+        return full_state_dict(self._ctx, model, dequantize)
 
     def load_full_state_dict(self, model: Any, state: Dict[str, Any]) -> None:
         """Load whole weights (single-process names) into this rank's shards/stage."""

@@ -67,10 +67,11 @@ def layer_params(arch: ModelArch, tp: int, ep: int = 1) -> Tuple[int, int]:
     return mats, vecs
 
 
-def quantized_layer(w: Workload) -> Tuple[int, int, int]:
+def quantized_layer(w: Workload, ep: int = 1) -> Tuple[int, int, int]:
     """(elements, bytes) of one decoder layer's projections that model_config.quantization stores
-    low-bit (codes and scales, bmtrain_cli/quant/formats.py; a mixture of experts' experts too), the mean
-    over the layers, and the elements of the largest of them; (0, 0, 0) without quantization."""
+    low-bit (codes and scales, bmtrain_cli/quant/formats.py; a mixture of experts' experts too, under
+    expert parallel ``ep`` the 1/ep of the routed experts a rank holds), the mean over the layers, and the
+    elements of the largest of them; (0, 0, 0) without quantization."""
     if not w.quant_method:
         return 0, 0, 0
     from bmtrain_cli.models.arch import arch_projections, projection_shapes
@@ -83,7 +84,10 @@ def quantized_layer(w: Workload) -> Tuple[int, int, int]:
         (n, *shapes[n], a.num_hidden_layers - sparse if n in mlp else a.num_hidden_layers)
         for n in arch_projections(a)
     ]
-    held += [(n, k, o, sparse) for n, k, o in (expert_shapes(a) if sparse else [])]
+    others = tuple(f"mlp.experts.{e}." for e in range(a.num_experts // ep, a.num_experts))
+    held += [
+        (n, k, o, sparse) for n, k, o in (expert_shapes(a) if sparse else []) if not n.startswith(others)
+    ]
     return _quantized_sum(w, held, a.num_hidden_layers)
 
 
@@ -135,8 +139,8 @@ def dequantization_workspace(w: Workload, device: Device, largest: int, pbytes: 
     return min(largest, TILE_ELEMENTS) * 4 if device.kind == "cpu" else largest * pbytes
 
 
-def lora_layer_params(w: Workload, tp: int) -> int:
-    return moe_memory.lora_params(w.arch, w.lora_rank, w.lora_targets, tp)
+def lora_layer_params(w: Workload, tp: int, ep: int = 1) -> int:
+    return moe_memory.lora_params(w.arch, w.lora_rank, w.lora_targets, tp, ep)
 
 
 def stage_layers(num_layers: int, pp: int) -> List[int]:

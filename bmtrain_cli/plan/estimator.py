@@ -114,16 +114,16 @@ def _stage_estimate(  # noqa: C901
             stage_params += emb  # LM head (a tied head is a second copy on the last stage)
     largest = max(emb, a.hidden_size * a.intermediate_size // tp)
     if w.finetuning == "lora":
-        trainable = layers * lora_layer_params(w, tp)
+        trainable = layers * lora_layer_params(w, tp, layout.ep)
         frozen = stage_params
-        largest = max(lora_layer_params(w, tp), 1)
+        largest = max(lora_layer_params(w, tp, layout.ep), 1)
     else:
         trainable, frozen = stage_params, 0
     low = precision in ("bf16", "fp16")
     pbytes = 2 if (low and w.amp_level == "O2") else 4
     S = layout.sharding
     params = (frozen + trainable) * pbytes
-    q_elements, q_bytes, q_largest = quantized_layer(w)
+    q_elements, q_bytes, q_largest = quantized_layer(w, layout.ep)  # this rank's experts
     if q_elements and w.finetuning == "lora":  # QLoRA: the layers' projections as codes and scales
         workspace = dequantization_workspace(w, device, q_largest, pbytes)
         params += layers * (q_bytes - q_elements * pbytes) + workspace

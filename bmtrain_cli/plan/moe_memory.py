@@ -64,9 +64,10 @@ def mlp_backward_elems(arch: ModelArch, tp: int) -> float:
     return _mean(arch, dense, k * (2 * h + 2 * f) + 1.5 * f * arch.moe_shared_experts)
 
 
-def lora_params(arch: ModelArch, rank: int, targets: Any, tp: int) -> int:
+def lora_params(arch: ModelArch, rank: int, targets: Any, tp: int, ep: int = 1) -> int:
     """Adapter parameters of one layer (the mean over the layers): on a sparse layer every routed expert
-    and the shared experts carry their own adapters on the targeted MLP projections."""
+    (under expert parallel ``ep`` the 1/ep a rank holds) and the shared experts carry their own adapters
+    on the targeted MLP projections."""
     every = lora_parameters_per_layer(arch, rank, targets, tp)
     if not arch.num_experts:
         return every
@@ -77,7 +78,7 @@ def lora_params(arch: ModelArch, rank: int, targets: Any, tp: int) -> int:
         attention = every - len(mlp) * rank * (arch.hidden_size + arch.intermediate_size)
     h, f = arch.hidden_size, arch.moe_intermediate_size
     shared = f * arch.moe_shared_experts
-    experts = len(mlp) * rank * (arch.num_experts * (h + f) + ((h + shared) if shared else 0))
+    experts = len(mlp) * rank * (arch.num_experts // ep * (h + f) + ((h + shared) if shared else 0))
     return int(_mean(arch, every, attention + experts))
 
 

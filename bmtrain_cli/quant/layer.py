@@ -10,7 +10,7 @@ whole-weight paths (saving a fresh base).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import paddle
@@ -19,7 +19,7 @@ from paddle import nn
 from bmtrain_cli.ops import quant_linear as qops
 from bmtrain_cli.quant import formats
 from bmtrain_cli.quant.select import HEAD_NAME, is_skipped
-from bmtrain_cli.quant.vocab import QuantEmbedding, RowReader, VocabCodes
+from bmtrain_cli.quant.vocab import QuantEmbedding, RowReader, VocabCodes, quantize_rows
 
 
 def _buffer(array: np.ndarray) -> paddle.Tensor:
@@ -52,6 +52,32 @@ class QuantLinear(nn.Layer):
             self.scale_offset = float(q.scale_offset)
         self.bias = bias
         self._weight_only: Optional[Tuple[paddle.Tensor, paddle.Tensor, str, int]] = None
+
+    @classmethod
+    def from_int8_rows(
+        cls,
+        codes: paddle.Tensor,
+        scales: paddle.Tensor,
+        in_features: int,
+        bias: Optional[paddle.Tensor],
+        dtype: str,
+        impl: str,
+    ) -> QuantLinear:
+        """An int8 layer from codes and per-row scales already quantised into tensors (quant/vocab.py's
+        quantize_rows, which reads the untied LM head a block of rows at a time): the bytes
+        :func:`formats.quantize` gives the whole weight, without a copy of them."""
+        out_features = int(scales.shape[0])
+        shape = (out_features, int(in_features))
+        layer = cls(
+            formats.QuantizedWeight("int8", shape, 0, np.zeros(0, np.int8), np.zeros(0, np.float32)),
+            bias,
+            dtype,
+            impl,
+        )
+        layer.register_buffer("codes", codes, persistable=False)
+        layer.register_buffer("scales", scales, persistable=False)
+        layer.nbytes = int(codes.shape[0]) + 4 * out_features
+        return layer
 
     def _scales(self) -> paddle.Tensor:
         if "scales" in self._buffers:
@@ -103,6 +129,32 @@ class QuantLinear(nn.Layer):
         return f"in={self.in_features}, out={self.out_features}, {self.method}, impl={self.impl}"
 
 
+def _frozen_bias(layer: nn.Layer) -> Optional[paddle.Tensor]:
+    """The layer's bias (None without), frozen: it stays beside the quantised weight."""
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        bias.stop_gradient = True
+    return bias
+
+
+class HeldElsewhere(nn.Layer):
+    """A routed expert's projection that another expert-parallel rank holds: a quantised load reads and
+    quantises only this rank's experts (:class:`Quantizer`), and this stands for the others, shape only,
+    no codes and no parameters, so that every rank's model has the same parameters (LoRA wraps it like a
+    QuantLinear) until parallel/expert_parallel.shard_experts drops it, before any forward."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, dtype
+        self.bias = None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        raise RuntimeError("an expert another expert-parallel rank holds ran here (shard_experts not called)")
+
+
+WEIGHTLESS = (QuantLinear, HeldElsewhere)  # frozen linear layers with no weight parameter
+
+
 def quantize_linear(
     layer: nn.Layer, weight: np.ndarray, settings: Any, impl: str, factory: Any = None, name: str = ""
 ) -> nn.Layer:
@@ -122,9 +174,7 @@ def quantize_linear(
     if factory is not None and method == "int8" and factory.linear_kind(layer) == "row":
         row_absmax = factory.group_max(np.abs(w).max(axis=1).astype(np.float32))
     q = formats.quantize(w, method, block or int(weight.shape[0]), double, row_absmax)
-    bias = getattr(layer, "bias", None)
-    if bias is not None:
-        bias.stop_gradient = True
+    bias = _frozen_bias(layer)
     dtype = str(layer.weight.dtype).replace("paddle.", "")
     if factory is None:
         return QuantLinear(q, bias, dtype, impl)
@@ -177,14 +227,30 @@ class Quantizer:
     models/hf.py's load_hf_state_dict): the model was built under paddle.LazyGuard, so those layers'
     full-precision weights are never allocated; each is read, quantised and dropped."""
 
-    def __init__(self, model: nn.Layer, settings: Any, kernels: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Layer,
+        settings: Any,
+        kernels: str = "auto",
+        held_experts: Optional[Callable[[int], Sequence[int]]] = None,
+    ) -> None:
         self.settings = settings
         self.factory = getattr(model, "factory", None)
         self.impl = impl_for(settings, kernels)
         self.targets = {f"{name}.weight": place for name, place in quantizable(model, settings).items()}
+        self.elsewhere = _elsewhere(model, held_experts, self.targets) if held_experts is not None else set()
+
+    def _skip(self, name: str) -> bool:
+        """An expert another rank holds: never read, a :class:`HeldElsewhere` in its place."""
+        parent, attr, layer = self.targets.pop(name)
+        k, n = (int(d) for d in layer.weight.shape)
+        setattr(parent, attr, HeldElsewhere(k, n, str(layer.weight.dtype).replace("paddle.", "")))
+        return True
 
     def take(self, name: str, weight: np.ndarray) -> bool:
         """Quantise ``weight`` ([in, out]) into its layer when ``name`` is a quantised layer's weight."""
+        if name in self.elsewhere:
+            return self._skip(name)
         place = self.targets.pop(name, None)
         if place is None:
             return False
@@ -198,18 +264,54 @@ class Quantizer:
         return True
 
     def take_rows(self, name: str, source: Optional[Tuple[RowReader, Tuple[int, ...]]]) -> bool:
-        """Quantise an embedding a block of rows at a time as ``source`` (read(r0, r1), shape) reads it from
-        its file (quant/vocab.py), when ``name`` is a quantised embedding's weight of the file's shape."""
+        """Quantise a vocabulary matrix in int8 a block of rows at a time as ``source`` (read(r0, r1), shape)
+        reads it from its file (quant/vocab.py): a quantised embedding's weight of the file's shape, or an
+        untied LM head's (the file's [vocab, hidden]: its output channels are the rows). An expert another
+        expert-parallel rank holds is taken unread."""
+        if name in self.elsewhere:
+            return self._skip(name)
         place = self.targets.get(name)
-        if source is None or place is None or not isinstance(place[2], nn.Embedding):
+        if source is None or place is None:
             return False
         (read, shape), (parent, attr, layer) = source, place
-        if len(shape) != 2 or list(shape) != list(layer.weight.shape):
+        dtype = str(layer.weight.dtype).replace("paddle.", "")
+        taken: Optional[nn.Layer] = None
+        if len(shape) != 2:
+            return False
+        vocab, hidden = int(shape[0]), int(shape[1])
+        if isinstance(layer, nn.Embedding) and list(shape) == list(layer.weight.shape):
+            taken = QuantEmbedding((read, vocab, hidden), dtype)
+        elif self._whole_head(name, layer) and list(shape) == list(layer.weight.shape)[::-1]:
+            codes, scales = quantize_rows(read, vocab, hidden)
+            taken = QuantLinear.from_int8_rows(
+                codes, scales, hidden, _frozen_bias(layer), dtype, self.impl(hidden)
+            )
+        if taken is None:
             return False
         del self.targets[name]
-        dtype = str(layer.weight.dtype).replace("paddle.", "")
-        setattr(parent, attr, QuantEmbedding((read, int(shape[0]), int(shape[1])), dtype))
+        setattr(parent, attr, taken)
         return True
+
+    def _whole_head(self, name: str, layer: nn.Layer) -> bool:
+        """Whether ``name`` is the weight of an LM head held whole (an nn.Linear, not a tensor-parallel shard)."""
+        kind = "whole" if self.factory is None else self.factory.linear_kind(layer)
+        head = name.rsplit(".", 1)[0].split(".")[-1] == HEAD_NAME
+        return head and isinstance(layer, nn.Linear) and kind == "whole"
+
+
+def _elsewhere(
+    model: nn.Layer, held_experts: Callable[[int], Sequence[int]], targets: Dict[str, Any]
+) -> Set[str]:
+    """The quantised weights of the routed experts ``held_experts(num_experts)`` leaves to other ranks, in
+    every MoE layer (a layer with ``shard_experts``, models/moe.py)."""
+    out: Set[str] = set()
+    for name, layer in model.named_sublayers():
+        if getattr(layer, "shard_experts", None) is None:
+            continue
+        mine = set(held_experts(layer.num_experts))
+        stems = tuple(f"{name}.experts.{e}." for e in range(layer.num_experts) if e not in mine)
+        out |= {t for t in targets if t.startswith(stems)}
+    return out
 
 
 def quantized_layers(model: nn.Layer) -> List[Tuple[str, Any]]:

@@ -13,9 +13,9 @@ embedding's codes, so one set of codes stands for both.
   full fp32 head nor the [tokens, vocab] logits exist at once, and each head row is dequantised once a
   step. The head is frozen: the backward gives the hidden states' gradient only.
 
-The embedding is quantised in blocks of vocabulary rows (:func:`quantize_rows`, at most
-:data:`ROW_BLOCK_WEIGHTS` weights at a time): a scale per row makes each block's codes those of the whole
-matrix, byte for byte. Loading a checkpoint reads it from the file block by block
+The embedding and an untied head are quantised in blocks of vocabulary rows (:func:`quantize_rows`, at
+most :data:`ROW_BLOCK_WEIGHTS` weights at a time): a scale per row makes each block's codes those of the
+whole matrix, byte for byte. Loading a checkpoint reads them from the file block by block
 (models/safetensors_io.py ``LazyTensors.row_reader``), so its full-precision matrix never exists whole.
 """
 

@@ -40,7 +40,7 @@ def whole_adapter_arrays(model: nn.Layer, ctx: Optional[ParallelCtx] = None) -> 
     if ctx is None or ctx.holds_whole_weights:
         return adapter_arrays(inner)
     if ctx.pp_degree > 1 or ctx.expert_group is not None:  # the experts' adapters from their ranks
-        full = ctx.wrapping.full_state_dict(model)
+        full = ctx.wrapping.full_state_dict(model, dequantize=False)  # a quantised base's codes stay
         return fuse_adapter_arrays({k: v for k, v in full.items() if is_lora_name(k)}, inner.arch)
     import paddle.distributed as dist
 

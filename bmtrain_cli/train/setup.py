@@ -200,18 +200,15 @@ def _load_model(rt: Runtime, ctx: ParallelCtx) -> Any:
     from bmtrain_cli.models import load_pretrained
 
     m = rt.config.model
+    path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
     if rt.resume_from is not None and rt.config.train.finetuning == "lora":  # adapters-only checkpoint
         from bmtrain_cli.lora.adapter_store import find_base
 
         alternatives = [m.model_name_or_path] if m.model_name_or_path else []
-        base = find_base(rt.resume_from, alternatives)
-        return load_pretrained(
-            str(base), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
-        )
-    path = rt.resume_from if rt.resume_from is not None else m.model_name_or_path
-    return load_pretrained(
-        str(path), kernels=m.kernels, factory=ctx.wrapping.factory, quantization=m.quantization
-    )
+        path = find_base(rt.resume_from, alternatives)
+    held = ctx.expert_group.owned if ctx.expert_group is not None else None  # a quantised base: its experts
+    q, factory = m.quantization, ctx.wrapping.factory
+    return load_pretrained(str(path), kernels=m.kernels, factory=factory, quantization=q, held_experts=held)
 
 
 def build_model(rt: Runtime, tokenizer: Any, ctx: ParallelCtx) -> Any:

@@ -2,9 +2,10 @@
 relative): the tiny Qwen3-MoE (4 experts, top 2, the load-balancing loss on), DeepSeek-V3 (8 experts in 4
 groups, sigmoid routing, a shared expert, latent attention; no auxiliary loss) and ERNIE 4.5 MoE parity
 checkpoints (tests/fixtures/hf), the Qwen3-MoE with LoRA on its attention and on its experts'
-projections, and DPO on the Qwen3-MoE (full, with a frozen reference; LoRA, with precomputed reference
-log-probs, also under pipeline parallel with and without expert parallel; both with the load-balancing
-loss); expert parallel alone and beside data, pipeline and tensor parallel; the demo task's records,
+projections (also on an nf4 base, QLoRA: each rank quantises only its own experts), and DPO on the
+Qwen3-MoE (full, with a frozen reference; LoRA, with precomputed reference log-probs, also under pipeline
+parallel with and without expert parallel; both with the load-balancing loss); expert parallel alone and
+beside data, pipeline and tensor parallel; the demo task's records,
 4 optimizer steps of 4 rows with a max_grad_norm below every step's norm (asserted), so a layout whose
 norm or clip is off diverges from step 2. The load-balancing loss each step logs is the single process's
 too. The eval loss (each rank evaluates its shard on a copy with every expert gathered) and the
@@ -19,6 +20,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,8 @@ EXPERT_LORA = [
     "train_config.finetuning=lora",
     "train_config.lora_target_modules=[q_proj,v_proj,gate_proj,up_proj,down_proj]",
 ]
+# QLoRA: an nf4 base (blocks of 16 divide the experts' 48 inputs), each rank quantising its own experts
+QLORA = EXPERT_LORA + ["model_config.quantization.method=nf4", "model_config.quantization.block_size=16"]
 # DPO on the preference pairs write_data adds (a frozen copy of the starting weights as the reference)
 DPO = [
     "train_config.stage=dpo",
@@ -71,6 +75,7 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "ernie4_5_moe": ("ernie4_5_moe", AUX, 0.5),
     "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),
     "qwen3_moe + LoRA on the experts": ("qwen3_moe", AUX + EXPERT_LORA, 0.05),
+    "qwen3_moe QLoRA on the experts": ("qwen3_moe", AUX + QLORA, 0.05),
     "qwen3_moe DPO": ("qwen3_moe", DPO + AUX, 0.05),  # the pair loss + coef x the load-balancing loss
     # the reference is the policy with its adapters off, its log-probs computed once by every rank
     "qwen3_moe DPO + LoRA": (
@@ -103,6 +108,7 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("ernie4_5_moe", "dp2", ["parallel_config.data_parallel=2"]),
     ("qwen3_moe + LoRA", "ep2", EP2),
     ("qwen3_moe + LoRA on the experts", "ep2", EP2),
+    ("qwen3_moe QLoRA on the experts", "ep2", EP2),
     ("qwen3_moe DPO + LoRA", "ep2", EP2),
     # the pair loss on the last stage, plus the load-balancing loss of the routers' sums the stages carry
     ("qwen3_moe DPO + LoRA", "pp2", PP2),
@@ -147,6 +153,8 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
         line for line in res.stdout.splitlines() if "expert parallel: rank 0 of 2 holds experts 0-" in line
     ]
     assert bool(held) == any("expert_parallel" in o for o in layout), res.stdout[-2000:]
+    quantised = re.findall(r"quantised base: (\d+) linear layers", res.stdout)  # QLoRA: rank 0's count
+    assert bool(quantised) == any(o.startswith("model_config.quantization") for o in sets), res.stdout[-2000:]
     rows = [
         json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
     ]
@@ -155,6 +163,7 @@ def run_layout(data: Path, out: Path, model: str, layout: List[str]) -> Dict[str
     got: Dict[str, np.ndarray] = {k: np.array([float(r[k]) for r in steps]) for k in ("loss", "grad_norm")}
     got["aux_loss"] = np.array([float(r["aux_loss"]) for r in steps if "aux_loss" in r])
     got["eval_loss"] = np.array([float(r["eval_loss"]) for r in rows if "eval_loss" in r])
+    got["quantised_layers"] = np.array([int(n) for n in quantised])
     assert got["eval_loss"].size == 1
     ckpt = out / "run" / "checkpoints" / f"step-{STEPS}"
     for f in sorted(
@@ -189,6 +198,8 @@ def test_expert_parallel_matches_one_process(tmp_path, data, single, model, name
     assert got["aux_loss"].size == (STEPS if AUX[0] in MODELS[model][1] else 0)
     for key in ("loss", "grad_norm", "eval_loss", "aux_loss"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
+    if want["quantised_layers"].size:  # rank 0 quantised its own experts alone: 2 of 4 in 2 sparse layers
+        assert want["quantised_layers"][0] - got["quantised_layers"][0] == 2 * 2 * 3, got["quantised_layers"]
     weights = sorted(k for k in want if k.startswith("w:"))
     lora = "LoRA" in model  # LoRA saves the adapters only, each expert's own when it targets them
     assert all("lora_" in k for k in weights) == lora, weights[:4]

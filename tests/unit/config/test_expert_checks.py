@@ -50,6 +50,17 @@ def test_expert_parallel_admits_dpo_and_adapters_on_the_experts(write_yaml):
     assert load_config(write_yaml(dpo), world_size=4).config.train.stage == "dpo"
 
 
+def test_expert_parallel_admits_a_quantised_base(write_yaml):
+    """QLoRA under expert parallel: each rank quantises its own experts (tests/integration/
+    test_expert_parallel.py runs it against one process)."""
+    text = _text(
+        model="  quantization:\n    method: nf4\n",
+        train="  finetuning: lora\n  lora_target_modules: all-linear\n",
+    )
+    cfg = load_config(write_yaml(text), world_size=2).config
+    assert cfg.model.quantization is not None and cfg.parallel.expert_parallel == 2
+
+
 def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
     cfg = load_config(write_yaml(_text(parallel="  pipeline_parallel: 2\n")), world_size=4).config
     assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
@@ -89,14 +100,6 @@ def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
             {"train": "  stage: dpo\n  finetuning: lora\n"},
             8,
             "expert parallel with LoRA scores the held-out pairs' reference",
-        ),
-        (
-            {
-                "model": "  quantization:\n    method: nf4\n",
-                "train": "  finetuning: lora\n  lora_target_modules: [q_proj, v_proj]\n",
-            },
-            9,
-            "does not split a quantised base yet",
         ),
     ],
 )

@@ -115,6 +115,32 @@ def test_plan_counts_a_mixture_of_experts_and_its_quantised_experts_as_built(wri
     assert plain.parameters - quantised.parameters == fp32 - quantized_bytes(qmodel) - workspace
 
 
+def test_plan_counts_each_expert_parallel_ranks_share_of_the_quantised_experts(write_yaml) -> None:
+    """Under expert_parallel 2 a rank holds the codes and scales of 2 of the 4 experts of every sparse
+    layer (and, with LoRA on the experts, their adapters alone): the plan's parameters drop by the other
+    experts' codes and scales as built, and by their adapters."""
+    from bmtrain_cli.lora.inject import apply_lora
+    from bmtrain_cli.models import build
+    from bmtrain_cli.quant.layer import quantized_layers
+
+    quant = MOE + "  quantization:\n    method: nf4\n    block_size: 32\n"
+    for targets in (ATTENTION, "all-linear"):
+        config, whole = _estimate(write_yaml, quant, targets)
+        w = Workload.from_config(config, read_data=False)
+        half = estimate_layout(w, Layout(micro_batch=1, ep=2), get_device("cpu"))
+        model = build(config.model, kernels="reference", quantization=config.model.quantization)
+        apply_lora(model, config.train)
+        others = (".experts.2.", ".experts.3.")  # rank 0 holds experts 0 and 1
+        codes = sum(m.nbytes for n, m in quantized_layers(model) if any(o in n + "." for o in others))
+        adapters = sum(
+            int(p.numel())
+            for n, p in model.named_parameters()
+            if "lora_" in n and any(o in n for o in others)
+        )
+        assert codes > 0 and (adapters > 0) == (targets == "all-linear")
+        assert whole.parameters - half.parameters == codes + adapters * 4
+
+
 QWEN25_7B = """model_config:
   model_name_or_path: Qwen/Qwen2.5-7B-Instruct
   dtype: bfloat16

@@ -72,3 +72,49 @@ def test_qwen3_moe_experts_quantised_while_loaded_equal_the_dequantised_model(tm
     np.testing.assert_allclose(loss_q, loss_w, rtol=1e-6)
     np.testing.assert_allclose(grad_q, grad_w, rtol=1e-4, atol=1e-7)
     assert np.abs(grad_q).max() > 1e-4
+
+
+def test_a_rank_reads_and_quantises_only_the_experts_it_holds(tmp_path, monkeypatch):
+    """Expert parallel: load_pretrained's ``held_experts`` (here experts 2 and 3 of 4) reads and quantises
+    those experts' projections alone, with the codes of the whole load; the others are never read, and
+    stand as shape-only HeldElsewhere layers that LoRA wraps like quantised ones, so that every rank holds
+    the same parameters until shard_experts keeps its own experts."""
+    from types import SimpleNamespace
+
+    from bmtrain_cli.lora.inject import apply_lora
+    from bmtrain_cli.models.safetensors_io import SafetensorsFile
+    from bmtrain_cli.quant.layer import HeldElsewhere
+
+    paddle.seed(0)
+    save_pretrained(build(ARCH, kernels="reference"), str(tmp_path))
+    q = QuantizationConfig(method="nf4", block_size=32)
+    whole = load_pretrained(str(tmp_path), kernels="reference", quantization=q)
+    read, get = [], SafetensorsFile.get
+    monkeypatch.setattr(SafetensorsFile, "get", lambda self, name: read.append(name) or get(self, name))
+    mine = load_pretrained(
+        str(tmp_path), kernels="reference", quantization=q, held_experts=lambda n: range(2, 4)
+    )
+    others = (".experts.0.", ".experts.1.")
+    assert any(".experts.2." in n for n in read) and not any(o in n for n in read for o in others)
+    codes = {n: m.codes.numpy() for n, m in quantized_layers(whole)}
+    held = dict(quantized_layers(mine))
+    assert set(held) == {n for n in codes if not any(o in n + "." for o in others)}
+    for name, layer in held.items():
+        np.testing.assert_array_equal(layer.codes.numpy(), codes[name])
+    elsewhere = [n for n, m in mine.named_sublayers() if isinstance(m, HeldElsewhere)]
+    assert len(elsewhere) == 2 * 2 * 3 and all(any(o in n + "." for o in others) for n in elsewhere)
+    lora = SimpleNamespace(
+        lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear", seed=0
+    )
+    apply_lora(whole, lora)
+    apply_lora(mine, lora)
+    shapes = [(n, list(p.shape)) for n, p in whole.named_parameters()]
+    assert [(n, list(p.shape)) for n, p in mine.named_parameters()] == shapes
+    wanted = dict(whole.named_parameters())  # each adapter drawn from its name: the whole model's
+    for n, p in mine.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), wanted[n].numpy())
+    for layer in mine.sublayers():
+        if hasattr(layer, "shard_experts"):
+            layer.shard_experts(range(2, 4), lambda rows, counts, run: run(rows, counts))
+    assert not any(isinstance(m, HeldElsewhere) for m in mine.sublayers())
+    assert len(dict(quantized_layers(mine))) == len(held)

@@ -51,7 +51,7 @@ def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
     import paddle
 
     if "targets" in batch:  # a context-parallel share: CausalLM.loss_sum's context path
-        keys = ["input_ids", "targets", "position_ids", "segment_ids"]
+        keys = ["input_ids", "targets", "position_ids", "segment_ids", "attention_mask"]
         return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
     keys = ["input_ids", "labels", "attention_mask", "position_ids"]
     if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):

@@ -17,7 +17,7 @@ from typing import Any, List, Tuple
 
 import paddle
 
-from bmtrain_cli.models.moe import balance_loss, router_sums, token_mask
+from bmtrain_cli.models.moe import balance_loss, stacked_router_sums, token_mask
 
 
 def carries_router_sums(arch: Any) -> bool:
@@ -36,8 +36,7 @@ def add_layer_sums(layer: Any, mask: Any, sums: List[paddle.Tensor]) -> List[pad
     if not sums or not layer.sparse:
         return sums
     mlp = layer.mlp
-    t, p, r = router_sums(mlp.router_logits, mlp.num_experts, mlp.top_k, token_mask(mask))
-    return [sums[0] + paddle.stack([t, p, r.reshape([1]).expand([mlp.num_experts])])]
+    return [sums[0] + stacked_router_sums(mlp.router_logits, mlp.num_experts, mlp.top_k, token_mask(mask))]
 
 
 def split_sums(out: Any) -> Tuple[Any, List[Any]]:
@@ -57,7 +56,6 @@ def with_aux(loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any, re
     stage's ``sums``, appended to ``record`` for the log; ``loss_sum`` itself without them)."""
     if not sums:
         return loss_sum
-    s = sums[0]
-    aux = balance_loss(s[0], s[1], s[2][0], arch.num_experts)
+    aux = balance_loss(sums[0], arch.num_experts)
     record.append(aux.detach())
     return loss_sum + arch.router_aux_loss_coef * aux * count

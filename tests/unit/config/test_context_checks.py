@@ -13,6 +13,9 @@ TRAIN = "train_config:\n  demo_data: arithmetic\n{train}"
 PARALLEL = "parallel_config:\n  context_parallel: {cp}\n{parallel}"
 
 
+MOE_AUX = "  family: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 32\n  output_router_logits: true\n"
+
+
 def _text(seq=256, model="", train="", cp=2, parallel="") -> str:
     return (
         MODEL.format(seq=seq, model=model)
@@ -48,6 +51,11 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
         ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
         ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
+        (
+            {"model": MOE_AUX, "parallel": "  pipeline_parallel: 2\n"},
+            14,
+            "pipeline_parallel > 1 does not support the MoE load-balancing loss",
+        ),
     ],
 )
 def test_refused_at_file_line(write_yaml, kwargs, line, message):
@@ -102,3 +110,11 @@ def test_ulysses_runs_where_the_heads_divide(write_yaml, has_gpu):
 
 def test_a_window_longer_than_the_sequence_passes(write_yaml):
     load_config(write_yaml(_text(model="  family: mistral\n  sliding_window: 4096\n")), has_gpu=False)
+
+
+def test_the_moe_load_balancing_loss_composes(write_yaml):
+    """An MoE model with output_router_logits at cp2 (its routers' sums summed over the context group)
+    and beside data parallel."""
+    assert load_config(write_yaml(_text(model=MOE_AUX)), has_gpu=False).config.model.output_router_logits
+    text = _text(model=MOE_AUX, parallel="  data_parallel: 2\n")
+    assert load_config(write_yaml(text), world_size=4, has_gpu=False).config.parallel.world_size == 4

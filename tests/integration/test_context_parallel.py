@@ -204,6 +204,24 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path, data, si
         np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
 
 
+def test_the_moe_load_balancing_loss_under_context_parallel_matches_one_process(tmp_path):
+    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2: each rank
+    routes its share of a row's tokens (the padding of a row to 4k tokens routed, not counted), and the
+    routers' per-expert sums are summed over the context group before the loss; per-step loss, grad_norm
+    and aux_loss, and the eval loss, equal one process's, the clip scaling every step."""
+    from tests.integration import test_expert_parallel as ep
+
+    (tmp_path / "data").mkdir()
+    data = ep.write_data(tmp_path / "data")
+    want = ep.run_layout(data, tmp_path / "single", "qwen3_moe", [])
+    assert np.all(want["grad_norm"] > ep.MODELS["qwen3_moe"][2]), want["grad_norm"]
+    got = ep.run_layout(data, tmp_path / "cp2", "qwen3_moe", CP2)
+    assert got["aux_loss"].size == STEPS
+    for key in ("loss", "grad_norm", "aux_loss", "eval_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    assert want["loss"][-1] < want["loss"][0]
+
+
 DPO = """model_config:
   model_name_or_path: {base}
   max_seq_len: {seq}

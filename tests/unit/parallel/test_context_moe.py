@@ -17,6 +17,9 @@ from bmtrain_cli.models.hf import build
 from bmtrain_cli.models.moe import load_balancing_loss
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
+from bmtrain_cli.preference.objective import PreferenceObjective
+from tests.unit.preference.conftest import make_config
+from tests.unit.preference.test_objective import _batch, _pairs
 
 EXPERTS, TOP_K = 4, 2
 
@@ -26,6 +29,24 @@ def _mask(b: int, s: int) -> np.ndarray:
     mask[1, s - 5 :] = 0  # right padding: not counted
     mask[0, 7:] = 2  # a second packed sample
     return mask
+
+
+def _moe_model():
+    """A fresh tiny Qwen3-MoE (vocabulary 64) with a heavy load-balancing loss."""
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )
+    paddle.seed(0)
+    return build(cfg)
 
 
 def test_two_shares_summed_over_the_group_give_the_whole_loss_and_router_gradient():
@@ -72,20 +93,7 @@ def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss():
     """CausalLM.loss_sum on a share (padded to an even width: the padding routed but not counted) with a
     context group of one: the same loss (cross entropy + coef x aux x tokens), aux and gradients as on the
     unsplit packed batch."""
-    cfg = ModelConfig(
-        family="qwen3_moe",
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=64,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        output_router_logits=True,
-        router_aux_loss_coef=0.5,
-    )
-    paddle.seed(0)
-    model = build(cfg)
+    model = _moe_model()
     b, s = 2, 21
     ids = np.random.default_rng(1).integers(1, 64, (b, s))
     mask = _mask(b, s)
@@ -107,3 +115,25 @@ def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss():
     assert len(g0) == len(g1) and a0 * 0.5 * c0 > 1e-2 * t0  # the aux term weighs in the loss
     for x, y in zip(g1, g0):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_a_preference_share_adds_the_whole_pairs_load_balancing_loss(tmp_path):
+    """DPO (SimPO, no reference) on an MoE policy: a share through a context group of one gives the
+    unsplit pair batch's loss (pair losses + coef x aux x pairs), aux and gradients."""
+    model = _moe_model()
+    obj = PreferenceObjective(make_config(tmp_path, dpo_loss="simpo").train, None, lambda t: t)
+    batch = _batch(_pairs(3, seed=1), packed=True)
+    results = []
+    for part in (batch, split_batch(batch, 1, 0)):
+        model.context_attention = RingCore(Ring(None, [0], 0)) if part is not batch else None
+        obj.begin_step([part])
+        loss, pairs = obj.loss_sum(model, part)
+        loss.backward()
+        grads = [p.grad.numpy().copy() for p in model.parameters() if p.grad is not None]
+        results.append((float(loss), pairs, float(model.last_aux_loss), grads))
+        model.clear_gradients()
+    (l0, p0, a0, g0), (l1, p1, a1, g1) = results
+    assert p0 == p1 == 3 and a0 > 0
+    np.testing.assert_allclose([l1, a1], [l0, a0], rtol=1e-5)
+    for x, y in zip(g1, g0):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * float(np.abs(y).max()))

@@ -45,7 +45,7 @@ from bmtrain_cli.models.arch import ModelArch, arch_problems
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, ContextShard, batch_segments, build_bias, soft_cap
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import LayerFactory, PlainFactory
-from bmtrain_cli.models.moe import load_balancing_loss
+from bmtrain_cli.models.moe import adds_aux_loss, load_balancing_loss
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
 
@@ -450,7 +450,7 @@ class CausalLM(nn.Layer):
         the routers' sums are summed over the context group first: the whole micro-batch's loss, whose
         gradient reaches every rank's routers (models/moe.py load_balancing_loss)."""
         self.last_aux_loss = None
-        if not (self.arch.num_experts and self.arch.output_router_logits):
+        if not adds_aux_loss(self.arch):
             return None
         logits = [layer.mlp.router_logits for layer in self.layers if layer.sparse]
         core = self.context_attention if over_context else None  # None: the model has no context group

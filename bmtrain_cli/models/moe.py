@@ -212,6 +212,11 @@ def with_aux_loss_settings(model: Any, model_config: Any) -> Any:
     return model
 
 
+def adds_aux_loss(arch: Any) -> bool:
+    """Whether the training loss of ``arch`` adds the load-balancing loss (output_router_logits on an MoE)."""
+    return bool(getattr(arch, "num_experts", 0) and getattr(arch, "output_router_logits", False))
+
+
 def tensor_parallel_problem(arch: ModelArch, tp: int) -> Optional[str]:
     """Why tensor parallel ``tp`` cannot split a mixture of experts' shared experts (None: it can; the
     router and the routed experts stay whole on every rank)."""

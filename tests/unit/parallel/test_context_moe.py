@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import pytest
 
 from bmtrain_cli.config.schema import ModelConfig
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.hf import build
-from bmtrain_cli.models.moe import load_balancing_loss
+from bmtrain_cli.models.moe import adds_aux_loss, load_balancing_loss
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
 from bmtrain_cli.preference.objective import PreferenceObjective
@@ -24,10 +25,11 @@ from tests.unit.preference.test_objective import _batch, _pairs
 EXPERTS, TOP_K = 4, 2
 
 
-def _mask(b: int, s: int) -> np.ndarray:
+def _mask(b: int, s: int, packed: bool = True) -> np.ndarray:
     mask = np.ones((b, s), dtype=np.int64)
     mask[1, s - 5 :] = 0  # right padding: not counted
-    mask[0, 7:] = 2  # a second packed sample
+    if packed:
+        mask[0, 7:] = 2  # a second packed sample
     return mask
 
 
@@ -89,14 +91,16 @@ def test_a_ring_of_one_sums_with_the_gradient_passing_through():
     assert y.numpy().tolist() == [1.0, 2.0] and x.grad.numpy().tolist() == [3.0, 4.0]
 
 
-def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss():
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss(packed):
     """CausalLM.loss_sum on a share (padded to an even width: the padding routed but not counted) with a
     context group of one: the same loss (cross entropy + coef x aux x tokens), aux and gradients as on the
-    unsplit packed batch."""
+    unsplit batch, packed or right-padded rows (whose attention mask the load-balancing loss keeps, as
+    transformers leaves padding out: to_tensors' keep_mask, which the SFT objective sets for such models)."""
     model = _moe_model()
     b, s = 2, 21
     ids = np.random.default_rng(1).integers(1, 64, (b, s))
-    mask = _mask(b, s)
+    mask = _mask(b, s, packed)
     labels = np.where(mask == 0, IGNORE_INDEX, ids)
     pos = np.where(mask == 2, np.arange(s) - 7, np.arange(s)) * (mask != 0)
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
@@ -104,7 +108,7 @@ def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss():
     for part in (batch, split_batch(batch, 1, 0)):
         assert part["input_ids"].shape[1] == (s if part is batch else s + 1)
         model.context_attention = RingCore(Ring(None, [0], 0)) if part is not batch else None
-        total, count = model.loss_sum(**to_tensors(part))
+        total, count = model.loss_sum(**to_tensors(part, adds_aux_loss(model.arch)))
         total.backward()
         grads = [p.grad.numpy().copy() for p in model.parameters() if p.grad is not None]
         results.append((float(total), float(count), float(model.last_aux_loss), grads))
@@ -115,6 +119,8 @@ def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss():
     assert len(g0) == len(g1) and a0 * 0.5 * c0 > 1e-2 * t0  # the aux term weighs in the loss
     for x, y in zip(g1, g0):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    model.loss_sum(**to_tensors(batch))  # right-padded rows without their mask: the padding counted
+    assert packed or abs(float(model.last_aux_loss) - a0) > 1e-4
 
 
 def test_a_preference_share_adds_the_whole_pairs_load_balancing_loss(tmp_path):

@@ -210,20 +210,21 @@ MOE_LAYOUTS = {"cp2": CP2, "ep2 x cp2": CP2 + ["parallel_config.expert_parallel=
 
 def run_moe(root: Path) -> Dict[str, Dict[str, np.ndarray]]:
     """One process's (key "") and each MOE_LAYOUTS layout's run of the expert-parallel matrix's tiny
-    Qwen3-MoE with its load-balancing loss on, on that matrix's data (tests/integration/test_expert_parallel.py)."""
+    Qwen3-MoE with its load-balancing loss on, on that matrix's data in rows padded to max_seq_len
+    (tests/integration/test_expert_parallel.py)."""
     from tests.integration import test_expert_parallel as ep
 
     (root / "data").mkdir()
     data = ep.write_data(root / "data")
-    runs = {"": ep.run_layout(data, root / "single", "qwen3_moe", [])}
+    runs = {"": ep.run_layout(data, root / "single", "qwen3_moe padded", [])}
     for i, (name, layout) in enumerate(MOE_LAYOUTS.items()):
-        runs[name] = ep.run_layout(data, root / f"run-{i}", "qwen3_moe", layout)
+        runs[name] = ep.run_layout(data, root / f"run-{i}", "qwen3_moe padded", layout)
     return runs
 
 
 def test_the_moe_load_balancing_loss_under_context_parallel_matches_one_process(tmp_path):
-    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2 and ep2 x cp2:
-    each rank routes its share of a row's tokens (the padding of a row to 4k tokens routed, not counted),
+    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2 and ep2 x cp2,
+    rows padded to max_seq_len: each rank routes its share of a row's tokens (padding routed, not counted),
     and the routers' per-expert sums are summed over the context group before the loss; per-step loss,
     grad_norm and aux_loss, the eval loss and the saved weights equal one process's, the clip scaling
     every step."""
@@ -231,7 +232,7 @@ def test_the_moe_load_balancing_loss_under_context_parallel_matches_one_process(
 
     runs = run_moe(tmp_path)
     want = runs[""]
-    assert np.all(want["grad_norm"] > MODELS["qwen3_moe"][2]), want["grad_norm"]
+    assert np.all(want["grad_norm"] > MODELS["qwen3_moe padded"][2]), want["grad_norm"]
     assert want["loss"][-1] < want["loss"][0]
     weights = sorted(k for k in want if k.startswith("w:"))
     assert any(".experts." in k for k in weights)

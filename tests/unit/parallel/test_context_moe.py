@@ -12,13 +12,13 @@ import numpy as np
 import paddle
 import pytest
 
-from bmtrain_cli.config.schema import ModelConfig
 from bmtrain_cli.labels import IGNORE_INDEX
 from bmtrain_cli.models.hf import build
 from bmtrain_cli.models.moe import adds_aux_loss, load_balancing_loss
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
 from bmtrain_cli.preference.objective import PreferenceObjective
+from tests.unit.models.test_moe import fresh_qwen3_moe
 from tests.unit.preference.conftest import make_config
 from tests.unit.preference.test_objective import _batch, _pairs
 
@@ -34,21 +34,9 @@ def _mask(b: int, s: int, packed: bool = True) -> np.ndarray:
 
 
 def _moe_model():
-    """A fresh tiny Qwen3-MoE (vocabulary 64) with a heavy load-balancing loss."""
-    cfg = ModelConfig(
-        family="qwen3_moe",
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=64,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        output_router_logits=True,
-        router_aux_loss_coef=0.5,
-    )
+    """A fresh tiny Qwen3-MoE (vocabulary 64, EXPERTS experts, top TOP_K) with a heavy load-balancing loss."""
     paddle.seed(0)
-    return build(cfg)
+    return build(fresh_qwen3_moe(router_aux_loss_coef=0.5))
 
 
 def test_two_shares_summed_over_the_group_give_the_whole_loss_and_router_gradient():

@@ -17,6 +17,7 @@ from bmtrain_cli.models.hf import build
 from bmtrain_cli.models.moe import adds_aux_loss, load_balancing_loss
 from bmtrain_cli.models.scoring import count_targets, to_tensors
 from bmtrain_cli.parallel.ring_attention import Ring, RingCore, local_indices, split_batch
+from bmtrain_cli.parallel.ulysses import UlyssesCore
 from bmtrain_cli.preference.objective import PreferenceObjective
 from tests.unit.models.test_moe import fresh_qwen3_moe
 from tests.unit.preference.conftest import make_config
@@ -79,10 +80,11 @@ def test_a_ring_of_one_sums_with_the_gradient_passing_through():
     assert y.numpy().tolist() == [1.0, 2.0] and x.grad.numpy().tolist() == [3.0, 4.0]
 
 
+@pytest.mark.parametrize("core", [RingCore, UlyssesCore])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss(packed):
+def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss(packed, core):
     """CausalLM.loss_sum on a share (padded to an even width: the padding routed but not counted) with a
-    context group of one: the same loss (cross entropy + coef x aux x tokens), aux and gradients as on the
+    context group of one (either mode's core): the same loss (cross entropy + coef x aux x tokens), aux and gradients as on the
     unsplit batch, packed or right-padded rows (whose attention mask the load-balancing loss keeps, as
     transformers leaves padding out: to_tensors' keep_mask, which the SFT objective sets for such models)."""
     model = _moe_model()
@@ -95,7 +97,7 @@ def test_the_moe_context_path_equals_its_loss_with_the_load_balancing_loss(packe
     results = []
     for part in (batch, split_batch(batch, 1, 0)):
         assert part["input_ids"].shape[1] == (s if part is batch else s + 1)
-        model.context_attention = RingCore(Ring(None, [0], 0)) if part is not batch else None
+        model.context_attention = core(Ring(None, [0], 0)) if part is not batch else None
         total, count = model.loss_sum(**to_tensors(part, adds_aux_loss(model.arch)))
         total.backward()
         grads = [p.grad.numpy().copy() for p in model.parameters() if p.grad is not None]

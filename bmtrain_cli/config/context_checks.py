@@ -47,7 +47,6 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
             "set context_parallel: 1 for this method",
         )
     _check_arch(arch, m.max_seq_len, err)
-    _check_router_sums(arch, p.pipeline_parallel, err)
     if p.context_parallel_mode == "ulysses" and arch is not None:
         _check_ulysses(arch, n, p.tensor_parallel, err)
 
@@ -99,17 +98,4 @@ def _check_arch(arch: Optional[Any], max_seq_len: int, err: Callable[..., None])
             "context parallel does not support linear-attention layers (Qwen3.5's Gated DeltaNet): their "
             "recurrent state runs through the whole sequence in order",
             "use context_parallel: 1",
-        )
-
-
-def _check_router_sums(arch: Optional[Any], pp: int, err: Callable[..., None]) -> None:
-    """A mixture of experts' load-balancing loss sums each rank's routed share over the context group
-    (models/moe.py load_balancing_loss); the pipeline's last stage does not yet (parallel/pipeline_moe.py)."""
-    if arch is not None and arch.num_experts and arch.output_router_logits and pp > 1:
-        err(
-            "parallel_config.pipeline_parallel",
-            "context parallel with pipeline_parallel > 1 does not support the MoE load-balancing loss "
-            "(output_router_logits) yet: the last stage would take it over its rank's share of the tokens, "
-            "not the whole micro-batch's",
-            "set output_router_logits: false, or use data or tensor parallel beside context_parallel",
         )

@@ -7,7 +7,7 @@ Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024
 Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
 the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows;
 DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process; a tiny
-Qwen3-MoE with its load-balancing loss under cp2 and ep2 x cp2 (its logged aux_loss too).
+Qwen3-MoE with its load-balancing loss under cp2, ep2 x cp2 and pp2 x cp2 (its logged aux_loss too).
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
 """
@@ -205,7 +205,11 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path, data, si
         np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
 
 
-MOE_LAYOUTS = {"cp2": CP2, "ep2 x cp2": CP2 + ["parallel_config.expert_parallel=2"]}
+MOE_LAYOUTS = {
+    "cp2": CP2,
+    "ep2 x cp2": CP2 + ["parallel_config.expert_parallel=2"],
+    "pp2 x cp2": CP2 + ["parallel_config.pipeline_parallel=2"],
+}
 
 
 def run_moe(root: Path) -> Dict[str, Dict[str, np.ndarray]]:
@@ -223,9 +227,10 @@ def run_moe(root: Path) -> Dict[str, Dict[str, np.ndarray]]:
 
 
 def test_the_moe_load_balancing_loss_under_context_parallel_matches_one_process(tmp_path):
-    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2 and ep2 x cp2,
-    rows padded to max_seq_len: each rank routes its share of a row's tokens (padding routed, not counted),
-    and the routers' per-expert sums are summed over the context group before the loss; per-step loss,
+    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2, ep2 x cp2 and
+    pp2 x cp2, rows padded to max_seq_len: each rank routes its share of a row's tokens (padding routed, not
+    counted), and the routers' per-expert sums are summed over the context group before the loss (under
+    pipeline parallel: the sums the stages carry, on the last stage); per-step loss,
     grad_norm and aux_loss, the eval loss and the saved weights equal one process's, the clip scaling
     every step."""
     from tests.integration.test_expert_parallel import MODELS

@@ -51,11 +51,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
         ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
         ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
-        (
-            {"model": MOE_AUX, "parallel": "  pipeline_parallel: 2\n"},
-            14,
-            "pipeline_parallel > 1 does not support the MoE load-balancing loss",
-        ),
     ],
 )
 def test_refused_at_file_line(write_yaml, kwargs, line, message):
@@ -113,8 +108,9 @@ def test_a_window_longer_than_the_sequence_passes(write_yaml):
 
 
 def test_the_moe_load_balancing_loss_composes(write_yaml):
-    """An MoE model with output_router_logits at cp2 (its routers' sums summed over the context group)
-    and beside data parallel."""
+    """An MoE model with output_router_logits at cp2 (its routers' sums summed over the context group),
+    beside data and pipeline parallel (the stages carry the share's sums)."""
     assert load_config(write_yaml(_text(model=MOE_AUX)), has_gpu=False).config.model.output_router_logits
-    text = _text(model=MOE_AUX, parallel="  data_parallel: 2\n")
-    assert load_config(write_yaml(text), world_size=4, has_gpu=False).config.parallel.world_size == 4
+    for other in ("data_parallel", "pipeline_parallel"):
+        text = _text(model=MOE_AUX, parallel=f"  {other}: 2\n")
+        assert load_config(write_yaml(text), world_size=4, has_gpu=False).config.parallel.world_size == 4

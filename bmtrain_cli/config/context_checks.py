@@ -95,9 +95,3 @@ def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
             "recurrent state runs through the whole sequence in order",
             "use context_parallel: 1",
         )
-    if arch.num_experts and arch.output_router_logits:
-        err(
-            key,
-            "context parallel does not support the MoE load-balancing loss (output_router_logits) yet",
-            "set output_router_logits: false or context_parallel: 1",
-        )

@@ -29,16 +29,13 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "ranks",
             f"use a divisor of {arch.num_experts}",
         )
-    for key, why in (
-        ("context_parallel", "both are laid inside the data-parallel axis"),
-        ("sharding_parallel", "the experts' gradients are reduced over their own replica group"),
-    ):
-        if getattr(p, key) > 1:
-            err(
-                f"parallel_config.{key}",
-                f"expert parallel does not support {key} > 1 yet ({why})",
-                "use data_parallel",
-            )
+    if p.sharding_parallel > 1:
+        err(
+            "parallel_config.sharding_parallel",
+            "expert parallel does not support sharding_parallel > 1 yet (the experts' gradients are reduced "
+            "over their own replica group)",
+            "use data_parallel",
+        )
     if p.gradient_compression != "none":
         err(
             "parallel_config.gradient_compression",

@@ -45,7 +45,7 @@ from bmtrain_cli.models.arch import ModelArch, arch_problems
 from bmtrain_cli.models.attention import IMPLEMENTATIONS, ContextShard, batch_segments, build_bias, soft_cap
 from bmtrain_cli.models.blocks import DecoderLayer, KVCache, RMSNorm
 from bmtrain_cli.models.layers import LayerFactory, PlainFactory
-from bmtrain_cli.models.moe import load_balancing_loss
+from bmtrain_cli.models.moe import adds_aux_loss, load_balancing_loss
 from bmtrain_cli.models.rope import RotaryTables, alibi_slopes
 from bmtrain_cli.ops import OpSet, OpShapes, select
 
@@ -403,7 +403,11 @@ class CausalLM(nn.Layer):
                 raise UserError("loss_sum got context-parallel targets but the model has no context group")
             shard = ContextShard(self.context_attention, segment_ids)
             hidden = self.hidden_states(input_ids, shard, position_ids)  # type: ignore[arg-type]
-            return self._token_loss(hidden, targets)
+            total, count = self._token_loss(hidden, targets)
+            aux = self.aux_loss(attention_mask, over_context=True)  # the whole micro-batch's on every rank
+            if aux is not None:  # the group's counts add up to the whole: the ranks' terms to one process's
+                total = total + self.arch.router_aux_loss_coef * aux * count
+            return total, count
         assert labels is not None  # one of labels and targets
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         aux = self.aux_loss(attention_mask)
@@ -437,15 +441,22 @@ class CausalLM(nn.Layer):
             hidden, weight, target, IGNORE_INDEX, transpose_weight=transposed
         )
 
-    def aux_loss(self, attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tensor]:
+    def aux_loss(
+        self, attention_mask: Optional[paddle.Tensor], over_context: bool = False
+    ) -> Optional[paddle.Tensor]:
         """The load-balancing loss of the forward just run over the tokens where ``attention_mask`` is not 0
-        (all: None), when the architecture adds it to the loss (else None); kept in ``last_aux_loss``."""
+        (all: None), when the architecture adds it to the loss (else None); kept in ``last_aux_loss``.
+        ``over_context``: the forward ran a context-parallel share (``attention_mask``: the share's), and
+        the routers' sums are summed over the context group first: the whole micro-batch's loss, whose
+        gradient reaches every rank's routers (models/moe.py load_balancing_loss)."""
         self.last_aux_loss = None
-        if not (self.arch.num_experts and self.arch.output_router_logits):
+        if not adds_aux_loss(self.arch):
             return None
         logits = [layer.mlp.router_logits for layer in self.layers if layer.sparse]
+        core = self.context_attention if over_context else None  # None: the model has no context group
+        group_sum = None if core is None else core.ring.sum
         aux = load_balancing_loss(
-            logits, self.arch.num_experts, self.arch.num_experts_per_tok, attention_mask
+            logits, self.arch.num_experts, self.arch.num_experts_per_tok, attention_mask, group_sum
         )
         self.last_aux_loss = aux.detach()
         return aux

@@ -212,6 +212,11 @@ def with_aux_loss_settings(model: Any, model_config: Any) -> Any:
     return model
 
 
+def adds_aux_loss(arch: Any) -> bool:
+    """Whether the training loss of ``arch`` adds the load-balancing loss (output_router_logits on an MoE)."""
+    return bool(getattr(arch, "num_experts", 0) and getattr(arch, "output_router_logits", False))
+
+
 def tensor_parallel_problem(arch: ModelArch, tp: int) -> Optional[str]:
     """Why tensor parallel ``tp`` cannot split a mixture of experts' shared experts (None: it can; the
     router and the routed experts stay whole on every rank)."""
@@ -250,8 +255,18 @@ def token_mask(attention_mask: Optional[paddle.Tensor]) -> Optional[paddle.Tenso
     return (attention_mask.reshape([-1, 1]) != 0).astype("float32")
 
 
-def balance_loss(tokens: Any, probs_sum: Any, rows: Any, num_experts: int) -> paddle.Tensor:
-    """The load-balancing loss from the sparse layers' :func:`router_sums` added up."""
+def stacked_router_sums(
+    logits: paddle.Tensor, num_experts: int, top_k: int, mask: Optional[paddle.Tensor] = None
+) -> paddle.Tensor:
+    """:func:`router_sums` as one [3, experts] tensor: assignments, probabilities, and the counted tokens
+    in every column (what the pipeline stages carry and a context group sums in one collective)."""
+    t, p, r = router_sums(logits, num_experts, top_k, mask)
+    return paddle.stack([t, p, r.reshape([1]).expand([num_experts])])
+
+
+def balance_loss(sums: paddle.Tensor, num_experts: int) -> paddle.Tensor:
+    """The load-balancing loss from the sparse layers' :func:`stacked_router_sums` added up."""
+    tokens, probs_sum, rows = sums[0], sums[1], sums[2][0]
     return (tokens / rows * (probs_sum / rows)).sum() * float(num_experts)
 
 
@@ -260,14 +275,16 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask: Optional[paddle.Tensor] = None,
+    group_sum: Optional[Callable[[paddle.Tensor], paddle.Tensor]] = None,
 ) -> paddle.Tensor:
     """num_experts * sum_e(fraction of top-k assignments to e) * (mean router probability of e), over all
-    sparse layers' tokens together (fp32); tokens where ``attention_mask`` is 0 are left out."""
-    tokens: Any = 0.0
-    probs_sum: Any = 0.0
-    rows: Any = 0.0
+    sparse layers' tokens together (fp32); tokens where ``attention_mask`` is 0 are left out.
+
+    ``group_sum``: context parallel, where each rank routed only its share of the micro-batch's tokens:
+    the differentiable sum of the sums over the context group (its gradient is the group's summed
+    gradient, so every rank's router gets the whole loss's), so the loss is the whole micro-batch's."""
+    sums: Any = 0.0
     mask = token_mask(attention_mask)
     for logits in router_logits:
-        t, p, r = router_sums(logits, num_experts, top_k, mask)
-        tokens, probs_sum, rows = tokens + t, probs_sum + p, rows + r
-    return balance_loss(tokens, probs_sum, rows, num_experts)
+        sums = sums + stacked_router_sums(logits, num_experts, top_k, mask)
+    return balance_loss(sums if group_sum is None else group_sum(sums), num_experts)

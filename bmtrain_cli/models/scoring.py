@@ -44,17 +44,19 @@ def right_padded(mask: np.ndarray) -> bool:
     return bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] <= mask[:, :-1]).all())
 
 
-def to_tensors(batch: Dict[str, np.ndarray]) -> Dict[str, Any]:
+def to_tensors(batch: Dict[str, np.ndarray], keep_mask: bool = False) -> Dict[str, Any]:
     """The model's inputs. Rows of one sample followed by padding need no attention mask: padding comes
     after every real token and carries no target, so plain causal attention gives every real token the
-    same result and the loss the same targets; such batches go without one (the mask-free kernels)."""
+    same result and the loss the same targets; such batches go without one (the mask-free kernels), unless
+    ``keep_mask`` (a mixture of experts' load-balancing loss leaves the padding's routing out, models/moe.py)."""
     import paddle
 
     if "targets" in batch:  # a context-parallel share: CausalLM.loss_sum's context path
-        keys = ["input_ids", "targets", "position_ids", "segment_ids"]
+        keys = ["input_ids", "targets", "position_ids", "segment_ids", "attention_mask"]
         return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
     keys = ["input_ids", "labels", "attention_mask", "position_ids"]
-    if batch.get("attention_mask") is not None and right_padded(batch["attention_mask"]):
+    mask = batch.get("attention_mask")
+    if mask is not None and right_padded(mask) and not (keep_mask and (mask == 0).any()):
         keys.remove("attention_mask")
     return {k: paddle.to_tensor(batch[k]) for k in keys if batch.get(k) is not None}
 
@@ -73,6 +75,9 @@ def eval_loss(
     parallel context's, where several data ranks score their own shares) summed over the ranks."""
     import paddle
 
+    from bmtrain_cli.models.moe import adds_aux_loss
+
+    keep_mask = adds_aux_loss(getattr(model, "arch", None))
     was_training = model.training
     model.eval()
     total = 0.0
@@ -80,7 +85,7 @@ def eval_loss(
     try:
         with paddle.no_grad():
             for batch in batches:
-                t = to_tensors(batch)
+                t = to_tensors(batch, keep_mask)
                 if autocast is not None:
                     with autocast():
                         loss_sum, n = model.loss_sum(**t)

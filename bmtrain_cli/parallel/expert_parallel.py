@@ -26,7 +26,8 @@ replicated parameters' squares, so every expert counts once.
 
 The MoE load-balancing loss needs nothing: transformers computes it per forward from the router logits of
 that forward's tokens, and the router is whole on every rank, so each rank's micro-batch gives the value one
-process gives for the same micro-batch.
+process gives for the same micro-batch (under context parallel, each rank's share's sums summed over the
+context group first: models/moe.py load_balancing_loss).
 """
 
 from __future__ import annotations

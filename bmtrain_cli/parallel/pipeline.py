@@ -138,7 +138,7 @@ def _build_items(model: Any) -> PipelineItems:
                 x = recompute(self.layer, x, cos, sin, bias)
             else:
                 x = self.layer(x, cos, sin, bias)
-            return (x, mask, pos, *add_layer_sums(self.layer, mask, sums))
+            return (x, mask, pos, *add_layer_sums(self.layer, mask, sums, core))
 
     class NormStage(nn.Layer):
         def __init__(self, norm: Any) -> None:
@@ -377,7 +377,7 @@ class _PipelineLoss:
                 from bmtrain_cli.ops import reference
 
                 loss_sum, count = reference.cross_entropy_sum(flat, labels)
-        loss_sum = with_aux(loss_sum, count, sums, self.arch, self.auxes)
+        loss_sum = with_aux(loss_sum, count, sums, self.arch, self.auxes, self.ctx.context_ring)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 

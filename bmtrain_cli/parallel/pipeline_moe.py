@@ -9,6 +9,8 @@ its own, the final norm hands it on with the normed hidden state, and the loss o
 ``router_aux_loss_coef x aux x tokens`` to the micro-batch's summed cross entropy (x pairs to a pipeline
 objective's summed pair losses, preference/pipeline.py), as the single process's ``loss_sum`` does. The probabilities' gradient travels back with the hidden state's, to the routers of
 every stage. Additions start from an exact zero and run in layer order: the value is the single process's.
+Under context parallel each rank's items carry the sums of its share of the rows, and the last stage sums
+them over the context group (a sum whose gradient reaches every rank's routers) before the product.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any, List, Tuple
 
 import paddle
 
-from bmtrain_cli.models.moe import balance_loss, router_sums, token_mask
+from bmtrain_cli.models.moe import balance_loss, stacked_router_sums, token_mask
+from bmtrain_cli.parallel.ring_attention import local_indices
 
 
 def carries_router_sums(arch: Any) -> bool:
@@ -30,14 +33,18 @@ def start_sums(arch: Any) -> List[paddle.Tensor]:
     return [paddle.zeros([3, arch.num_experts], "float32")] if carries_router_sums(arch) else []
 
 
-def add_layer_sums(layer: Any, mask: Any, sums: List[paddle.Tensor]) -> List[paddle.Tensor]:
+def add_layer_sums(layer: Any, mask: Any, sums: List[paddle.Tensor], core: Any = None) -> List[paddle.Tensor]:
     """``sums`` plus the sparse decoder ``layer``'s part from its last forward (``mask``: the rows'
-    attention mask, 0 = padding)."""
+    attention mask, 0 = padding; ``core``: the context group's attention core under context parallel,
+    where the layer routed this rank's share of the rows, whose mask columns are taken)."""
     if not sums or not layer.sparse:
         return sums
+    if core is not None:
+        ring = core.ring
+        idx = local_indices(mask.shape[1], ring.degree, ring.rank)
+        mask = paddle.gather(mask, paddle.to_tensor(idx), axis=1)
     mlp = layer.mlp
-    t, p, r = router_sums(mlp.router_logits, mlp.num_experts, mlp.top_k, token_mask(mask))
-    return [sums[0] + paddle.stack([t, p, r.reshape([1]).expand([mlp.num_experts])])]
+    return [sums[0] + stacked_router_sums(mlp.router_logits, mlp.num_experts, mlp.top_k, token_mask(mask))]
 
 
 def split_sums(out: Any) -> Tuple[Any, List[Any]]:
@@ -52,12 +59,14 @@ def join_sums(out: Any, sums: List[Any]) -> Any:
     return (out, *sums) if sums else out
 
 
-def with_aux(loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any, record: List[Any]) -> Any:
+def with_aux(
+    loss_sum: Any, count: Any, sums: List[paddle.Tensor], arch: Any, record: List[Any], ring: Any = None
+) -> Any:
     """The micro-batch's summed loss with ``router_aux_loss_coef x aux x count`` added (aux from the last
-    stage's ``sums``, appended to ``record`` for the log; ``loss_sum`` itself without them)."""
+    stage's ``sums``, appended to ``record`` for the log; ``loss_sum`` itself without them). ``ring``: the
+    context group, over which the shares' sums are summed first (``count``: this rank's share's)."""
     if not sums:
         return loss_sum
-    s = sums[0]
-    aux = balance_loss(s[0], s[1], s[2][0], arch.num_experts)
+    aux = balance_loss(sums[0] if ring is None else ring.sum(sums[0]), arch.num_experts)
     record.append(aux.detach())
     return loss_sum + arch.router_aux_loss_coef * aux * count

@@ -91,6 +91,10 @@ class Ring:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The differentiable sum of ``tensor`` over the group (:class:`ContextSum`)."""
+        return ContextSum.apply(tensor, self)
+
 
 class ContextSum(PyLayer):
     """The sum of per-rank partial values over a context group, on every rank (``apply(x, ring)``). Its

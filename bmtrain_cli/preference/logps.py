@@ -78,15 +78,23 @@ def sequence_logps(
     hidden = model.hidden_states(**(share_inputs(model, batch) if share else model_inputs(batch)))
     rows, width = batch["input_ids"].shape
     r, c = response_positions(index)
-    flat = paddle.to_tensor((r * width + c).astype(np.int64))
-    picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
-    targets = batch["targets"][r, c] if share else batch["input_ids"][r, c + 1]
-    token = token_logps(
-        model.logits_from_hidden(picked),
-        paddle.to_tensor(targets.astype(np.int64)),
-        getattr(model, "factory", None),
-    )
-    logps, counts = per_sequence(token, index[r, c], n_sequences)
+    if r.size:
+        flat = paddle.to_tensor((r * width + c).astype(np.int64))
+        picked = paddle.gather(hidden.reshape([rows * width, -1]), flat)
+        targets = batch["targets"][r, c] if share else batch["input_ids"][r, c + 1]
+        token = token_logps(
+            model.logits_from_hidden(picked),
+            paddle.to_tensor(targets.astype(np.int64)),
+            getattr(model, "factory", None),
+        )
+        logps, counts = per_sequence(token, index[r, c], n_sequences)
+    else:  # a share without response tokens: zeros through one row of the head (whose empty-row backward
+        # fails), so the backward still runs the group's collectives and gives every parameter a gradient
+        probe = model.logits_from_hidden(hidden.reshape([rows * width, -1])[:1]).sum().astype("float64")
+        logps, counts = (
+            paddle.zeros([n_sequences], "float64") + probe * 0.0,
+            np.zeros(n_sequences, np.float32),
+        )
     if not share:
         return logps, counts
     from bmtrain_cli.parallel.ring_attention import ContextSum

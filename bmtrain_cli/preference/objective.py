@@ -43,8 +43,9 @@ def _count_chosen_tokens(batch: Dict[str, np.ndarray]) -> int:
 def _policy_aux_loss(model: Any, batch: Dict[str, np.ndarray]) -> Optional[paddle.Tensor]:
     """The MoE load-balancing loss of the policy forward just run over the batch's sequences (prompts and
     responses, padding left out), with output_router_logits; None without. Kept in the model's
-    ``last_aux_loss``, which the step logs as ``aux_loss``."""
-    return model.aux_loss(paddle.to_tensor(batch["attention_mask"]))
+    ``last_aux_loss``, which the step logs as ``aux_loss``. A context-parallel share's (``targets``) is
+    the whole pairs' (its sums summed over the context group), on every rank of the group."""
+    return model.aux_loss(paddle.to_tensor(batch["attention_mask"]), over_context="targets" in batch)
 
 
 class PreferenceObjective:

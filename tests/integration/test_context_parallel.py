@@ -7,7 +7,8 @@ Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024
 Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
 the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows; a tiny Gemma 3 (sliding
 layers with a window of 96 tokens and a global layer) at cp2;
-DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process.
+DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process; a tiny
+Qwen3-MoE with its load-balancing loss under cp2, ep2 x cp2 and pp2 x cp2 (its logged aux_loss too).
 
 docs/parallel.md carries the table (``python -m tests.integration.test_context_parallel`` prints it).
 """
@@ -217,6 +218,52 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path, data, si
         np.testing.assert_allclose([resumed[3][key], resumed[4][key]], want[key][2:], rtol=1e-5, err_msg=key)
 
 
+MOE_LAYOUTS = {
+    "cp2": CP2,
+    "ep2 x cp2": CP2 + ["parallel_config.expert_parallel=2"],
+    "pp2 x cp2": CP2 + ["parallel_config.pipeline_parallel=2"],
+}
+
+
+def run_moe(root: Path) -> Dict[str, Dict[str, np.ndarray]]:
+    """One process's (key "") and each MOE_LAYOUTS layout's run of the expert-parallel matrix's tiny
+    Qwen3-MoE with its load-balancing loss on, on that matrix's data in rows padded to max_seq_len
+    (tests/integration/test_expert_parallel.py)."""
+    from tests.integration import test_expert_parallel as ep
+
+    (root / "data").mkdir()
+    data = ep.write_data(root / "data")
+    runs = {"": ep.run_layout(data, root / "single", "qwen3_moe padded", [])}
+    for i, (name, layout) in enumerate(MOE_LAYOUTS.items()):
+        runs[name] = ep.run_layout(data, root / f"run-{i}", "qwen3_moe padded", layout)
+    return runs
+
+
+def test_the_moe_load_balancing_loss_under_context_parallel_matches_one_process(tmp_path):
+    """The tiny Qwen3-MoE of test_expert_parallel.py with its load-balancing loss on, at cp2, ep2 x cp2 and
+    pp2 x cp2, rows padded to max_seq_len: each rank routes its share of a row's tokens (padding routed, not
+    counted), and the routers' per-expert sums are summed over the context group before the loss (under
+    pipeline parallel: the sums the stages carry, on the last stage); per-step loss,
+    grad_norm and aux_loss, the eval loss and the saved weights equal one process's, the clip scaling
+    every step."""
+    from tests.integration.test_expert_parallel import MODELS
+
+    runs = run_moe(tmp_path)
+    want = runs[""]
+    assert np.all(want["grad_norm"] > MODELS["qwen3_moe padded"][2]), want["grad_norm"]
+    assert want["loss"][-1] < want["loss"][0]
+    weights = sorted(k for k in want if k.startswith("w:"))
+    assert any(".experts." in k for k in weights)
+    for name in MOE_LAYOUTS:
+        got = runs[name]
+        assert got["aux_loss"].size == STEPS
+        for key in ("loss", "grad_norm", "aux_loss", "eval_loss"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{name} {key}")
+        assert sorted(k for k in got if k.startswith("w:")) == weights  # every expert saved once
+        for k in weights:  # AdamW moves an entry whose gradient is round-off by a fraction of lr
+            assert (np.abs(got[k] - want[k]) > 1e-4).mean() < 1e-3, (name, k)
+
+
 DPO = """model_config:
   model_name_or_path: {base}
   max_seq_len: {seq}
@@ -315,3 +362,7 @@ if __name__ == "__main__":  # the table for docs/parallel.md; an argument: only 
         got = run_dpo(base, pairs, Path(tmp) / "dpo-cp2", CP2)
         d = [max_rel_diff(got[k], want[k]) for k in ("loss", "grad_norm")]
         print(f"| dpo pairs | cp2, recompute | {d[0]:.1e} | {d[1]:.1e} |", flush=True)
+        runs = run_moe(Path(tmp) / "moe")
+        for name in MOE_LAYOUTS:
+            d = [max_rel_diff(runs[name][k], runs[""][k]) for k in ("loss", "grad_norm", "aux_loss")]
+            print(f"| qwen3_moe, load-balancing loss | {name} | {d[0]:.1e} | {d[1]:.1e} | aux {d[2]:.1e} |")

@@ -71,6 +71,8 @@ DPO = [
 # checkpoint (tests/fixtures/hf), settings, max_grad_norm (below every step's norm: the clip scales every step)
 MODELS: Dict[str, Tuple[str, List[str], float]] = {
     "qwen3_moe": ("qwen3_moe", AUX, 0.5),
+    # rows padded to max_seq_len (test_context_parallel.py: the padding left out of the aux loss)
+    "qwen3_moe padded": ("qwen3_moe", AUX + ["train_config.batching=max_length"], 0.5),
     "deepseek_v3": ("deepseek_v3", [], 0.5),
     "ernie4_5_moe": ("ernie4_5_moe", AUX, 0.5),
     "qwen3_moe + LoRA": ("qwen3_moe", AUX + LORA, 0.05),

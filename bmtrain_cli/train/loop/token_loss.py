@@ -33,8 +33,11 @@ def count_tokens(micro: List[Batch]) -> float:
 class TokenLoss:
     perplexity = True
 
-    def __init__(self, loss_fn: Optional[Callable[..., Any]], ctx: ParallelCtx) -> None:
+    def __init__(
+        self, loss_fn: Optional[Callable[..., Any]], ctx: ParallelCtx, keep_mask: bool = False
+    ) -> None:
         self.loss_fn, self.ctx = loss_fn, ctx  # loss_fn: the training model's (compiled or sharded) loss_sum
+        self.keep_mask = keep_mask  # the padding's attention mask for the load-balancing loss (to_tensors)
 
     def begin_step(self, micro: List[Batch]) -> Tuple[float, float]:
         """(predicted tokens, non-padding tokens) of the whole step, summed over the data ranks."""
@@ -47,7 +50,7 @@ class TokenLoss:
         from bmtrain_cli.models.scoring import to_tensors
 
         assert self.loss_fn is not None  # None only under pipeline parallel, which never calls it
-        return self.loss_fn(**to_tensors(batch))
+        return self.loss_fn(**to_tensors(batch, self.keep_mask))
 
     def step_metrics(self) -> Dict[str, float]:
         return {}
@@ -76,4 +79,6 @@ def token_loss(
     rt: Runtime, data: TrainData, model: ModelParts, optim: OptimParts, ctx: ParallelCtx, console: Console
 ) -> TokenLoss:
     """The SFT recipe's objective (an ObjectiveBuilder of train/setup.py)."""
-    return TokenLoss(optim.loss_fn, ctx)
+    from bmtrain_cli.models.moe import adds_aux_loss
+
+    return TokenLoss(optim.loss_fn, ctx, adds_aux_loss(getattr(model.raw, "arch", None)))

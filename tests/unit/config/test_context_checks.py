@@ -13,6 +13,9 @@ TRAIN = "train_config:\n  demo_data: arithmetic\n{train}"
 PARALLEL = "parallel_config:\n  context_parallel: {cp}\n{parallel}"
 
 
+MOE_AUX = "  family: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 32\n  output_router_logits: true\n"
+
+
 def _text(seq=256, model="", train="", cp=2, parallel="") -> str:
     return (
         MODEL.format(seq=seq, model=model)
@@ -118,3 +121,12 @@ def test_sliding_windows_pass(write_yaml, model, mode):
     parallel = f"  context_parallel_mode: {mode}\n"
     cfg = load_config(write_yaml(_text(model=model, parallel=parallel)), has_gpu=False).config
     assert cfg.parallel.context_parallel == 2 and cfg.model.sliding_window in (32, 64, 4096)
+
+
+def test_the_moe_load_balancing_loss_composes(write_yaml):
+    """An MoE model with output_router_logits at cp2 (its routers' sums summed over the context group),
+    beside data and pipeline parallel (the stages carry the share's sums)."""
+    assert load_config(write_yaml(_text(model=MOE_AUX)), has_gpu=False).config.model.output_router_logits
+    for other in ("data_parallel", "pipeline_parallel"):
+        text = _text(model=MOE_AUX, parallel=f"  {other}: 2\n")
+        assert load_config(write_yaml(text), world_size=4, has_gpu=False).config.parallel.world_size == 4

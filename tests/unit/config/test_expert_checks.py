@@ -66,6 +66,14 @@ def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
     assert cfg.parallel.world_size == 4 and cfg.parallel.data_ranks == 2
 
 
+def test_expert_parallel_composes_with_context_parallel(write_yaml):
+    """ep2 x cp2 (tests/integration/test_context_parallel.py): four ranks; the two ranks of a context
+    group read one batch and dispatch their shares' rows to each other's experts."""
+    text = _text(model="  output_router_logits: true\n", parallel="  context_parallel: 2\n", batch=2)
+    cfg = load_config(write_yaml(text), world_size=4).config
+    assert cfg.parallel.world_size == 4 and cfg.parallel.context_parallel == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, line, message",
     [
@@ -79,11 +87,6 @@ def test_expert_parallel_composes_with_pipeline_parallel(write_yaml):
             {"family": "glm4_moe", "parallel": "  tensor_parallel: 3\n"},
             14,
             "shared experts' width (32) is not divisible by tensor_parallel (3)",
-        ),
-        (
-            {"parallel": "  context_parallel: 2\n"},
-            14,
-            "expert parallel does not support context_parallel > 1",
         ),
         (
             {"parallel": "  sharding_parallel: 2\n"},

@@ -121,8 +121,10 @@ def test_qwen3_moe_dense_layers_and_parameter_counts():
     assert count_parameters(arch) - count_active_parameters(arch) == 2 * 2 * 3 * 64 * 48
 
 
-def test_a_fresh_qwen3_moe_trains_one_step_with_a_finite_aux_loss():
-    cfg = ModelConfig(
+def fresh_qwen3_moe(router_aux_loss_coef: float = 0.01) -> ModelConfig:
+    """The model_config of a tiny fresh Qwen3-MoE (vocabulary 64, 4 experts, top 2, the load-balancing
+    loss on)."""
+    return ModelConfig(
         family="qwen3_moe",
         hidden_size=32,
         intermediate_size=48,
@@ -132,8 +134,12 @@ def test_a_fresh_qwen3_moe_trains_one_step_with_a_finite_aux_loss():
         num_experts=4,
         num_experts_per_tok=2,
         output_router_logits=True,
-        router_aux_loss_coef=0.01,
+        router_aux_loss_coef=router_aux_loss_coef,
     )
+
+
+def test_a_fresh_qwen3_moe_trains_one_step_with_a_finite_aux_loss():
+    cfg = fresh_qwen3_moe()
     arch = arch_from_model_config(cfg)
     assert arch.moe_intermediate_size == 48 and arch.num_experts == 4  # experts as wide as the MLP
     paddle.seed(0)

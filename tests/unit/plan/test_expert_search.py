@@ -17,6 +17,7 @@ from bmtrain_cli.plan.search import enumerate_layouts, layout_axes, search, step
 
 MOE_CONFIG = "configs/qwen3-30b-a3b-lora-ep8.yaml"
 DENSE_CONFIG = "configs/qwen2.5-7b-sft.yaml"
+CP, EP = AXES.index("context_parallel"), AXES.index("expert_parallel")
 A100 = get_device("A100-80GB")
 
 
@@ -43,11 +44,20 @@ def test_moe_search_weighs_expert_parallel_and_lists_only_valid_layouts(moe, rep
     # each proposal loads through validate-config's checks, set as a user would set it
     for c in ranked:
         load_config(str(repo_root / MOE_CONFIG), _overrides(c.layout), mode="validate", has_gpu=True)
-    # the enumeration itself holds layouts the checks refuse (an expert degree beside sharding or context
-    # parallel): the filter, not a copy of the rules, keeps them out
+    # expert beside context parallel is a layout validate-config admits: the search weighs it
+    both = [
+        lay for lay in enumerate_layouts(w, 8, A100) if layout_axes(lay)[CP] > 1 and layout_axes(lay)[EP] > 1
+    ]
+    assert both and all(admits(layout_axes(lay)) for lay in both)
+    # the enumeration holds layouts the checks refuse (context parallel beside dynamic rope scaling, which
+    # reads the whole row's length): the filter, not a copy of the rules, keeps them out
+    dynamic = ["model_config.rope_scaling={rope_type: dynamic, factor: 2.0}"]
+    config = load_config(str(repo_root / MOE_CONFIG), dynamic, mode="validate", has_gpu=True).config
+    admits = layout_admission(config, has_gpu=True)
     refused = [lay for lay in enumerate_layouts(w, 8, A100) if not admits(layout_axes(lay))]
-    assert refused
-    assert not {layout_axes(lay) for lay in refused} & {layout_axes(c.layout) for c in ranked}
+    assert refused and all(layout_axes(lay)[CP] > 1 for lay in refused)
+    ranked = search(w, A100, gpus=8, top=200, admits=admits)["ranked"]
+    assert ranked and not {layout_axes(lay) for lay in refused} & {layout_axes(c.layout) for c in ranked}
 
 
 def test_a_dense_model_gets_no_expert_axis(repo_root) -> None:

@@ -70,3 +70,18 @@ def test_only_the_first_rank_of_a_context_group_counts_the_pairs(tmp_path):
     zero, none = obj.loss_sum(model, other)
     assert pairs == 3 and none == 0 and float(loss) > 0 and float(zero) == 0.0
     assert obj.step_metrics()["logps/chosen"] < 0  # the lead's sums, the other's zeros
+
+
+def test_a_share_without_response_tokens_gives_zeros_through_the_graph():
+    """A rank whose chunks hold no response token (a long prompt, a short response in another rank's
+    chunks) sums zeros, and its backward still runs (the group's collectives run on every rank) and gives
+    every parameter a (zero) gradient, so the gradient reduction over the data ranks sees the same ones."""
+    model = tiny_model(VOCAB, seed=2)
+    model.context_attention = RingCore(Ring(None, [0], 0))
+    share = split_batch(_batch(_pairs(3, seed=1), packed=False), 1, 0)
+    share["sequence_index"] = np.full_like(share["sequence_index"], -1)
+    logps, counts = sequence_logps(model, share, 6)
+    assert logps.numpy().tolist() == [0.0] * 6 and list(counts) == [0.0] * 6
+    logps.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.numpy().any() for g in grads)

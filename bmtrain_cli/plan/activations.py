@@ -363,6 +363,26 @@ def layer_activations(
     return out
 
 
+def context_share(seq_len: int, cp: int) -> int:
+    """Tokens of a row one rank of a context group holds: its front and back chunk of ceil(seq / 2cp)."""
+    return -(-seq_len // (2 * cp)) * 2
+
+
+def held_predictions(seq_len: int, completion: int, cp: int) -> int:
+    """The most completion-predicting positions of a row of ``seq_len`` tokens (the ``completion`` positions
+    before its last token) that one rank of a context group holds (parallel/ring_attention.local_indices:
+    rank r holds chunks r and 2cp - 1 - r)."""
+    if cp == 1:
+        return completion
+    c = -(-seq_len // (2 * cp))
+    lo, hi = seq_len - 1 - completion, seq_len - 1
+
+    def overlap(k: int) -> int:
+        return max(0, min(hi, (k + 1) * c) - max(lo, k * c))
+
+    return max(overlap(r) + overlap(2 * cp - 1 - r) for r in range(cp))
+
+
 def no_grad_forward_bytes(w: Workload, device: Device, layout: Layout) -> int:
     """The most a forward without gradients (stage dpo's reference) holds at once inside one layer: the
     layer input with q, k, v and, for a score-keeping kernel, the scores beside their softmax [b, heads, s, s];
@@ -396,8 +416,8 @@ def loss_bytes(w: Workload, device: Device, layout: Layout, last_stage: bool) ->
         # rows as max_completion_length completion tokens (upper bounds). Transient: the logits and the
         # fp32 copy before the softmax replaces them, then the logits' gradient in both dtypes; GRPO's
         # entropy (no gradient) holds three fp32 [tokens, vocab] tensors at once.
-        if w.method.sample == "completion":
-            n = seqs * w.completion_len
+        if w.method.sample == "completion":  # under context parallel: the completion positions a share holds
+            n = seqs * held_predictions(w.seq_len * layout.cp, w.completion_len, layout.cp)
         logits = n * vocab
         entropy = 3 * logits * 4 if w.method.sample == "completion" else 0
         return int(final + n * h * e + logits * 4), int(max(logits * (e + 4), entropy))

@@ -34,6 +34,7 @@ from bmtrain_cli.plan.activations import (
     act_bytes,
     attention_kernel,
     attention_row,
+    context_share,
     dequantization_workspace,
     kernel_choice,
     layer_activations,
@@ -89,8 +90,9 @@ def _stage_estimate(  # noqa: C901
         notes.append(f"precision {precision} does not run on CPU; estimated as fp32")
         precision = "fp32"
         w = replace(w, precision="fp32")
+    whole = w  # whole rows (a GRPO rollout samples them on every rank)
     if layout.cp > 1:  # each rank holds 1/cp of every row (parallel/ring_attention.py)
-        w = replace(w, seq_len=-(-w.seq_len // (2 * layout.cp)) * 2)
+        w = replace(w, seq_len=context_share(w.seq_len, layout.cp))
         how = "the ring attention's" if layout.cp_mode == "ring" else "the ulysses all-to-all's"
         notes.append(
             f"context parallel {layout.cp}: activations of {w.seq_len} tokens per row on each rank "
@@ -188,7 +190,7 @@ def _stage_estimate(  # noqa: C901
     reference, ref_forward = _reference_bytes(
         w, stage_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
     )
-    rollout = rollout_memory(w, device, layout, layers) if w.completion_len else None
+    rollout = rollout_memory(whole, device, layout, layers) if w.completion_len else None
     if rollout is not None:
         ref_forward = 0  # stage grpo: the reference's log-probs come with the rollouts, not in the step
 

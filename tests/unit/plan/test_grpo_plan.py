@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bmtrain_cli.config import load_config
@@ -132,3 +133,61 @@ def test_the_held_out_rewards_greedy_calls_count_where_there_is_an_eval_set(seve
     assert evaluated.rollout_peak - plain.rollout_peak >= (64 - 2) * 4096 * kv_bytes_per_token(
         with_eval, layout, 32
     )
+
+
+def _small(w: Workload, **kw: Any) -> Workload:
+    """A 2-layer model whose MLP is the widest part of a layer's no-gradient forward (64 + 4 x 172 per
+    token, against the attention's 64 + (4 + 2 x 4) x 16 + 4 heads)."""
+    small = replace(
+        w.arch,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=32000,
+    )
+    return replace(w, arch=small, precision="fp32", **kw)
+
+
+@pytest.mark.parametrize("cp,completion", [(2, 100), (2, 300), (4, 200), (4, 700)])
+def test_the_log_probs_pass_under_context_parallel_counts_a_ranks_share(seven_b, cp, completion) -> None:
+    """GRPO under context parallel: every rank samples whole rows, but the old policy's / reference's
+    log-probs pass runs the ring over the rank's share of each row (seq / cp tokens) and scores only the
+    completion positions that share holds (the run's layout, ring_attention.local_indices)."""
+    from bmtrain_cli.parallel.ring_attention import local_indices
+    from bmtrain_cli.plan.activations import held_predictions
+    from bmtrain_cli.plan.rollout import logps_pass_bytes, rollout_memory
+
+    seq, rows = 1024, 8
+    w = _small(Workload.from_config(_grpo(seven_b, completion=completion), read_data=False), seq_len=seq)
+    w = replace(w, rollout_logps=True)
+    cpu = get_device("cpu")
+    layout = Layout(cp=cp, micro_batch=rows, recompute="full")
+    # the positions predicting a completion token of a full row, and the most any rank holds
+    predicting = np.arange(seq - 1 - completion, seq - 1)
+    held = max(int(np.isin(predicting, local_indices(seq, cp, r)).sum()) for r in range(cp))
+    assert held_predictions(seq, completion, cp) == held <= completion
+    if completion > seq // (2 * cp):  # longer than a chunk: the completion spreads over ranks
+        assert held < completion
+    share = seq // cp
+    forward = 8 * share * (64 + 4 * 172) * 4  # the MLP's input, gate, up, activation and product, fp32
+    want = forward + rows * share * 64 * 4 + rows * held * 64 * 4 + 2 * rows * held * 32000 * 4
+    assert logps_pass_bytes(w, cpu, layout) == want
+    whole = logps_pass_bytes(w, cpu, replace(layout, cp=1))
+    assert (
+        whole
+        == 8 * seq * (64 + 4 * 172) * 4 + rows * seq * 64 * 4 + (rows * completion) * (64 + 2 * 32000) * 4
+    )
+    assert want < whole
+    # sampling holds whole rows on every rank of the group: the KV cache and generation's peak are one
+    # process's
+    one = rollout_memory(replace(w, rollout_logps=False), cpu, replace(layout, cp=1), 2)
+    ring = rollout_memory(replace(w, rollout_logps=False), cpu, layout, 2)
+    assert ring == one and one.kv_cache == rows * seq * 2 * 2 * 4 * 16 * 4
+    # the estimator hands the rollout phase whole rows and counts the step's logits of the held positions
+    est = estimate_layout(w, layout, cpu)
+    assert est.rollout_cache == one.kv_cache
+    assert est.rollout_peak - est.parameters - est.optimizer_states >= max(one.peak, want)
+    assert est.logits == rows * share * 64 * 4 + rows * held * (64 + 32000) * 4

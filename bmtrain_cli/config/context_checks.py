@@ -15,7 +15,6 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
     n = p.context_parallel
     if n == 1:
         return
-    key = "parallel_config.context_parallel"
     if m.max_seq_len % (2 * n):
         err(
             "model_config.max_seq_len",
@@ -40,13 +39,6 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
         )
     if t.to_static:
         err("train_config.to_static", "to_static cannot run the ring's send/recv", "set to_static: false")
-    if method_of(t).sample == "completion" and p.tensor_parallel > 1:
-        err(
-            key,
-            f"context parallel with train_config.stage {t.stage!r} is checked against one process beside "
-            "data parallel and sharding stage 1, not beside tensor_parallel > 1 yet",
-            "set tensor_parallel: 1 or context_parallel: 1 for this method",
-        )
     _check_arch(arch, err)
     if p.context_parallel_mode == "ulysses" and arch is not None:
         _check_ulysses(arch, n, p.tensor_parallel, err)

@@ -3,7 +3,7 @@ figures at 1e-5, same seeds): data parallel with LoRA, the reference (adapters o
 log-probs (num_iterations 2), dapo's token normalisation and scale_rewards: batch; sharding stage 1 with
 full fine-tuning, the grpo loss and group scaling; tensor parallel (vocabulary-split logits: gathered for
 sampling, the log-probs and entropy reduced over the group), alone and with dp2, with LoRA, the reference
-and the old policy.
+and the old policy; context parallel 2, alone and beside tensor parallel 2.
 Each data rank samples and scores its block of the rollout batch (grpo/shard.py)."""
 
 from __future__ import annotations
@@ -166,5 +166,18 @@ def test_cp2_lora_reference_old_policy_clipped_equals_one_process(tmp_path):
     one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4)
     cp2 = _run(tmp_path, "cp2", 1, 1, extra, grpo, cp=2, steps=4)
     _same(one, cp2, KEYS + ("kl",), steps=4)
+    assert all(r["grad_norm"] > 0.05 for r in one["train"])  # the clip fires at every step
+    assert one["train"][1]["kl"] > 0
+
+
+def test_tp2_x_cp2_lora_reference_old_policy_clipped_equals_one_process(tmp_path):
+    """Tensor parallel 2 beside context parallel 2 (4 ranks): each tensor pair samples with the
+    vocabulary-split logits gathered; the log-probs split each row over the ring inside a tensor rank and are
+    reduced over the tensor group (vocabulary) and the context group (the share)."""
+    extra = "  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  max_grad_norm: 0.05"
+    grpo = "    beta: 0.05\n    num_iterations: 2\n    loss_type: grpo\n    scale_rewards: group"
+    one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4)
+    tp2_cp2 = _run(tmp_path, "tp2_cp2", 1, 1, extra, grpo, tp=2, cp=2, steps=4)
+    _same(one, tp2_cp2, KEYS + ("kl",), steps=4)
     assert all(r["grad_norm"] > 0.05 for r in one["train"])  # the clip fires at every step
     assert one["train"][1]["kl"] > 0

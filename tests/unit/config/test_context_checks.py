@@ -45,11 +45,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"parallel": "  pipeline_parallel: 2\n", "train": "  stage: dpo\n"}, 10, "trains SFT only yet"),
         ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
-        (
-            {"train": "  stage: grpo\n", "parallel": "  tensor_parallel: 2\n"},
-            9,
-            "not beside tensor_parallel > 1 yet",
-        ),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
         ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
@@ -130,3 +125,14 @@ def test_the_moe_load_balancing_loss_composes(write_yaml):
     for other in ("data_parallel", "pipeline_parallel"):
         text = _text(model=MOE_AUX, parallel=f"  {other}: 2\n")
         assert load_config(write_yaml(text), world_size=4, has_gpu=False).config.parallel.world_size == 4
+
+
+def test_grpo_beside_tensor_parallel_is_accepted(write_yaml):
+    """GRPO under tp2 x cp2 equals one process (tests/integration/test_grpo_parallel.py)."""
+    grpo = (
+        "train_config:\n  stage: grpo\n  demo_data: reverse\n  micro_batch_size: 4\n  global_batch_size: 16\n"
+        "  grpo:\n    num_generations: 4\n    max_completion_length: 8\n    reward_funcs: [overlong]\n"
+    )
+    text = MODEL.format(seq=64, model="") + grpo + PARALLEL.format(cp=2, parallel="  tensor_parallel: 2\n")
+    cfg = load_config(write_yaml(text), world_size=4, has_gpu=False).config
+    assert cfg.train.stage == "grpo" and cfg.parallel.tensor_parallel == cfg.parallel.context_parallel == 2

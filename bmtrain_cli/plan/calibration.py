@@ -107,6 +107,19 @@ CASES: Dict[str, tuple] = {
     # stage grpo: 8 completions of one demo prompt per step, full fine-tuning, the old policy's log-probs
     # (num_iterations 2): the rollout phase beside the step
     "h256-l2-s256-b8-grpo": (256, 688, 2, 4, 2, 256, 8, "none", {"train": GRPO_CASE}),
+    # the same under context parallel 2 (`bmtrain run`, rank 0's peak): whole rows sampled on both ranks, the
+    # old policy's log-probs and the step on each rank's share
+    "h256-l2-s256-b8-grpo-cp2": (
+        256,
+        688,
+        2,
+        4,
+        2,
+        256,
+        8,
+        "none",
+        {"train": GRPO_CASE, "parallel": {"context_parallel": 2}},
+    ),
     # context parallel (`bmtrain run`, rank 0's peak): rows of 4096 tokens split over 2 and 4 ranks
     "h192-l2-s4096-b1-cp2": (192, 512, 2, 6, 2, 4096, 1, "none", {"parallel": {"context_parallel": 2}}),
     "h192-l2-s4096-b1-cp4-full": (192, 512, 2, 6, 2, 4096, 1, "full", {"parallel": {"context_parallel": 4}}),

@@ -1,7 +1,7 @@
 """The CPU estimate against real `bmtrain train` runs: within 15% of summary.json's peak_memory_bytes on
-25 configurations (sizes, sequence lengths up to 4096, micro batches, recompute off / attention / full /
+26 configurations (sizes, sequence lengths up to 4096, micro batches, recompute off / attention / full /
 partial, batching max_length / longest / packed, accumulation, optimizer offload, LoRA, reference
-kernels, LLaMA, Qwen2 and the Qwen3.5 hybrid with its linear-attention layers, a qwen3_moe mixture of experts (grouped GEMM, LoRA, reference), a stage grpo run, context
+kernels, LLaMA, Qwen2 and the Qwen3.5 hybrid with its linear-attention layers, a qwen3_moe mixture of experts (grouped GEMM, LoRA, reference), a stage grpo run (alone and under context parallel 2), context
 parallel 2 and 4 (ring) and 2 (ulysses) and expert parallel 2 through `bmtrain run`: rank 0's peak). The estimate is the one `bmtrain plan --device cpu`
 prints for the case after its run; the runs use `kernels: auto` as users run it: on a CPU each new model
 shape times the ops and records the choice (ops/choice.py; the test session's own record,

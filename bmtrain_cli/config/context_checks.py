@@ -59,8 +59,9 @@ def _check_ulysses(arch: Any, n: int, tp: int, err: Callable[..., None]) -> None
 
 
 def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
-    """What the context group's attention cannot split (a sliding window can: the ring applies it on the
-    tokens' places in the whole rows, the ulysses mode attends whole rows)."""
+    """What the context group's attention cannot split (a sliding window and soft-capped scores can: the ring
+    applies the window on the tokens' places in the whole rows and caps each score in its blocks, the
+    ulysses mode attends whole rows)."""
     if arch is None:
         return
     key = "parallel_config.context_parallel"
@@ -71,13 +72,6 @@ def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
             key,
             f"context parallel does not support {rope_type(arch.rope_scaling)} rope scaling: it reads the "
             "longest position of the whole sequence, which no rank holds",
-            "use context_parallel: 1",
-        )
-    if arch.attn_logit_softcapping is not None:
-        err(
-            key,
-            "context parallel does not support soft-capped attention scores (attn_logit_softcapping, Gemma 2): "
-            "the ring's blocks merge uncapped scores",
             "use context_parallel: 1",
         )
     if arch.linear_attention is not None:

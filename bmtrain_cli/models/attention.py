@@ -317,7 +317,7 @@ def attend(
         whole = functools.partial(
             attend, implementation=implementation, training=training, cpu_kernel=cpu_kernel
         )
-        return mask.core(q, k, v, mask.segment_ids, whole, mask.window)
+        return mask.core(q, k, v, mask.segment_ids, whole, mask.window, softcap)
     held = mask if isinstance(mask, SegmentIds) else None
     if held is not None:
         mask = held.ids

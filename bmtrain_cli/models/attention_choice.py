@@ -73,14 +73,18 @@ def ring_pair_kernel(
     capability: Optional[Tuple[int, int]] = None,
     head_dim: Optional[int] = None,
     windowed: bool = False,
+    softcap: bool = False,
 ) -> Tuple[Optional[str], str]:
     """(kernel, why) for the chunk pairs of context parallel's ring attention (parallel/ring_pairs.py):
     ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids or a sliding window,
     where :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel, float32/float64, where the
     model's op set carries it; it applies the window itself), or None with the reason the blocks of Paddle
     ops run. ``dtype`` is the rows' dtype name (``float32``, ``bfloat16``, ...); ``windowed``: the layer's
-    sliding window is shorter than the rows. The run passes its rows' facts, the memory planner the
+    sliding window is shorter than the rows; ``softcap``: the scores are soft-capped (Gemma 2), which no pair
+    kernel does (the blocks cap each score). The run passes its rows' facts, the memory planner the
     configured ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
+    if softcap:
+        return None, "soft-capped scores: the fused CPU pair kernel and flash attention take no cap"
     if on_gpu:
         if packed:
             return None, "packed rows: flash attention takes no segment ids"

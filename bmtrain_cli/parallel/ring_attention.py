@@ -10,7 +10,7 @@ log-sum-exp. A chunk pair is one call of the fused CPU attention kernel on a CPU
 Paddle's flash attention on a GPU (parallel/ring_pairs.py), else blocks of Paddle ops (parallel/ring_blocks.py,
 the reference). Chunk pairs are decided by the chunks' places in the sequence: a key chunk before the query chunk
 is fully visible, the same chunk is causal, a later chunk is skipped (so the K/V of a lower rank meet all the
-local queries, those of a higher rank only the back chunk). A layer's sliding window (keys ``window`` or more
+local queries, those of a higher rank only the back chunk). Soft-capped scores (Gemma 2) take the blocks. A layer's sliding window (keys ``window`` or more
 positions before a query are not visible, on the tokens' places in the whole row) skips the pairs whose
 keys all lie outside it (their K/V still travel on) and masks those it cuts. Packed rows restrict every pair further to equal
 segment ids, read from the whole row's ids (every rank of the group holds the whole batch). K/V keep their
@@ -148,15 +148,16 @@ class RingAttention(PyLayer):
         block: int,
         kernel: Any = None,
         window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> paddle.Tensor:
         if kernel is None:
-            out, lse = blocks_forward(q, k, v, seg, ring, block, window)
+            out, lse = blocks_forward(q, k, v, seg, ring, block, window, softcap)
         else:  # one kernel call per chunk pair
             out, lse = pair_forward(q, k, v, seg, ring, kernel, window)
         # a copy of the segment ids: the caller's tensor may be released before the backward
         kept = None if seg is None else seg.clone()
         ctx.save_for_backward(q, k, v, out, lse, kept)
-        ctx.ring, ctx.block, ctx.kernel, ctx.window = ring, block, kernel, window
+        ctx.ring, ctx.block, ctx.kernel, ctx.window, ctx.softcap = ring, block, kernel, window, softcap
         return out
 
     @staticmethod
@@ -165,7 +166,7 @@ class RingAttention(PyLayer):
     ) -> Tuple[Optional[paddle.Tensor], ...]:
         saved = ctx.saved_tensor()
         if ctx.kernel is None:
-            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.window)
+            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.window, ctx.softcap)
         else:
             dq, dk, dv = pair_backward(saved, ctx.ring, ctx.kernel, dout, ctx.window)
         return (dq, dk, dv) if saved[5] is None else (dq, dk, dv, None)
@@ -179,7 +180,8 @@ class RingCore:
     (kernels custom or auto with the kernels built), which then attends each chunk pair on a CPU; on a GPU
     Paddle's flash attention does where it applies (parallel/ring_pairs.py pair_kernel), else blocks of
     Paddle ops (parallel/ring_blocks.py). ``window``: the layer's sliding window (Gemma 3's sliding layers,
-    Mistral), applied on the tokens' places in the whole rows; one as long as the rows holds every key."""
+    Mistral), applied on the tokens' places in the whole rows; one as long as the rows holds every key.
+    ``softcap``: the scores' soft cap (Gemma 2's attn_logit_softcapping), which only the blocks apply."""
 
     def __init__(self, ring: Any, block: int = RING_BLOCK, fused: bool = False) -> None:
         self.ring = ring
@@ -194,12 +196,13 @@ class RingCore:
         segment_ids: Optional[Tensor],
         whole: Any = None,
         window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
         if window is not None and window >= q.shape[1] * self.ring.degree:
             window = None  # every earlier key of the rows lies inside it
-        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, window is not None)
-        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, window)
+        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, window is not None, softcap is not None)
+        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, window, softcap)
 
 
 def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, np.ndarray]:

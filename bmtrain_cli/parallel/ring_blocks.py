@@ -4,7 +4,10 @@ reference``, builds without our kernels, and calls no pair kernel takes, paralle
 Queries and keys are both taken in blocks of ``block`` tokens, so the transient scores of one block pair
 (and their probabilities and gradients) do not grow with the sequence or the chunk. K/V keep their own
 number of heads (grouped-query attention): the query heads of a KV head are stacked on the query axis.
-A sliding window skips the block pairs whose keys all lie outside it and masks those it cuts.
+A sliding window skips the block pairs whose keys all lie outside it and masks those it cuts. Soft-capped
+scores (Gemma 2: cap * tanh(s / cap) before the mask) are capped block by block: the cap acts on each score
+alone, so the blocks' partial softmaxes still merge exactly by their log-sum-exp; the backward multiplies
+dS by the cap's derivative 1 - tanh^2.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class _Layout:
     """Shapes and per-block masks of one call: q [b, 2c, h, d] and k/v [b, 2c, hk, d] on every rank. Queries
     are grouped by KV head, token-major: row t * rep + j of [b, hk, c * rep, d] is token t, query head j of
     the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range. ``window``: the
-    layer's sliding window on the tokens' places in the whole rows (None: every earlier key)."""
+    layer's sliding window on the tokens' places in the whole rows (None: every earlier key); ``softcap``:
+    the scaled scores' soft cap (None: uncapped)."""
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class _Layout:
         seg: Optional[paddle.Tensor],
         block: int,
         window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> None:
         self.b, s2, self.h, self.d = q.shape
         self.hk = k.shape[2]
@@ -43,6 +48,7 @@ class _Layout:
         self.scale = float(self.d) ** -0.5
         self.block = block
         self.window = window
+        self.softcap = softcap
         self.blocks = [(t, min(t + block, self.c)) for t in range(0, self.c, block)]
 
     def q_slot(self, x: paddle.Tensor, i: int) -> paddle.Tensor:
@@ -74,10 +80,15 @@ class _Layout:
 
     def scores(
         self, qb: paddle.Tensor, kc: paddle.Tensor, qc: int, kchunk: int, t0: int, k0: int, causal: bool
-    ) -> Any:
+    ) -> Tuple[Any, Any]:
         """Masked fp32 scores [b, hk, n * rep, kl] of the query block starting at token t0 of chunk qc against
-        the kl keys of chunk kchunk starting at token k0 (kc [b, hk, kl, d])."""
+        the kl keys of chunk kchunk starting at token k0 (kc [b, hk, kl, d]), soft-capped before the mask,
+        and the cap's derivative at each score (None without a cap)."""
         s = paddle.matmul(qb, kc, transpose_y=True).astype("float32") * self.scale
+        slope = None
+        if self.softcap is not None:
+            t = paddle.tanh(s / self.softcap)
+            s, slope = t * self.softcap, 1.0 - t * t
         n, kl = qb.shape[2] // self.rep, kc.shape[2]
         allowed = None
         gap = (qc - kchunk) * self.c  # a query's place in the row less a key's, past their chunk indices
@@ -97,8 +108,8 @@ class _Layout:
             same = sq.unsqueeze(-1) == sk.unsqueeze(1)  # [b, n * rep, kl]
             allowed = same if allowed is None else paddle.logical_and(allowed, same)
         if allowed is None:
-            return s
-        return paddle.where(allowed.unsqueeze(1), s, paddle.full([1], _MASKED, dtype="float32"))
+            return s, slope
+        return paddle.where(allowed.unsqueeze(1), s, paddle.full([1], _MASKED, dtype="float32")), slope
 
 
 def _kv_layout(k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
@@ -114,10 +125,11 @@ def blocks_forward(
     ring: Any,
     block: int,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """The ring's forward: the output [b, 2c, h, d] and the per-query log-sum-exp of each query slot,
     stacked [2, b, hk, c * rep] (fp32)."""
-    lay = _Layout(q, k, seg, block, window)
+    lay = _Layout(q, k, seg, block, window, softcap)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     acc: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
@@ -132,7 +144,7 @@ def blocks_forward(
                 for k0, k1 in lay.key_blocks(t0, t1, causal, gap):
                     keys = slice(ki * lay.c + k0, ki * lay.c + k1)
                     kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
-                    s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
+                    s, _ = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
                     lse = paddle.logsumexp(s, axis=-1)
                     o = paddle.matmul(paddle.exp(s - lse.unsqueeze(-1)).astype(vc.dtype), vc)
                     acc[(qi, bi)] = merge(acc.get((qi, bi)), o.astype("float32"), lse)
@@ -146,11 +158,16 @@ def blocks_forward(
 
 
 def blocks_backward(
-    saved: Tuple[Any, ...], ring: Any, block: int, dout: paddle.Tensor, window: Optional[int] = None
+    saved: Tuple[Any, ...],
+    ring: Any,
+    block: int,
+    dout: paddle.Tensor,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The ring's backward from ``saved`` = (q, k, v, out, lse, seg) of :func:`blocks_forward`: dq, dk, dv."""
     q, k, v, out, lse, seg = saved
-    lay = _Layout(q, k, seg, block, window)
+    lay = _Layout(q, k, seg, block, window, softcap)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     dos = [lay.q_slot(dout, i) for i in range(2)]
@@ -174,15 +191,18 @@ def blocks_backward(
                 for k0, k1 in lay.key_blocks(t0, t1, causal, gap):
                     keys = slice(ki * lay.c + k0, ki * lay.c + k1)
                     kc, vc = kv[0][:, :, keys], kv[1][:, :, keys]
-                    s = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
+                    s, slope = lay.scores(qb, kc, q_chunks[qi], k_chunks[ki], t0, k0, causal)
                     p = paddle.exp(s - lse[qi][:, :, rows].unsqueeze(-1))
                     del s
                     dv[:, :, keys] += paddle.matmul(p.astype(vc.dtype), dob, transpose_x=True).astype(
                         "float32"
                     )
                     dp = paddle.matmul(dob, vc, transpose_y=True).astype("float32")
-                    ds = (p * (dp - deltas[qi][:, :, rows]) * lay.scale).astype(q.dtype)
-                    del p, dp
+                    ds = p * (dp - deltas[qi][:, :, rows]) * lay.scale
+                    if slope is not None:  # through the cap: d(cap * tanh(x / cap)) = (1 - tanh^2) dx
+                        ds = ds * slope
+                    ds = ds.astype(q.dtype)
+                    del p, dp, slope
                     dqs[qi][:, :, rows] += paddle.matmul(ds, kc).astype("float32")
                     dk[:, :, keys] += paddle.matmul(ds, qb, transpose_x=True).astype("float32")
         # the accumulators go on with the K/V they belong to; after the last step, home to their owner

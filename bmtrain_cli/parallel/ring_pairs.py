@@ -243,10 +243,11 @@ def pair_kernel(
     fused: bool,
     report: bool = False,
     windowed: bool = False,
+    softcap: bool = False,
 ) -> Any:
     """The pair kernel for a ring call with queries ``q`` [b, 2c, h, d] (``seg``: the rows' segment ids or
     None; ``fused``: the model's op set carries our fused CPU attention; ``windowed``: the layer's sliding
-    window is shorter than the rows), or None for Paddle-op blocks, as
+    window is shorter than the rows; ``softcap``: the scores are soft-capped), or None for Paddle-op blocks, as
     models/attention_choice.ring_pair_kernel decides. ``report``: say on stderr which path runs (once per
     path and process)."""
     gpu = not q.place.is_cpu_place()
@@ -256,7 +257,9 @@ def pair_kernel(
 
         capability = gpu_capability()
     dtype = str(q.dtype).replace("paddle.", "")
-    name, why = ring_pair_kernel(dtype, gpu, seg is not None, fused, capability, q.shape[-1], windowed)
+    name, why = ring_pair_kernel(
+        dtype, gpu, seg is not None, fused, capability, q.shape[-1], windowed, softcap
+    )
     kernel: Any = {"flash": FlashPairs, "cpu_fused": FusedPairs}[name]() if name else None
     if report:
         _report_once(kernel, why)

@@ -23,6 +23,7 @@ must be divisible by N, which config/context_checks.py checks.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -32,10 +33,9 @@ from bmtrain_cli.models.attention import build_bias
 from bmtrain_cli.parallel.expert_parallel import ExpertGroup, all_to_all
 from bmtrain_cli.parallel.ring_attention import local_indices
 
-# the model's attention over whole rows: (q, k, v, the rows' segment ids, an additive bias or None) -> output
-WholeAttention = Callable[
-    [paddle.Tensor, paddle.Tensor, paddle.Tensor, Optional[paddle.Tensor]], paddle.Tensor
-]
+# the model's attention over whole rows: (q, k, v, the rows' segment ids, an additive bias or None, and the
+# keywords ``window`` and ``softcap`` of models/attention.py attend) -> output
+WholeAttention = Callable[..., paddle.Tensor]
 
 
 def layout_order(seq_len: int, degree: int) -> np.ndarray:
@@ -48,7 +48,8 @@ class UlyssesCore:
     q [b, 2c, h, d], k/v [b, 2c, hk, d] of this rank's chunks, the whole rows' int segment ids [b, S] (or
     None), ``whole``, the model's attention over whole rows of its heads, and the layer's sliding
     ``window``, which (shorter than the rows) becomes the additive bias one process gives that attention
-    (models/attention.py build_bias)."""
+    (models/attention.py build_bias); with soft-capped scores (``softcap``, Gemma 2) the window and the cap
+    go to that attention instead, whose blocked kernel applies both without an s x s bias."""
 
     def __init__(self, ring: Any) -> None:
         self.ring = ring  # the group's sums of partial log-probs (preference/logps.py) run over it
@@ -62,12 +63,15 @@ class UlyssesCore:
         segment_ids: Optional[paddle.Tensor],
         whole: WholeAttention,
         window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> paddle.Tensor:
         n = self.group.degree
         b, s2, h, d = q.shape
         hk = k.shape[2]
         mask = segment_ids
-        if window is not None and window < s2 * n:
+        if softcap is not None:
+            whole = functools.partial(whole, window=window, softcap=softcap)
+        elif window is not None and window < s2 * n:
             mask = build_bias(segment_ids, segment_ids, s2 * n, s2 * n, 0, q.dtype, window)
         if n == 1:
             return whole(q, k, v, mask)

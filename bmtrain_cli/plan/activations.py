@@ -170,13 +170,15 @@ def ring_pair_kernel(w: Workload, device: Device, cp: int = 1) -> bool:
     """Whether the ring attends each chunk pair with one kernel call (models/attention_choice.py
     ring_pair_kernel: the run's rule, given the configured precision, packing, head size and sliding
     window; ``w.seq_len`` is a rank's share of rows of ``cp`` shares, which a window shorter than the rows
-    cuts: its layers take the blocks of Paddle ops on a GPU, the most any layer holds)."""
+    cuts: its layers take the blocks of Paddle ops on a GPU, the most any layer holds; soft-capped scores
+    take them everywhere)."""
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(w.precision, "float32")
     gpu, fused = device.kind != "cpu", fused_cpu_attention(w, device)
     window = getattr(w.arch, "sliding_window", None)
     windowed = window is not None and window < w.seq_len * cp
+    softcap = getattr(w.arch, "attn_logit_softcapping", None) is not None
     name, _ = attention_choice.ring_pair_kernel(
-        dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim, windowed=windowed
+        dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim, windowed=windowed, softcap=softcap
     )
     return name is not None
 

@@ -7,6 +7,7 @@ Every rank of a context group holds 2 chunks of 4096 / (2 x degree) tokens: 1024
 Layouts: cp2, cp4, and cp2 beside data, tensor, sharding (stage 1) and pipeline (with recompute) parallel;
 the ulysses mode's cp2 (1 KV head and 2 query heads a rank) on long and packed rows; a tiny Gemma 3 (sliding
 layers with a window of 96 tokens and a global layer) at cp2;
+a tiny Gemma 2 (soft-capped scores that the cap bends, sliding and global layers) at cp2;
 DPO (pairs of 4096-token sequences, frozen reference, recompute) under cp2 against one process; a tiny
 Qwen3-MoE with its load-balancing loss under cp2, ep2 x cp2 and pp2 x cp2 (its logged aux_loss too).
 
@@ -187,6 +188,68 @@ def test_context_parallel_matches_one_process(tmp_path, data, single, model, nam
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{model} {name} {key}")
     np.testing.assert_array_equal(got["tokens"], want["tokens"])  # each token counted once over the ranks
     assert want["loss"][-1] < want["loss"][0]  # it trains
+
+
+def gemma2_checkpoint(root: Path, tokenizer: Path) -> Path:
+    """A fresh tiny Gemma 2 (a sliding layer with a window of 96 tokens, a global layer) whose scores the
+    cap bends: attn_logit_softcapping 1.0, with weights drawn wide enough (std 0.2) that the scaled
+    scores reach it; the vocabulary of the data's ``tokenizer``."""
+    import dataclasses
+
+    import paddle
+
+    from bmtrain_cli.data.tokenizers import load_tokenizer
+    from bmtrain_cli.models import build, save_pretrained
+    from bmtrain_cli.models.families import family
+    from tests.tiny import ARCH
+
+    arch = dataclasses.replace(
+        dataclasses.replace(ARCH, family="gemma2", **family("gemma2").defaults),
+        hidden_size=32,
+        intermediate_size=64,
+        head_dim=8,
+        vocab_size=load_tokenizer(str(tokenizer)).vocab_size,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=96,
+        query_pre_attn_scalar=8.0,
+        attn_logit_softcapping=1.0,
+        initializer_range=0.2,
+    )
+    paddle.seed(0)
+    model = build(arch, kernels="reference")
+    model.init_weights()
+    save_pretrained(model, root)
+    return root
+
+
+def test_gemma2_soft_capped_scores_under_context_parallel_match_one_process(tmp_path, data):
+    """cp2 (ring: the Paddle-op blocks cap each score) against one process (the blocked kernel over whole
+    rows) on 2048-token rows: per-step loss and grad_norm at 1e-5, the clip scaling every step."""
+    base = gemma2_checkpoint(tmp_path / "gemma2", data / "tok")
+    arch_keys = ("  family:", "  hidden_size:", "  intermediate_size:", "  num_")  # the checkpoint's own
+    lines = [x for x in CONFIG.splitlines(keepends=True) if not x.startswith(arch_keys)]
+    text = f"model_config:\n  model_name_or_path: {base}\n" + "".join(lines[1:])
+    runs = {}
+    for name, layout in (("single", []), ("cp2", CP2)):
+        out = tmp_path / name
+        out.mkdir()
+        cfg = out / "config.yaml"
+        cfg.write_text(
+            text.format(
+                seq=2048,
+                tok=data / "tok",
+                data=data / "long.jsonl",
+                template="plain",
+                out=out / "run",
+                steps=STEPS,
+            )
+        )
+        steps = _train_steps(cfg, out / "run", ["train_config.max_grad_norm=0.2"], layout)
+        runs[name] = {k: np.array([float(r[k]) for r in steps]) for k in ("loss", "grad_norm")}
+    want = runs["single"]
+    assert np.all(want["grad_norm"] > 0.2), want["grad_norm"]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(runs["cp2"][key], want[key], rtol=1e-5, err_msg=key)
 
 
 def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path, data, single):

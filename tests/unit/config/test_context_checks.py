@@ -47,7 +47,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
         ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
-        ({"model": "  family: gemma2\n"}, 9, "soft-capped attention scores"),
         ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
     ],
 )
@@ -108,6 +107,7 @@ def test_ulysses_runs_where_the_heads_divide(write_yaml, has_gpu):
         "  family: mistral\n  sliding_window: 64\n",
         "  family: mistral\n  sliding_window: 4096\n",
         "  family: gemma3_text\n  num_key_value_heads: 2\n  sliding_window: 32\n",
+        "  family: gemma2\n  num_key_value_heads: 2\n  sliding_window: 32\n",
     ],
 )
 def test_sliding_windows_pass(write_yaml, model, mode):

@@ -28,6 +28,15 @@ GEMMA3 = replace(
     sliding_window=5,
     query_pre_attn_scalar=16.0,
 )
+# Gemma 2's soft-capped scores (a cap the tiny model's scores reach) with its interleaved sliding layers:
+# the ring's blocks cap each score (the fused kernel offered or not); ulysses gives its attention the cap
+GEMMA2 = replace(
+    replace(ARCH, family="gemma2", **family("gemma2").defaults),
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window=5,
+    query_pre_attn_scalar=16.0,
+    attn_logit_softcapping=0.02,
+)
 
 
 def _batch(packed: bool, s: int = 22):
@@ -93,7 +102,7 @@ def test_a_ring_of_one_equals_blocked_attention(packed):
 
 
 @pytest.mark.parametrize("layer", [False, True])
-@pytest.mark.parametrize("arch", [ARCH, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("arch", [ARCH, GEMMA3, GEMMA2], ids=["llama", "gemma3", "gemma2"])
 @pytest.mark.parametrize("core", [RingCore, UlyssesCore])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_model_context_path_equals_its_loss(packed, core, arch, layer):
@@ -121,7 +130,7 @@ def test_the_model_context_path_equals_its_loss(packed, core, arch, layer):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(1.0, float(np.abs(b).max())))
 
 
-@pytest.mark.parametrize("arch", [ARCH, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("arch", [ARCH, GEMMA3, GEMMA2], ids=["llama", "gemma3", "gemma2"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_model_context_path_with_the_fused_kernel_per_chunk_pair(packed, arch):
     """attach_context gives the ring the fused CPU kernel when the model's op set carries it (kernels
@@ -151,3 +160,18 @@ def test_the_model_context_path_with_the_fused_kernel_per_chunk_pair(packed, arc
     np.testing.assert_allclose(t1, t0, rtol=1e-6)
     for a, b in zip(g1, g0):  # fp32 round-off, on the scale of the gradients (Gemma 3's are larger)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
+def test_the_tiny_gemma2_cap_bends_its_scores():
+    """The cap GEMMA2 sets changes the gradients well beyond the tolerance of the context path's cases
+    above (so they check capped scores)."""
+    batch = to_tensors(_batch(False))
+    grads = []
+    for cap in (GEMMA2.attn_logit_softcapping, None):
+        paddle.seed(3)
+        model = CausalLM(replace(GEMMA2, attn_logit_softcapping=cap), kernels="reference")
+        model.init_weights()
+        model.loss_sum(**batch)[0].backward()
+        grads.append([p.grad.numpy().copy() for p in model.parameters()])
+    rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(*grads) if np.abs(b).max() > 0)
+    assert rel > 1e-2, rel

@@ -159,8 +159,8 @@ def test_tp2_and_dp2_x_tp2_lora_reference_old_policy_equal_one_process(tmp_path)
 
 
 def test_cp2_lora_reference_old_policy_clipped_equals_one_process(tmp_path):
-    """Context parallel 2: both ranks sample, score and take the old and reference log-probs of the same
-    whole rows; the policy's log-probs split each row over the ring and are summed over the group."""
+    """Context parallel 2: both ranks sample and score the same whole rows; the policy's, the old policy's
+    and the reference's log-probs split each row over the ring and are summed over the group."""
     extra = "  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  max_grad_norm: 0.05"
     grpo = "    beta: 0.05\n    num_iterations: 2\n    loss_type: grpo\n    scale_rewards: group"
     one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4)

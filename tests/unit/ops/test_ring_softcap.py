@@ -3,7 +3,7 @@ capped attention one process runs (models/attention.py eager_attention with the 
 blocked_attention with its window), output and q/k/v gradients: the ring's blocks of Paddle ops
 (parallel/ring_blocks.py) cap each score, so the blocks' partial softmaxes merge exactly, and the backward
 goes through the cap's derivative. Rings of 2 and 4 run rank by rank in this process (the stand-in ring of
-test_ring_window.py); grouped-query heads, packed rows and windows shorter than a chunk, spanning chunks
+test_ring_window.py, its ``_ring``); grouped-query heads, packed rows and windows shorter than a chunk, spanning chunks
 and as long as the rows. The ring's pair-kernel rule sends soft-capped layers to the blocks even where the
 fused CPU kernel is offered."""
 
@@ -15,8 +15,7 @@ import pytest
 
 from bmtrain_cli.models.attention import blocked_attention, build_bias, eager_attention, repeat_kv
 from bmtrain_cli.models.attention_choice import ring_pair_kernel
-from bmtrain_cli.parallel.ring_attention import RingCore, local_indices
-from tests.unit.ops.test_ring_window import _problem, _SimulatedRing
+from tests.unit.ops.test_ring_window import _problem, _ring
 
 CAP = 2.0
 
@@ -38,26 +37,6 @@ def _whole(q, k, v, w, seg, window, cap):
     return results
 
 
-def _ring(q, k, v, w, seg, window, degree, cap):
-    """Every rank of the ring in turn (the fused kernel offered: the rule still picks the blocks)."""
-    s = q.shape[1]
-    idx = [local_indices(s, degree, r) for r in range(degree)]
-    shares = [(k[:, i], v[:, i]) for i in idx]
-    got = [np.zeros_like(x) for x in (w, q, k, v)]
-    for r in range(degree):
-        ring = _SimulatedRing(r, degree, shares)
-        ts = [paddle.to_tensor(x[:, idx[r]], stop_gradient=False) for x in (q, k, v)]
-        core = RingCore(ring, block=4, fused=True)
-        out = core(*ts, None if seg is None else paddle.to_tensor(seg), window=window, softcap=cap)
-        (out * paddle.to_tensor(w[:, idx[r]])).sum().backward()
-        got[0][:, idx[r]] = out.numpy()
-        got[1][:, idx[r]] = ts[0].grad.numpy()
-        for owner, (dk, dv) in ring.sent.items():
-            got[2][:, idx[owner]] += dk
-            got[3][:, idx[owner]] += dv
-    return got
-
-
 @pytest.mark.parametrize(
     "degree,window,packed",
     [(2, None, False), (2, None, True), (2, 13, True), (4, 3, True), (4, 9, False), (4, 100, True)],
@@ -66,7 +45,9 @@ def test_soft_capped_ring_equals_whole_rows(degree, window, packed):
     seq = 40 if degree == 2 else 48  # chunks of 10 / 6 tokens
     q, k, v, w, seg = _problem(seq, packed)
     q, k = 3.0 * q, 3.0 * k  # scores well past the cap, so that it bends them
-    got = _ring(q, k, v, w, seg, window, degree, CAP)
+    got = _ring(
+        q, k, v, w, seg, window, degree, True, CAP
+    )  # the fused kernel offered: the rule picks the blocks
     eager, blocked = _whole(q, k, v, w, seg, window, CAP)
     for want in (eager, blocked):
         for name, a, b in zip(["out", "dq", "dk", "dv"], got, want):

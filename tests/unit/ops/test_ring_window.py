@@ -75,8 +75,9 @@ def _whole(q, k, v, w, seg, window):
     return [out.numpy()] + [t.grad.numpy() for t in ts]
 
 
-def _ring(q, k, v, w, seg, window, degree, fused):
-    """Every rank of the ring in turn; the pieces put back in the rows' order."""
+def _ring(q, k, v, w, seg, window, degree, fused, softcap=None):
+    """Every rank of the ring in turn (``softcap``: the scores' cap, test_ring_softcap.py); the pieces put
+    back in the rows' order."""
     s = q.shape[1]
     idx = [local_indices(s, degree, r) for r in range(degree)]
     shares = [(k[:, i], v[:, i]) for i in idx]
@@ -85,7 +86,7 @@ def _ring(q, k, v, w, seg, window, degree, fused):
         ring = _SimulatedRing(r, degree, shares)
         ts = [paddle.to_tensor(x[:, idx[r]], stop_gradient=False) for x in (q, k, v)]
         core = RingCore(ring, block=4, fused=fused)
-        out = core(*ts, None if seg is None else paddle.to_tensor(seg), window=window)
+        out = core(*ts, None if seg is None else paddle.to_tensor(seg), window=window, softcap=softcap)
         (out * paddle.to_tensor(w[:, idx[r]])).sum().backward()
         got[0][:, idx[r]] = out.numpy()
         got[1][:, idx[r]] = ts[0].grad.numpy()

@@ -88,18 +88,7 @@ def test_the_log_probs_pass_and_a_rollout_phase_peak(seven_b) -> None:
     """Long prompts, short completions and a large vocabulary: the prefill's logits of every prompt
     position make the rollout phase the peak of the run (the step's loss takes the completion positions
     only); the old policy's log-probs pass adds to the rollout phase, not to the step."""
-    w = Workload.from_config(_grpo(seven_b, completion=16), read_data=False)
-    small = replace(
-        w.arch,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=16,
-        vocab_size=50000,
-    )
-    w = replace(w, arch=small, seq_len=1024, precision="fp32")
+    w = _small(Workload.from_config(_grpo(seven_b, completion=16), read_data=False), 50000, seq_len=1024)
     cpu, layout = get_device("cpu"), Layout(micro_batch=8, recompute="full")
     plain = estimate_layout(w, layout, cpu)
     with_logps = estimate_layout(replace(w, rollout_logps=True), layout, cpu)
@@ -135,9 +124,9 @@ def test_the_held_out_rewards_greedy_calls_count_where_there_is_an_eval_set(seve
     )
 
 
-def _small(w: Workload, **kw: Any) -> Workload:
+def _small(w: Workload, vocab_size: int = 32000, **kw: Any) -> Workload:
     """A 2-layer model whose MLP is the widest part of a layer's no-gradient forward (64 + 4 x 172 per
-    token, against the attention's 64 + (4 + 2 x 4) x 16 + 4 heads)."""
+    token, against the attention's 64 + (4 + 2 x 4) x 16 + 4 heads), in fp32."""
     small = replace(
         w.arch,
         hidden_size=64,
@@ -146,7 +135,7 @@ def _small(w: Workload, **kw: Any) -> Workload:
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=16,
-        vocab_size=32000,
+        vocab_size=vocab_size,
     )
     return replace(w, arch=small, precision="fp32", **kw)
 

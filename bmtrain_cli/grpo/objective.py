@@ -29,7 +29,7 @@ from bmtrain_cli.grpo.rollout import (
 )
 from bmtrain_cli.methods import GRPO_EVAL_ROWS
 from bmtrain_cli.models.decoding import SamplingOptions
-from bmtrain_cli.preference.logps import model_inputs, share_inputs, token_logps
+from bmtrain_cli.preference.logps import graph_zero, model_inputs, share_inputs, token_logps
 from bmtrain_cli.preference.reference import adapters_disabled
 
 Batch = Dict[str, np.ndarray]
@@ -96,8 +96,8 @@ def _summed_over_group(
 ) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
     """The held values put at their [rows, T] places (zeros elsewhere) and summed over the context group:
     the log-probs through ContextSum (its gradient reaches each rank's own predictions), the entropy plainly.
-    A zero taken from the hidden states keeps the graph on a rank that holds no prediction, so that every
-    rank runs the sum's backward."""
+    On a rank that holds no prediction a zero through the LM head (preference/logps.graph_zero) keeps the
+    graph, so that every rank runs the sum's backward."""
     from bmtrain_cli.parallel.ring_attention import ContextSum
 
     ring = model.context_attention.ring
@@ -105,8 +105,11 @@ def _summed_over_group(
     slot = np.full(held.size, n, dtype=np.int64)
     slot[held.reshape(-1)] = np.arange(n)
     slot_t = paddle.to_tensor(slot)
-    zero = hidden.reshape([-1])[:1].astype("float32") * 0.0
-    whole = paddle.gather(zero if logps is None else paddle.concat([logps, zero]), slot_t)
+    if logps is None:
+        padded = graph_zero(model, hidden).astype("float32")
+    else:
+        padded = paddle.concat([logps, paddle.zeros([1], logps.dtype)])
+    whole = paddle.gather(padded, slot_t)
     out = ContextSum.apply(whole.reshape(list(held.shape)), ring)
     if not with_entropy:
         return out, None

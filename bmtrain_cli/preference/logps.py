@@ -88,13 +88,9 @@ def sequence_logps(
             getattr(model, "factory", None),
         )
         logps, counts = per_sequence(token, index[r, c], n_sequences)
-    else:  # a share without response tokens: zeros through one row of the head (whose empty-row backward
-        # fails), so the backward still runs the group's collectives and gives every parameter a gradient
-        probe = model.logits_from_hidden(hidden.reshape([rows * width, -1])[:1]).sum().astype("float64")
-        logps, counts = (
-            paddle.zeros([n_sequences], "float64") + probe * 0.0,
-            np.zeros(n_sequences, np.float32),
-        )
+    else:  # a share without response tokens
+        logps = paddle.zeros([n_sequences], "float64") + graph_zero(model, hidden)
+        counts = np.zeros(n_sequences, np.float32)
     if not share:
         return logps, counts
     from bmtrain_cli.parallel.ring_attention import ContextSum
@@ -102,6 +98,14 @@ def sequence_logps(
     ring = model.context_attention.ring
     whole = ring.all_reduce(paddle.to_tensor(counts)).numpy()
     return ContextSum.apply(logps, ring), whole
+
+
+def graph_zero(model: Any, hidden: paddle.Tensor) -> paddle.Tensor:
+    """0.0 (float64, shape [1]) computed from one position of ``hidden`` through the LM head, for a
+    context-parallel share that scores nothing: its backward still runs the group's collectives and gives
+    every parameter a gradient (the head's backward fails on an empty row, so one row goes through it)."""
+    one = hidden.reshape([-1, hidden.shape[-1]])[:1]
+    return model.logits_from_hidden(one).sum().astype("float64").reshape([1]) * 0.0
 
 
 def share_inputs(model: Any, batch: Dict[str, np.ndarray]) -> Dict[str, Any]:

@@ -89,15 +89,18 @@ def test_only_the_first_rank_of_a_context_group_adds_to_the_rollout_sums():
 
 
 def test_a_rank_that_holds_no_prediction_still_takes_part_in_the_backward():
-    """Its zeros come from the hidden states, so the group's sum (ContextSum) runs its backward there too."""
+    """Its zeros come from the hidden states through the LM head (preference/logps.graph_zero), so the
+    group's sum (ContextSum) runs its backward there too and the head gets a (zero) gradient."""
     import types
 
     from bmtrain_cli.grpo.objective import _summed_over_group
 
     hidden = paddle.to_tensor(np.random.default_rng(0).normal(size=(2, 4, 8)), "float32", stop_gradient=False)
-    model = types.SimpleNamespace(context_attention=RingCore(Ring(None, [0], 0)))
+    head = paddle.nn.Linear(8, 5)
+    model = types.SimpleNamespace(context_attention=RingCore(Ring(None, [0], 0)), logits_from_hidden=head)
     logps, entropy = _summed_over_group(model, hidden, np.zeros((2, 3), dtype=bool), None, None, True)
     assert logps.shape == [2, 3] and not logps.numpy().any()
     assert entropy is not None and not entropy.numpy().any()
     logps.sum().backward()
     assert hidden.grad is not None and not hidden.grad.numpy().any()
+    assert head.weight.grad is not None and not head.weight.grad.numpy().any()

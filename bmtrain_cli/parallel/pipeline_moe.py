@@ -19,18 +19,13 @@ from typing import Any, List, Tuple
 
 import paddle
 
-from bmtrain_cli.models.moe import balance_loss, stacked_router_sums, token_mask
+from bmtrain_cli.models.moe import adds_aux_loss, balance_loss, stacked_router_sums, token_mask
 from bmtrain_cli.parallel.ring_attention import local_indices
-
-
-def carries_router_sums(arch: Any) -> bool:
-    """Whether the pipeline items of ``arch`` carry the load-balancing sums."""
-    return bool(arch.num_experts and arch.output_router_logits)
 
 
 def start_sums(arch: Any) -> List[paddle.Tensor]:
     """What the embedding item adds to its output: [zeros [3, experts]], or nothing."""
-    return [paddle.zeros([3, arch.num_experts], "float32")] if carries_router_sums(arch) else []
+    return [paddle.zeros([3, arch.num_experts], "float32")] if adds_aux_loss(arch) else []
 
 
 def add_layer_sums(layer: Any, mask: Any, sums: List[paddle.Tensor], core: Any = None) -> List[paddle.Tensor]:

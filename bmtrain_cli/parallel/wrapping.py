@@ -215,12 +215,12 @@ class ModelWrapper:
         import numpy as np
         import paddle
 
+        from bmtrain_cli.models.moe import adds_aux_loss
         from bmtrain_cli.parallel.pipeline import last_stage_values
-        from bmtrain_cli.parallel.pipeline_moe import carries_router_sums
 
         loss_fn = (model._layers if hasattr(model, "_layers") else model)._bmtrain_loss
         arch = loss_fn.arch  # a custom model's may be no ModelArch: no experts then
-        if not getattr(arch, "num_experts", 0) or not carries_router_sums(arch):
+        if not adds_aux_loss(arch):
             return None
         auxes = loss_fn.auxes
         local = [float(paddle.add_n(auxes)), float(len(auxes))] if auxes else [0.0, 0.0]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from bmtrain_cli.methods import method_of
 from bmtrain_cli.models.rope import rope_type
 
 
@@ -21,13 +20,6 @@ def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
             f"max_seq_len ({m.max_seq_len}) is not divisible by 2 x context_parallel ({2 * n}): each rank "
             "holds two equal chunks of every sequence (a front and a back one, so the causal work is even)",
             f"use max_seq_len {m.max_seq_len - m.max_seq_len % (2 * n) or 2 * n} or another degree",
-        )
-    if p.pipeline_parallel > 1 and method_of(t).sample != "sequence":
-        err(
-            "parallel_config.pipeline_parallel",
-            f"context parallel with pipeline_parallel > 1 trains SFT only yet (train_config.stage "
-            f"{t.stage!r}: its pipeline loss reads whole rows on the last stage, not a rank's share)",
-            "use tensor_parallel or data_parallel beside context_parallel",
         )
     if p.sharding_parallel > 1 and p.sharding_stage != 1:
         err(

@@ -12,6 +12,12 @@ pairs over the data ranks, so the gradient is one process's mean pair loss over 
 experts with output_router_logits adds ``router_aux_loss_coef x`` the policy forward's load-balancing loss
 x the micro-batch's pairs on the last stage, from the routers' sums the stages carry (parallel/pipeline_moe.py),
 as one process adds it (preference/objective.py); the padded rows are padding, left out of those sums.
+
+Beside context parallel each rank of a context group runs its share of every row (ring_attention.split_batch
+of the padded rows: next tokens shifted over the whole rows, the whole rows' mask travelling for the ring);
+the last stage sums its partial sequence log-probs over the group (ContextSum, as one process's
+preference/logps.sequence_logps does under context parallel), and the group's first rank alone counts the
+pairs, their losses and metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import paddle
 
 from bmtrain_cli.parallel.pipeline import last_stage_values
 from bmtrain_cli.parallel.protocol import ParallelCtx
+from bmtrain_cli.parallel.ring_attention import ContextSum
 from bmtrain_cli.preference.logps import per_sequence, response_positions, token_logps
 from bmtrain_cli.preference.objective import PreferenceObjective
 from bmtrain_cli.preference.reference import Precomputed
@@ -32,6 +39,13 @@ def _padded(arr: np.ndarray, rows: int, width: int, value: int) -> np.ndarray:
     out = np.full((rows, width), value, dtype=np.int64)
     out[: arr.shape[0], : arr.shape[1]] = arr
     return out
+
+
+def _following(ids: np.ndarray) -> np.ndarray:
+    """The next token at every position (0 at a row's end)."""
+    following = np.zeros_like(ids)
+    following[:, :-1] = ids[:, 1:]
+    return following
 
 
 def pipeline_rows(micro_batch_size: int) -> int:
@@ -56,35 +70,37 @@ class PairPipeline:
     ) -> Tuple[Any, Any, float]:
         """((input_ids, attention_mask, position_ids) lists, (next token, sequence index, reference
         log-probs) lists, the step's pairs over the data ranks): one entry per micro-batch."""
-        pairs, _ = self.objective.begin_step(list(micro_batches))
+        padded = [self._padded_batch(b, length) for b in micro_batches]
+        shares = [self.ctx.collectives.context_share(b) for b in padded]
+        pairs, _ = self.objective.begin_step(shares)
         inputs: List[List[paddle.Tensor]] = [[], [], []]
         labels: List[List[paddle.Tensor]] = [[], [], []]
-        for b in micro_batches:
-            if b["input_ids"].shape[0] > self.rows or b["input_ids"].shape[1] > length:
-                raise ValueError(
-                    f"a pair batch of shape {b['input_ids'].shape} exceeds the pipeline's {self.rows} x {length}"
-                )
-            n = 2 * len(b["pair_ids"])
-            ids = _padded(b["input_ids"], self.rows, length, 0)
-            index = _padded(b["sequence_index"], self.rows, length, -1)
-            following = np.zeros_like(ids)
-            following[:, :-1] = ids[:, 1:]
+        for whole, share in zip(padded, shares):
+            n = 2 * len(share["pair_ids"])
             if n and self.objective.reference is not None:
-                ref = self.objective.reference.logps(b, n)
+                ref = self.objective.reference.logps(share, n)
             else:
                 ref = paddle.zeros([n], dtype="float32")
-            for out, arr in zip(
-                inputs,
-                (
-                    ids,
-                    _padded(b["attention_mask"], self.rows, length, 0),
-                    _padded(b["position_ids"], self.rows, length, 0),
-                ),
-            ):
+            # the ring reads the whole rows' mask; a share's tokens predict the targets shifted over them
+            following = share["targets"] if "targets" in share else _following(whole["input_ids"])
+            for out, arr in zip(inputs, (share["input_ids"], whole["attention_mask"], share["position_ids"])):
                 out.append(paddle.to_tensor(arr))
-            for out, value in zip(labels, (paddle.to_tensor(following), paddle.to_tensor(index), ref)):
+            for out, value in zip(
+                labels,
+                (paddle.to_tensor(np.asarray(following)), paddle.to_tensor(share["sequence_index"]), ref),
+            ):
                 out.append(value)
         return tuple(inputs), tuple(labels), pairs
+
+    def _padded_batch(self, b: Dict[str, np.ndarray], length: int) -> Dict[str, np.ndarray]:
+        """The pair batch padded to the pipeline's rows x length (padding: segment 0, no label, no
+        sequence)."""
+        if b["input_ids"].shape[0] > self.rows or b["input_ids"].shape[1] > length:
+            raise ValueError(
+                f"a pair batch of shape {b['input_ids'].shape} exceeds the pipeline's {self.rows} x {length}"
+            )
+        fill = {"input_ids": 0, "attention_mask": 0, "position_ids": 0, "labels": -100, "sequence_index": -1}
+        return {**b, **{k: _padded(b[k], self.rows, length, v) for k, v in fill.items()}}
 
     def loss_sum(self, logits: paddle.Tensor, labels: Any) -> Tuple[paddle.Tensor, float]:
         """(One micro-batch's summed pair losses from the last stage's logits [rows, length, vocab], its
@@ -95,16 +111,27 @@ class PairPipeline:
             return logits.sum() * 0.0, 0.0
         index = index_t.numpy()
         r, c = response_positions(index)
-        flat = paddle.to_tensor((r * index.shape[1] + c).astype(np.int64))
-        picked = paddle.gather(logits.reshape([-1, logits.shape[-1]]), flat)
-        targets = paddle.gather(following.reshape([-1]), flat)
-        token = token_logps(picked, targets, self.ctx.wrapping.factory)
-        logps, counts = per_sequence(token, index[r, c], n)
+        if r.size:
+            flat = paddle.to_tensor((r * index.shape[1] + c).astype(np.int64))
+            picked = paddle.gather(logits.reshape([-1, logits.shape[-1]]), flat)
+            targets = paddle.gather(following.reshape([-1]), flat)
+            token = token_logps(picked, targets, self.ctx.wrapping.factory)
+            logps, counts = per_sequence(token, index[r, c], n)
+        else:  # a context share without response tokens: zeros, with a graph through the head
+            logps = paddle.zeros([n], "float64") + logits.sum().astype("float64") * 0.0
+            counts = np.zeros(n, np.float32)
+        ring = self.ctx.context_ring
+        lead = ring is None or ring.rank == 0
+        if ring is not None:  # the whole sequences' log-probs on every rank of the group
+            counts = ring.all_reduce(paddle.to_tensor(counts)).numpy()
+            logps = ContextSum.apply(logps, ring)
         loss, stats = self.objective.pair_loss(
             logps, counts, ref if self.objective.reference is not None else None
         )
+        if not lead:  # counted by the group's first rank (see ContextSum)
+            loss, stats = loss * 0.0, stats * 0.0
         self.objective.record(stats)
-        return loss, float(n // 2)
+        return loss, float(n // 2) if lead else 0.0
 
     def step_metrics(self) -> Dict[str, float]:
         """TRL's metrics of the step (recorded on the last stage), on every rank."""

@@ -115,6 +115,8 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     # the pair loss on the last stage, plus the load-balancing loss of the routers' sums the stages carry
     ("qwen3_moe DPO + LoRA", "pp2", PP2),
     ("qwen3_moe DPO + LoRA", "ep2 x pp2", EP2 + PP2),
+    # beside context parallel: the last stage sums its share's log-probs and the routers' sums over the group
+    ("qwen3_moe DPO + LoRA", "pp2 x cp2", PP2 + ["parallel_config.context_parallel=2"]),
     ("qwen3_moe DPO", "ep2 x tp2", EP2 + TP2),
 ]
 

@@ -1,7 +1,8 @@
 """Preference tuning through `bmtrain run` equals one process, step by step (loss and TRL's metrics at
 1e-5): data parallel with LoRA (reference = adapters off), precomputed reference log-probs and packed
 pairs; tensor parallel with full fine-tuning (reference = a frozen tensor-parallel copy) and recompute;
-sharding stage 1 with ORPO (reference-free, token-weighted NLL)."""
+sharding stage 1 with ORPO (reference-free, token-weighted NLL); pipeline parallel, alone and beside
+context parallel."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ train_config:
 DPO = """
 model_config:
   model_name_or_path: {base}
-  max_seq_len: 32
+  max_seq_len: {seq}
   kernels: reference
 train_config:
   stage: dpo
@@ -59,6 +60,7 @@ parallel_config:
   tensor_parallel: {tp}
   sharding_parallel: {sharding}
   pipeline_parallel: {pp}
+  context_parallel: {cp}
 """
 
 KEYS = ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -98,6 +100,8 @@ def _run(
     extra: str,
     sharding: int = 1,
     pp: int = 1,
+    cp: int = 1,
+    seq: int = 32,
 ) -> dict:
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
@@ -112,9 +116,11 @@ def _run(
             extra=extra,
             sharding=sharding,
             pp=pp,
+            cp=cp,
+            seq=seq,
         )
     )
-    _bmtrain("train" if dp * tp * sharding * pp == 1 else "run", "--config", str(cfg))
+    _bmtrain("train" if dp * tp * sharding * pp * cp == 1 else "run", "--config", str(cfg))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -160,25 +166,42 @@ CLIP = 0.05  # max_grad_norm below every step's gradient norm: the clip scales e
 PP_LORA = "\n  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  batching: packed"
 
 
-@pytest.mark.parametrize(
-    "loss, extra", [("orpo", ""), ("sigmoid", "\n  precompute_ref_log_probs: true" + PP_LORA)]
-)
-def test_pp2_equals_one_process(tmp_path, base, loss, extra):
-    """Pipeline parallel: the pair loss on the last stage from the logits, the sequence ids and the
-    precomputed reference log-probs carried in the labels; per step loss, TRL's metrics, the clipped
-    gradient norm and the eval loss as one process (orpo: full fine-tuning, one sequence per row;
-    sigmoid: LoRA, reference = adapters off, packed pairs)."""
+PP_CASES = [("orpo", ""), ("sigmoid", "\n  precompute_ref_log_probs: true" + PP_LORA)]
+
+
+def _clipped_against_one_process(tmp_path: Path, base: tuple, loss: str, extra: str, **layout: int) -> None:
+    """The layout's run and one process's (max_seq_len ``seq``), max_grad_norm below every step's norm:
+    per step loss, TRL's metrics, the clipped gradient norm and the eval loss equal."""
     extra = f"  max_grad_norm: {CLIP}" + extra
+    seq = layout.pop("seq", 32)
     results = {}
-    for name, pp in (("pp2", 2), ("one", 1)):
+    for name, shape in (("layout", layout), ("one", {})):
         for cached in (base[1] / ".bmtrain_cache").glob("ref_logps-*.npy"):
             cached.unlink()  # each run computes its reference log-probs (pp2: every rank, whole weights)
-        results[name] = _run(tmp_path, base, name, 1, 1, loss, extra, pp=pp)
-    one, pp2 = results["one"], results["pp2"]
-    _same(one, pp2)
+        results[name] = _run(tmp_path, base, name, 1, 1, loss, extra, seq=seq, **shape)
+    one, got = results["one"], results["layout"]
+    _same(one, got)
     norms = [r["grad_norm"] for r in one["train"]]
     assert min(norms) > CLIP
-    np.testing.assert_allclose([r["grad_norm"] for r in pp2["train"]], norms, rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in got["train"]], norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss, extra", PP_CASES)
+def test_pp2_equals_one_process(tmp_path, base, loss, extra):
+    """Pipeline parallel: the pair loss on the last stage from the logits, the sequence ids and the
+    precomputed reference log-probs carried in the labels (orpo: full fine-tuning, one sequence per row;
+    sigmoid: LoRA, reference = adapters off, packed pairs)."""
+    _clipped_against_one_process(tmp_path, base, loss, extra, pp=2)
+
+
+@pytest.mark.parametrize("loss, extra", PP_CASES)
+def test_pp2_x_cp2_equals_one_process(tmp_path, base, loss, extra):
+    """Pipeline beside context parallel: each stage runs the ring over its share of the rows, the last
+    stage sums the shares' sequence log-probs over the context group and its first rank counts the pairs.
+    Rows of 128 (orpo): the second rank's share (tokens 32-95) holds no response token of these short
+    pairs, so it scores zeros and still joins the backward; packed rows of 32 (sigmoid): both shares score."""
+    seq = 128 if loss == "orpo" else 32
+    _clipped_against_one_process(tmp_path, base, loss, extra, pp=2, cp=2, seq=seq)
 
 
 def test_resume_continues_exactly_against_the_starting_reference(tmp_path, base):
@@ -194,6 +217,8 @@ def test_resume_continues_exactly_against_the_starting_reference(tmp_path, base)
         tp=1,
         sharding=1,
         pp=1,
+        cp=1,
+        seq=32,
         loss="sigmoid",
         extra="",
     )

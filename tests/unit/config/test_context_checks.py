@@ -42,7 +42,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
             10,
             "a rank holds 1 (1 KV heads / tensor_parallel 1) for 4 query heads: not divisible by context_parallel 2",
         ),
-        ({"parallel": "  pipeline_parallel: 2\n", "train": "  stage: dpo\n"}, 10, "trains SFT only yet"),
         ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),

@@ -119,8 +119,8 @@ def test_refused_at_file_line(write_yaml, kwargs, line, message):
 def test_dpo_under_pipeline_parallel_on_a_mixture_of_experts(write_yaml, aux, ep):
     """Preference pairs run through the pipeline on an MoE policy, expert parallel beside or not, with the
     load-balancing loss (the stages carry the routers' sums to the pair loss) or without
-    (tests/integration/test_expert_parallel.py); beside context parallel they are refused (its pipeline
-    loss reads whole rows), as is the load-balancing loss."""
+    (tests/integration/test_expert_parallel.py), and beside context parallel (the last stage sums the
+    shares' log-probs over the context group)."""
     checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
     text = (
         f"model_config:\n  model_name_or_path: {checkpoint}\n  output_router_logits: {str(aux).lower()}\n"
@@ -131,6 +131,5 @@ def test_dpo_under_pipeline_parallel_on_a_mixture_of_experts(write_yaml, aux, ep
     )
     cfg = load_config(write_yaml(text), world_size=2 * ep).config
     assert cfg.parallel.pipeline_parallel == 2 and cfg.model.output_router_logits is aux
-    with pytest.raises(ConfigError) as info:
-        load_config(write_yaml(text + "  context_parallel: 2\n"), world_size=4 * ep)
-    assert "trains SFT only yet (train_config.stage 'dpo'" in str(info.value)
+    with_cp = load_config(write_yaml(text + "  context_parallel: 2\n"), world_size=4 * ep).config
+    assert with_cp.parallel.context_parallel == 2

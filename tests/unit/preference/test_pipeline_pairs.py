@@ -64,7 +64,11 @@ def _run(kind: str, pipelined: bool, micro, tmp_path, moe: bool = False):
     obj = PreferenceObjective(cfg.train, Precomputed() if kind == "sigmoid" else None, lambda v: v)
     auxes = []
     if pipelined:
-        ctx = SimpleNamespace(wrapping=SimpleNamespace(factory=None), context_ring=None)
+        ctx = SimpleNamespace(
+            wrapping=SimpleNamespace(factory=None),
+            context_ring=None,
+            collectives=SimpleNamespace(context_share=lambda batch: batch),  # no context group
+        )
         pipe = PairPipeline(obj, ctx, pipeline_rows(3))
         last = _PipelineLoss(ctx, model.arch)  # the last stage's loss: the pairs' and the routers' term
         last.objective = pipe

@@ -82,6 +82,15 @@ class ExpertGroup:
         dist.alltoall_single(out, x, list(send), list(recv), group=self.group)
         return out
 
+    def all_done(self, done: bool) -> bool:
+        """Whether every member is ``done`` (collective over the group): a decoding loop on a sharded model
+        runs its next step while any member still decodes, so every member runs each step's dispatch."""
+        import paddle.distributed as dist
+
+        running = paddle.to_tensor(np.asarray([0 if done else 1], dtype="int64"))
+        dist.all_reduce(running, group=self.group)
+        return int(running.numpy()[0]) == 0
+
     def sum_squares(self, squares: paddle.Tensor) -> paddle.Tensor:
         """The experts' squared gradient norm summed over the group (each expert once)."""
         import paddle.distributed as dist
@@ -175,7 +184,8 @@ def expert_group(hcg: Any, degree: int, on_cpu: bool) -> ExpertGroup:
 def shard_experts(model: Any, group: ExpertGroup) -> str:
     """Keep only this rank's experts in every MoE layer of ``model`` (whole and identical on every rank
     before; a quantised base's other experts read as nothing, quant/layer.HeldElsewhere) and route those
-    layers' rows through :func:`dispatch`; says what this rank holds."""
+    layers' rows through :func:`dispatch`, and give ``model`` the group's :meth:`ExpertGroup.all_done` as its
+    ``decode_in_step`` (models/generate.py); says what this rank holds."""
     from bmtrain_cli.quant.layer import quantized_layers
 
     total = sum(int(p.size) for p in model.parameters())
@@ -192,6 +202,7 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
         for _, q in quantized_layers(layer.experts):  # a quantised base's (QLoRA): codes, no parameters
             setattr(q, EXPERT_ATTR, True)
         layers += 1
+    model.decode_in_step = group.all_done  # models/generate.py: every member runs each decoding step
     held = sum(int(p.size) for p in model.parameters())
     return (
         f"expert parallel: rank {group.rank} of {group.degree} holds experts {owned.start}-{owned.stop - 1} "

@@ -13,6 +13,11 @@ all-to-all is a PyLayer whose backward is the reverse all-to-all, so the tokens'
 and the owners their experts' gradients. NCCL's ``alltoall_single`` on a GPU; on the CPU build, where gloo
 has none, ``cpu_compat.all_to_all_rows`` (pairwise send/recv in a group per pair, the same rows).
 
+Every rank of a group must run each forward of the split model together. A training step does (each rank
+draws the same number of micro-batches); a decoding loop (models/generate.py, GRPO's rollouts and held-out
+reward) asks :meth:`ExpertGroup.all_done` each step, which ``shard_experts`` hands the model as its
+``decode_in_step``, and a rank whose rows are done runs a dropped one-token forward until every rank is.
+
 A quantised base (QLoRA): each rank reads and quantises only its own experts' weights from the checkpoint
 (models.load_pretrained's ``held_experts``), runs them as the quantised grouped calls of quant/experts.py
 over the rows it receives, and trains their adapters (when LoRA targets the experts) like a full-precision

@@ -18,14 +18,13 @@ from typing import Any, List
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import paddle
-import paddle.distributed as dist
+from dispatch_worker import group_of_all
 
 from bmtrain_cli.models import build
 from bmtrain_cli.models.decoding import SamplingOptions
 from bmtrain_cli.models.families import family
 from bmtrain_cli.models.generate import generate
-from bmtrain_cli.parallel import cpu_compat
-from bmtrain_cli.parallel.expert_parallel import ExpertGroup, shard_experts
+from bmtrain_cli.parallel.expert_parallel import shard_experts
 from tests.unit.models.tiny import TINY
 
 ARCH = replace(
@@ -56,15 +55,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    cpu_compat.apply_if_cpu()
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ranks = list(range(world))
-    whole = dist.new_group(ranks)
-    dist.barrier()
+    group = group_of_all()
     m = model()
-    shard_experts(m, ExpertGroup(whole, ranks, rank, pairs={(0, 1): whole}))
+    shard_experts(m, group)
     forwards = [0]
     real = m.hidden_states
 
@@ -73,8 +66,8 @@ def main() -> None:
         return real(*a, **k)
 
     m.hidden_states = counted
-    tokens = sample(m, rank)
-    Path(f"{args.out}.{rank}.json").write_text(json.dumps({"tokens": tokens, "forwards": forwards[0]}))
+    tokens = sample(m, group.rank)
+    Path(f"{args.out}.{group.rank}.json").write_text(json.dumps({"tokens": tokens, "forwards": forwards[0]}))
 
 
 if __name__ == "__main__":

@@ -43,15 +43,6 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "set gradient_compression: none",
         )
     sample = method_of(t).sample
-    if sample == "completion" and (p.tensor_parallel > 1 or p.context_parallel > 1):
-        err(
-            "parallel_config.tensor_parallel"
-            if p.tensor_parallel > 1
-            else "parallel_config.context_parallel",
-            f"stage {t.stage!r} under expert parallel is checked against one process with data parallel "
-            "beside only (its rollouts decode in step over the expert group)",
-            "set tensor_parallel: 1 and context_parallel: 1, or expert_parallel: 1",
-        )
     if (
         sample == "pair"
         and t.finetuning == "lora"

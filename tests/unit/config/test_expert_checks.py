@@ -50,18 +50,19 @@ def test_expert_parallel_admits_dpo_and_adapters_on_the_experts(write_yaml):
     assert load_config(write_yaml(dpo), world_size=4).config.train.stage == "dpo"
 
 
+@pytest.mark.parametrize("beside", ["data_parallel", "tensor_parallel", "context_parallel"])
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
-def test_expert_parallel_admits_grpo(write_yaml, finetuning):
-    """GRPO under expert parallel, beside data parallel: the rollouts decode in step over the expert group
-    (models/generate.py) and every log-prob pass runs the same micro-batches on every rank; LoRA's reference
-    (the policy with its adapters off) dispatches in step too, so nothing is precomputed
-    (tests/integration/test_grpo_parallel.py)."""
+def test_expert_parallel_admits_grpo(write_yaml, finetuning, beside):
+    """GRPO under expert parallel, beside data, tensor or context parallel: the rollouts decode in step over
+    the expert group (models/generate.py) and every log-prob pass runs the same micro-batches on every rank;
+    LoRA's reference (the policy with its adapters off) dispatches in step too, so nothing is precomputed
+    (tests/integration/test_grpo_parallel.py; docs/parallel.md)."""
     checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
     text = f"model_config:\n  model_name_or_path: {checkpoint}\n  max_seq_len: 32\n" + (
         f"train_config:\n  stage: grpo\n  demo_data: reverse\n  finetuning: {finetuning}\n"
         "  micro_batch_size: 2\n  global_batch_size: 16\n  grpo:\n    num_generations: 4\n    beta: 0.05\n"
         "    max_completion_length: 8\n    reward_funcs: [overlong]\n"
-        "parallel_config:\n  expert_parallel: 2\n  data_parallel: 2\n"
+        f"parallel_config:\n  expert_parallel: 2\n  {beside}: 2\n"
     )
     cfg = load_config(write_yaml(text), world_size=4).config
     assert (
@@ -116,11 +117,6 @@ def test_expert_parallel_composes_with_context_parallel(write_yaml):
             {"parallel": "  gradient_compression: int8\n  data_parallel: 2\n"},
             14,
             "does not compress gradients",
-        ),
-        (
-            {"train": "  stage: grpo\n", "parallel": "  tensor_parallel: 2\n"},
-            15,
-            "stage 'grpo' under expert parallel is checked against one process with data parallel beside only",
         ),
         (
             {"train": "  stage: dpo\n  finetuning: lora\n"},

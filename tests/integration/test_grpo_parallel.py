@@ -3,7 +3,8 @@ figures at 1e-5, same seeds): data parallel with LoRA, the reference (adapters o
 log-probs (num_iterations 2), dapo's token normalisation and scale_rewards: batch; sharding stage 1 with
 full fine-tuning, the grpo loss and group scaling; tensor parallel (vocabulary-split logits: gathered for
 sampling, the log-probs and entropy reduced over the group), alone and with dp2, with LoRA, the reference
-and the old policy; context parallel 2, alone and beside tensor parallel 2.
+and the old policy; context parallel 2, alone and beside tensor parallel 2; expert parallel 2 on a tiny
+mixture of experts (decoding in step over the expert group), with LoRA, the reference and the old policy.
 Each data rank samples and scores its block of the rollout batch (grpo/shard.py)."""
 
 from __future__ import annotations

@@ -120,9 +120,9 @@ def grpo_objective(
         else:
             precision = optim.precision
             dtype = precision.dtype if precision.master_weights else None
-            frozen = FrozenCopy(
-                ctx.wrapping.attach_context(load_reference_model(config, ctx.wrapping.factory, dtype))
-            ).model
+            copy = ctx.wrapping.attach_context(load_reference_model(config, ctx.wrapping.factory, dtype))
+            ctx.wrapping.shard_experts(copy)  # expert parallel: its experts split as the policy's, in step
+            frozen = FrozenCopy(copy).model
             ref = no_grad_logps(frozen, g.temperature)
             console.say(f"reference model: a frozen copy of {config.model.model_name_or_path}")
     rollouts, prompts = data.loader, data.eval_loader  # as prompt_data built them

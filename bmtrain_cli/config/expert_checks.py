@@ -43,13 +43,6 @@ def check_expert_parallel(config: Any, arch: Optional[Any], err: Callable[..., N
             "set gradient_compression: none",
         )
     sample = method_of(t).sample
-    if sample == "completion":
-        err(
-            "train_config.stage",
-            f"expert parallel does not run stage {t.stage!r} yet: its rollouts (sampled completions of "
-            "different lengths per rank) would have to dispatch in step on every rank",
-            "use data_parallel for this stage",
-        )
     if (
         sample == "pair"
         and t.finetuning == "lora"

@@ -33,7 +33,7 @@ touching this file; head counts are divided by ``factory.tp_degree``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import paddle
 import paddle.nn.functional as F
@@ -223,6 +223,9 @@ class CausalLM(nn.Layer):
         self._recompute_layers: Set[int] = set()
         self.last_aux_loss: Optional[paddle.Tensor] = None  # the load-balancing loss of the last loss_sum
         self.context_attention: Optional[Any] = None  # the ring attention core under context parallel
+        # expert parallel: (this rank done decoding) -> every rank of its expert group done; a decoding
+        # loop runs each step on every rank of the group while this says not (models/generate.py)
+        self.decode_in_step: Optional[Callable[[bool], bool]] = None
 
     # Hugging Face-style accessors used by the trainer, LoRA and pipeline code.
     @property

@@ -9,6 +9,7 @@ nothing attends to it) and positions count real tokens only.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
@@ -49,7 +50,11 @@ def generate(
     ``on_token(row, token)`` is called for each new token as soon as it is chosen (streaming); when it
     returns True that row stops there (a stop string, a client gone). Finished rows leave the batch and
     the cache. ``use_cache=False`` recomputes the whole sequence every step (the reference the cache is
-    tested against)."""
+    tested against).
+
+    On a model whose experts are split over an expert group (``decode_in_step``, parallel/expert_parallel.py)
+    every rank of the group must run each forward: the loop goes on while any rank still decodes, a rank
+    whose rows are all done running :func:`idle_step` (its tokens are what they would be alone)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     was_training = model.training
@@ -63,8 +68,16 @@ def generate(
     rows = np.arange(len(prompts))  # the prompts still decoding, in batch order
     step_ids, step_pos = ids, pos
     switch = long_rope_switch(model.arch)
+    limit = min(options.max_new_tokens, model.arch.max_position_embeddings - ids.shape[1])
+    in_step = getattr(model, "decode_in_step", None)
     try:
-        for _ in range(min(options.max_new_tokens, model.arch.max_position_embeddings - ids.shape[1])):
+        for k in itertools.count():
+            finished = k >= limit or bool(step.done.all())
+            if finished if in_step is None else in_step(finished):
+                break
+            if finished:  # the other ranks of the expert group still decode: a step for their dispatch
+                idle_step(model)
+                continue
             if cache is not None and switch is not None and len(cache) <= switch < ids.shape[1]:
                 # the sequence just passed LongRoPE's switch: the keys cached under the short factors are
                 # recomputed under the long ones (as transformers' Phi-3 does)
@@ -72,7 +85,7 @@ def generate(
                 step_ids, step_pos = ids, pos
             nxt = step(next_logits(model, step_ids, mask, step_pos, cache), rows)
             if step.done.all():
-                break
+                continue
             mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
             pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)
             ids = np.concatenate([ids, nxt[:, None]], axis=1)
@@ -86,3 +99,10 @@ def generate(
         dense.close()
         model.train(was_training)
     return step.tokens
+
+
+def idle_step(model: CausalLM) -> None:
+    """One forward of a single token whose output is dropped: a decoding step of a rank that has finished,
+    for the dispatch of the ranks of its expert group that have not."""
+    one = np.zeros((1, 1), dtype=np.int64)
+    model.hidden_states(paddle.to_tensor(one), paddle.to_tensor(one + 1), paddle.to_tensor(one), cache=None)

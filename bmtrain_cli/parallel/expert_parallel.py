@@ -13,6 +13,11 @@ all-to-all is a PyLayer whose backward is the reverse all-to-all, so the tokens'
 and the owners their experts' gradients. NCCL's ``alltoall_single`` on a GPU; on the CPU build, where gloo
 has none, ``cpu_compat.all_to_all_rows`` (pairwise send/recv in a group per pair, the same rows).
 
+Every rank of a group must run each forward of the split model together. A training step does (each rank
+draws the same number of micro-batches); a decoding loop (models/generate.py, GRPO's rollouts and held-out
+reward) asks :meth:`ExpertGroup.all_done` each step, which ``shard_experts`` hands the model as its
+``decode_in_step``, and a rank whose rows are done runs a dropped one-token forward until every rank is.
+
 A quantised base (QLoRA): each rank reads and quantises only its own experts' weights from the checkpoint
 (models.load_pretrained's ``held_experts``), runs them as the quantised grouped calls of quant/experts.py
 over the rows it receives, and trains their adapters (when LoRA targets the experts) like a full-precision
@@ -81,6 +86,15 @@ class ExpertGroup:
         out = paddle.empty([int(sum(recv)), *x.shape[1:]], x.dtype)
         dist.alltoall_single(out, x, list(send), list(recv), group=self.group)
         return out
+
+    def all_done(self, done: bool) -> bool:
+        """Whether every member is ``done`` (collective over the group): a decoding loop on a sharded model
+        runs its next step while any member still decodes, so every member runs each step's dispatch."""
+        import paddle.distributed as dist
+
+        running = paddle.to_tensor(np.asarray([0 if done else 1], dtype="int64"))
+        dist.all_reduce(running, group=self.group)
+        return int(running.numpy()[0]) == 0
 
     def sum_squares(self, squares: paddle.Tensor) -> paddle.Tensor:
         """The experts' squared gradient norm summed over the group (each expert once)."""
@@ -175,7 +189,8 @@ def expert_group(hcg: Any, degree: int, on_cpu: bool) -> ExpertGroup:
 def shard_experts(model: Any, group: ExpertGroup) -> str:
     """Keep only this rank's experts in every MoE layer of ``model`` (whole and identical on every rank
     before; a quantised base's other experts read as nothing, quant/layer.HeldElsewhere) and route those
-    layers' rows through :func:`dispatch`; says what this rank holds."""
+    layers' rows through :func:`dispatch`, and give ``model`` the group's :meth:`ExpertGroup.all_done` as its
+    ``decode_in_step`` (models/generate.py); says what this rank holds."""
     from bmtrain_cli.quant.layer import quantized_layers
 
     total = sum(int(p.size) for p in model.parameters())
@@ -192,6 +207,7 @@ def shard_experts(model: Any, group: ExpertGroup) -> str:
         for _, q in quantized_layers(layer.experts):  # a quantised base's (QLoRA): codes, no parameters
             setattr(q, EXPERT_ATTR, True)
         layers += 1
+    model.decode_in_step = group.all_done  # models/generate.py: every member runs each decoding step
     held = sum(int(p.size) for p in model.parameters())
     return (
         f"expert parallel: rank {group.rank} of {group.degree} holds experts {owned.start}-{owned.stop - 1} "

@@ -47,7 +47,7 @@ from bmtrain_cli.plan.activations import (
     stage_layers,
 )
 from bmtrain_cli.plan.devices import Device, format_bytes
-from bmtrain_cli.plan.moe_memory import all_to_all_bytes, moe_note
+from bmtrain_cli.plan.moe_memory import all_to_all_bytes, moe_note, unheld_experts
 from bmtrain_cli.plan.rollout import rollout_memory
 from bmtrain_cli.plan.workload import (
     CPU_RUNTIME_BYTES,
@@ -187,8 +187,9 @@ def _stage_estimate(  # noqa: C901
     if first:
         acts += 2 * tokens * a.head_dim * 4  # cos/sin tables (fp32)
     loss_kept, loss_transient = loss_bytes(w, device, layout, last)
+    ref_params = stage_params + (unheld_experts(a, tp, layout.ep, layers) if w.method.sample == "pair" else 0)
     reference, ref_forward = _reference_bytes(
-        w, stage_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
+        w, ref_params * pbytes, max(loss_transient, no_grad_forward_bytes(w, device, layout))
     )
     rollout = rollout_memory(whole, device, layout, layers) if w.completion_len else None
     if rollout is not None:

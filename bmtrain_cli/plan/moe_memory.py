@@ -32,6 +32,13 @@ def mlp_params(arch: ModelArch, tp: int, ep: int = 1) -> int:
     return int(_mean(arch, dense, moe_parameters(arch) - routed - shared + routed // ep + shared // tp))
 
 
+def unheld_experts(arch: ModelArch, tp: int, ep: int, layers: int) -> int:
+    """Matrix elements of the routed experts of ``layers`` layers that a rank does not hold under expert
+    parallel ``ep``: what a frozen reference copy holding every expert adds to the rank's share (stage dpo's,
+    which runs without dispatch; GRPO's has its experts split as the policy's)."""
+    return layers * (mlp_params(arch, tp) - mlp_params(arch, tp, ep))
+
+
 def all_to_all_bytes(arch: ModelArch, tokens: int, elem_bytes: int) -> int:
     """Expert parallel: the rows one sparse layer's all-to-all holds in flight, sent and received (the k
     routed copies of each token's hidden state, parallel/expert_parallel.py)."""

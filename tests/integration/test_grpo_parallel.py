@@ -3,7 +3,8 @@ figures at 1e-5, same seeds): data parallel with LoRA, the reference (adapters o
 log-probs (num_iterations 2), dapo's token normalisation and scale_rewards: batch; sharding stage 1 with
 full fine-tuning, the grpo loss and group scaling; tensor parallel (vocabulary-split logits: gathered for
 sampling, the log-probs and entropy reduced over the group), alone and with dp2, with LoRA, the reference
-and the old policy; context parallel 2, alone and beside tensor parallel 2.
+and the old policy; context parallel 2, alone and beside tensor parallel 2; expert parallel 2 on a tiny
+mixture of experts (decoding in step over the expert group), with LoRA, the reference and the old policy.
 Each data rank samples and scores its block of the rollout batch (grpo/shard.py)."""
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from tests.tiny import model_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-GRPO = (
-    model_yaml(max_seq_len=24, kv_heads=None, vocab_size=512)
-    + """
+BODY = """
 train_config:
   stage: grpo
   demo_data: reverse
@@ -48,7 +47,21 @@ parallel_config:
   sharding_parallel: {sharding}
   tensor_parallel: {tp}
   context_parallel: {cp}
+  expert_parallel: {ep}
 """
+GRPO = model_yaml(max_seq_len=24, kv_heads=None, vocab_size=512) + BODY
+# a tiny fresh Qwen3-MoE: 4 experts, top 2, every layer sparse
+MOE = (
+    model_yaml(
+        max_seq_len=24,
+        kv_heads=None,
+        vocab_size=512,
+        family="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    + BODY
 )
 
 # a reward a fresh model's completions differ in, so the advantages and the gradient are not zero
@@ -78,24 +91,27 @@ def _run(
     tp: int = 1,
     cp: int = 1,
     steps: int = 3,
+    ep: int = 1,
+    template: str = GRPO,
 ) -> dict:
     reward = tmp / "vowel_reward.py"
     reward.write_text(VOWELS, encoding="utf-8")
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
-    text = GRPO.format(
+    text = template.format(
         out=out,
         dp=dp,
         sharding=sharding,
         tp=tp,
         cp=cp,
+        ep=ep,
         steps=steps,
         extra=extra,
         grpo=grpo,
         reward=f"{reward}:vowels",
     )
     cfg.write_text(text, encoding="utf-8")
-    command = "train" if dp * sharding * tp * cp == 1 else "run"
+    command = "train" if dp * sharding * tp * cp * ep == 1 else "run"
     res = subprocess.run(
         [sys.executable, "-m", "bmtrain_cli", command, "--config", str(cfg)],
         capture_output=True,
@@ -179,5 +195,19 @@ def test_tp2_x_cp2_lora_reference_old_policy_clipped_equals_one_process(tmp_path
     one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4)
     tp2_cp2 = _run(tmp_path, "tp2_cp2", 1, 1, extra, grpo, tp=2, cp=2, steps=4)
     _same(one, tp2_cp2, KEYS + ("kl",), steps=4)
+    assert all(r["grad_norm"] > 0.05 for r in one["train"])  # the clip fires at every step
+    assert one["train"][1]["kl"] > 0
+
+
+def test_ep2_moe_lora_reference_old_policy_clipped_equals_one_process(tmp_path):
+    """Expert parallel 2 on a mixture of experts (LoRA on every projection, the experts' included): each
+    rank samples its block of the rollouts, decoding in step with the other rank (a rank whose rows are
+    done runs a dropped forward for the other's dispatch); the old policy's, the reference's (adapters off)
+    and the policy's log-probs dispatch the same micro-batches on both ranks."""
+    extra = "  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  max_grad_norm: 0.05"
+    grpo = "    beta: 0.05\n    num_iterations: 2\n    loss_type: grpo\n    scale_rewards: group"
+    one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4, template=MOE)
+    ep2 = _run(tmp_path, "ep2", 1, 1, extra, grpo, steps=4, ep=2, template=MOE)
+    _same(one, ep2, KEYS + ("kl",), steps=4)
     assert all(r["grad_norm"] > 0.05 for r in one["train"])  # the clip fires at every step
     assert one["train"][1]["kl"] > 0

@@ -41,19 +41,24 @@ def problem(world: int, empty_rank: int):
     return counts, rows, loss_w, weights
 
 
+def group_of_all() -> ExpertGroup:
+    """The distributed environment started on the CPU, every launched process in one expert group."""
+    cpu_compat.apply_if_cpu()
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    ranks = list(range(dist.get_world_size()))
+    whole = dist.new_group(ranks)
+    dist.barrier()
+    return ExpertGroup(whole, ranks, dist.get_rank(), pairs=cpu_compat.pair_groups(ranks))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--empty-rank", type=int, default=-1)
     args = ap.parse_args()
-    cpu_compat.apply_if_cpu()
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ranks = list(range(world))
-    whole = dist.new_group(ranks)
-    dist.barrier()
-    group = ExpertGroup(whole, ranks, rank, pairs=cpu_compat.pair_groups(ranks))
+    group = group_of_all()
+    world, rank = group.degree, group.rank
     counts, rows, loss_w, weights = problem(world, args.empty_rank)
     owned = list(group.owned(EXPERTS))
     held = [[paddle.to_tensor(w[e], stop_gradient=False) for e in owned] for w in weights]

@@ -50,6 +50,26 @@ def test_expert_parallel_admits_dpo_and_adapters_on_the_experts(write_yaml):
     assert load_config(write_yaml(dpo), world_size=4).config.train.stage == "dpo"
 
 
+@pytest.mark.parametrize("beside", ["data_parallel", "tensor_parallel", "context_parallel"])
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_expert_parallel_admits_grpo(write_yaml, finetuning, beside):
+    """GRPO under expert parallel, beside data, tensor or context parallel: the rollouts decode in step over
+    the expert group (models/generate.py) and every log-prob pass runs the same micro-batches on every rank;
+    LoRA's reference (the policy with its adapters off) dispatches in step too, so nothing is precomputed
+    (tests/integration/test_grpo_parallel.py; docs/parallel.md)."""
+    checkpoint = Path(__file__).parents[2] / "fixtures" / "hf" / "qwen3_moe"
+    text = f"model_config:\n  model_name_or_path: {checkpoint}\n  max_seq_len: 32\n" + (
+        f"train_config:\n  stage: grpo\n  demo_data: reverse\n  finetuning: {finetuning}\n"
+        "  micro_batch_size: 2\n  global_batch_size: 16\n  grpo:\n    num_generations: 4\n    beta: 0.05\n"
+        "    max_completion_length: 8\n    reward_funcs: [overlong]\n"
+        f"parallel_config:\n  expert_parallel: 2\n  {beside}: 2\n"
+    )
+    cfg = load_config(write_yaml(text), world_size=4).config
+    assert (
+        cfg.train.stage == "grpo" and cfg.parallel.expert_parallel == 2 and cfg.train.finetuning == finetuning
+    )
+
+
 def test_expert_parallel_admits_a_quantised_base(write_yaml):
     """QLoRA under expert parallel: each rank quantises its own experts (tests/integration/
     test_expert_parallel.py runs it against one process)."""
@@ -98,7 +118,6 @@ def test_expert_parallel_composes_with_context_parallel(write_yaml):
             14,
             "does not compress gradients",
         ),
-        ({"train": "  stage: grpo\n"}, 12, "does not run stage 'grpo' yet"),
         (
             {"train": "  stage: dpo\n  finetuning: lora\n"},
             8,

@@ -305,3 +305,33 @@ def test_exact_match_stops_hopeless_answers_early_with_the_same_accuracy(model_d
     assert acc["n"] == 8 and acc["accuracy"] == sum(i % 3 == 0 for i in range(8)) / 8
     assert [e["got"] for e in acc["examples"]][::3] == full[:5][::3]
     assert all(full[i].startswith(e["got"]) for i, e in enumerate(acc["examples"]))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_decoding_in_step_with_an_expert_group_runs_every_step_and_samples_the_same(use_cache):
+    """Under expert parallel (``decode_in_step``, parallel/expert_parallel.py) a rank whose rows are done
+    keeps running one forward per step (dropped) until every rank of its group is done, and samples exactly
+    what it samples alone; the loop asks the group once per step, with this rank's done flag."""
+    m = _model(replace(TINY, max_position_embeddings=12))
+    prompts = [[5, 9, 11, 3], [4, 2]]
+    options = SamplingOptions(max_new_tokens=5, temperature=1.0, seed=5)
+    alone = generate(m, prompts, options, use_cache=use_cache)
+    short = generate(m, prompts, replace(options, max_new_tokens=10**6), use_cache=use_cache)
+    assert [len(o) for o in short] == [8, 8]  # ends where the positions end
+    forwards: list = []
+    real = m.hidden_states
+    m.hidden_states = lambda *a, **k: forwards.append(a[0].shape) or real(*a, **k)  # type: ignore
+    flags: list = []
+
+    def group_done(done: bool) -> bool:  # another rank of the group decodes 11 steps
+        flags.append(done)
+        return len(flags) > 11
+
+    m.decode_in_step = group_done
+    for opts, want in ((options, alone), (replace(options, max_new_tokens=10**6), short)):
+        flags.clear()
+        forwards.clear()
+        assert generate(m, prompts, opts, use_cache=use_cache) == want
+        n = len(want[0])
+        assert flags == [False] * n + [True] * (12 - n)  # asked once per step, then the group's end
+        assert len(forwards) == 11 and all(s == [1, 1] for s in forwards[n:])  # the idle steps: one token

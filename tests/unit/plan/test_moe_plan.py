@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from bmtrain_cli.cli import app
 from bmtrain_cli.models.arch import arch_from_hf_dict
-from bmtrain_cli.models.param_count import count_active_parameters, count_parameters
+from bmtrain_cli.models.param_count import count_active_parameters, count_parameters, sparse_layers
 from bmtrain_cli.plan import moe_memory
 from bmtrain_cli.plan.activations import layer_params
 
@@ -131,3 +131,36 @@ def test_the_search_proposes_tensor_parallel_where_it_splits_the_model(repo_root
     arch = replace(_arch(name), moe_intermediate_size=width)
     degrees = {lay.tp for lay in enumerate_layouts(replace(w, arch=arch), 2, get_device("A100-80GB"))}
     assert 1 in degrees and (2 in degrees) == split
+
+
+def test_a_frozen_reference_under_expert_parallel_holds_what_its_recipe_keeps(write_yaml):
+    """Stage grpo's frozen reference has its experts split as the policy's (recipes/grpo.py: its forwards
+    dispatch in step), so it weighs the rank's share of the parameters; stage dpo's holds every expert on
+    each rank (recipes/dpo.py: it runs without dispatch), the share plus the experts the rank leaves out."""
+    from bmtrain_cli.config import load_config
+    from bmtrain_cli.plan.estimator import estimate
+
+    arch = _arch("qwen3_moe")
+    method = {
+        "grpo": "  grpo:\n    beta: 0.05\n    num_generations: 4\n    max_completion_length: 8\n"
+        "    reward_funcs: [overlong]\n",
+        "dpo": "",
+    }
+    plans = {}
+    for stage, extra in method.items():
+        for ep in (1, 2):
+            text = (
+                f"model_config:\n  model_name_or_path: {FIXTURES / 'qwen3_moe'}\n  max_seq_len: 32\n"
+                f"train_config:\n  stage: {stage}\n  demo_data: reverse\n  micro_batch_size: 2\n"
+                f"  global_batch_size: 8\n{extra}parallel_config:\n  expert_parallel: {ep}\n"
+            )
+            config = load_config(write_yaml(text), world_size=ep).config
+            plans[stage, ep] = estimate(config, "cpu", read_data=False)
+    expert_bytes = arch.hidden_size * arch.moe_intermediate_size * 3 * 4  # one expert's fp32 weights
+    unheld = sparse_layers(arch) * arch.num_experts // 2 * expert_bytes  # half of each sparse layer's
+    for stage in method:
+        one, two = plans[stage, 1], plans[stage, 2]
+        assert one.reference_weights == one.parameters > 0
+        assert abs(one.parameters - two.parameters - unheld) <= 64 * arch.num_hidden_layers, stage
+    assert plans["grpo", 2].reference_weights == plans["grpo", 2].parameters
+    assert plans["dpo", 2].reference_weights == plans["dpo", 1].reference_weights

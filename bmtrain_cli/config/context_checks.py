@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from bmtrain_cli.models.rope import rope_type
-
 
 def check_context(config: Any, arch: Any, err: Callable[..., None]) -> None:
     p, m, t = config.parallel, config.model, config.train
@@ -59,13 +57,6 @@ def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
     key = "parallel_config.context_parallel"
     if arch.position_embedding == "alibi":
         err(key, "context parallel does not support ALiBi attention biases", "use context_parallel: 1")
-    if rope_type(arch.rope_scaling) in ("dynamic", "longrope"):
-        err(
-            key,
-            f"context parallel does not support {rope_type(arch.rope_scaling)} rope scaling: it reads the "
-            "longest position of the whole sequence, which no rank holds",
-            "use context_parallel: 1",
-        )
     if arch.linear_attention is not None:
         err(
             key,

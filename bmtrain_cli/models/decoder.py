@@ -132,6 +132,11 @@ class LayerInputs:
         """{layer type: (cos, sin, bias)} for ``s`` new positions after ``past`` cached ones, for ``types``
         (default: every type the model's layers have)."""
         out: Dict[str, Inputs] = {}
+        longest = None
+        if isinstance(attention_mask, ContextShard) and any(
+            r is not None and r.reads_longest for r in self.rotary.values()
+        ):  # a share's positions: the whole rows' largest comes from the context group
+            longest = attention_mask.core.ring.max(position_ids.max())
         for kind in self.types if types is None else types:
             if kind == "linear_attention":  # its padding mask over the new positions (no rope, no bias)
                 out[kind] = (None, None, None if attention_mask is None else attention_mask[:, past:])
@@ -139,7 +144,7 @@ class LayerInputs:
             cos = sin = None
             rotary = self.rotary.get(kind)
             if rotary is not None:
-                cos, sin = rotary(position_ids)
+                cos, sin = rotary(position_ids, longest)
             out[kind] = (
                 cos,
                 sin,

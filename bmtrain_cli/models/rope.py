@@ -138,13 +138,23 @@ class RotaryTables:
             longrope_long_frequencies(head_dim, theta, self.scaling) if self.kind == "longrope" else None
         )
 
-    def __call__(self, position_ids: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
-        """position_ids [b, s] -> (cos, sin), each [b, s, head_dim] fp32 (head_dim: the rotated dimensions)."""
+    @property
+    def reads_longest(self) -> bool:
+        """Whether the tables depend on the batch's largest position (dynamic NTK, longrope), which a
+        context-parallel share does not hold: its caller passes the whole rows' as ``longest``."""
+        return self.kind in ("dynamic", "longrope")
+
+    def __call__(
+        self, position_ids: paddle.Tensor, longest: Optional[paddle.Tensor] = None
+    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [b, s, head_dim] fp32 (head_dim: the rotated dimensions).
+        ``longest``: the batch's largest position when ``position_ids`` are a share of it (default: theirs)."""
         pos = position_ids.astype("float32")
+        seq_len = (pos.max() if longest is None else longest.astype("float32")) + 1.0
         if self.kind == "dynamic":
-            inv = self._dynamic_inv_freq(pos)
+            inv = self._dynamic_inv_freq(seq_len)
         elif self.long_inv_freq is not None:  # longrope: the long factors once positions pass the original
-            beyond = pos.max() + 1.0 > float(self.scaling["original_max_position_embeddings"])
+            beyond = seq_len > float(self.scaling["original_max_position_embeddings"])
             inv = paddle.where(beyond, paddle.to_tensor(self.long_inv_freq), paddle.to_tensor(self.inv_freq))
         else:
             inv = paddle.to_tensor(self.inv_freq)
@@ -155,12 +165,11 @@ class RotaryTables:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
-    def _dynamic_inv_freq(self, pos: paddle.Tensor) -> paddle.Tensor:
+    def _dynamic_inv_freq(self, seq_len: paddle.Tensor) -> paddle.Tensor:
         """Dynamic NTK: past the trained length, grow the base with the sequence length
         (seq_len = largest position + 1), as transformers does."""
         factor = float(self.scaling["factor"])
         original = float(self.scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
-        seq_len = pos.max() + 1.0
         d = float(self.head_dim)
         grown = self.theta * ((factor * seq_len / original) - (factor - 1)) ** (d / (d - 2))
         base = paddle.where(seq_len > original, grown, paddle.full_like(seq_len, self.theta))

@@ -95,6 +95,15 @@ class Ring:
         """The differentiable sum of ``tensor`` over the group (:class:`ContextSum`)."""
         return ContextSum.apply(tensor, self)
 
+    def max(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The largest value of ``tensor`` over the group (a copy; no gradient)."""
+        out = tensor.detach().clone()
+        if self.degree > 1:
+            import paddle.distributed as dist
+
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
 
 class ContextSum(PyLayer):
     """The sum of per-rank partial values over a context group, on every rank (``apply(x, ring)``). Its

@@ -70,6 +70,22 @@ MODELS: Dict[str, Tuple[str, List[str], float]] = {
         ],
         0.2,
     ),
+    # rope tables read the batch's largest position (4095 > 3500, the original length: the long factors, the
+    # grown base); the second rank's share (positions 1024-3071) would pick the short ones on its own
+    "longrope": (
+        "long.jsonl",
+        [
+            "model_config.rope_scaling={type: longrope, short_factor: [1.0, 1.2, 1.5, 2.0], "
+            "long_factor: [1.0, 2.0, 4.0, 8.0], original_max_position_embeddings: 3500}",
+            "model_config.max_position_embeddings=8192",
+        ],
+        0.2,
+    ),
+    "dynamic": (
+        "long.jsonl",
+        ["model_config.rope_scaling={type: dynamic, factor: 4.0, original_max_position_embeddings: 3500}"],
+        0.2,
+    ),
 }
 CP2, CP4 = ["parallel_config.context_parallel=2"], ["parallel_config.context_parallel=4"]
 ULYSSES2 = CP2 + ["parallel_config.context_parallel_mode=ulysses"]
@@ -89,6 +105,8 @@ LAYOUTS: List[Tuple[str, str, List[str]]] = [
     ("long", "ulysses cp2", ULYSSES2),
     ("packed", "ulysses cp2", ULYSSES2),
     ("gemma3", "cp2, sliding window", CP2),
+    ("longrope", "cp2", CP2),
+    ("dynamic", "cp2", CP2),
 ]
 
 

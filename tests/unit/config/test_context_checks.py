@@ -45,7 +45,6 @@ def test_context_parallel_counts_in_the_world_size(write_yaml):
         ({"parallel": "  sharding_parallel: 2\n  sharding_stage: 2\n"}, 10, "sharding_stage 2 yet"),
         ({"train": "  to_static: true\n"}, 7, "to_static cannot run the ring"),
         ({"model": "  family: baichuan\n  position_embedding: alibi\n"}, 10, "ALiBi"),
-        ({"model": "  rope_scaling: {type: dynamic, factor: 2.0}\n"}, 9, "dynamic rope scaling"),
         ({"model": "  family: qwen3_5_text\n"}, 9, "linear-attention layers"),
     ],
 )

@@ -254,6 +254,38 @@ def test_rope_default_matches_closed_form():
     assert math.isclose(float(cos.numpy()[0, 0, 0]), 1.0)
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 50},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.2, 1.5, 2.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0],
+            "original_max_position_embeddings": 50,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_a_share_of_the_positions_takes_the_whole_rows_tables_given_their_longest(scaling):
+    """Context parallel: a share's positions (here the middle of a 64-token row, largest 47 of 63) give the
+    whole row's tables when the row's largest position comes with them, and other tables without it
+    (the original length, 50, lies between)."""
+    from bmtrain_cli.models.rope import RotaryTables
+
+    tables = RotaryTables(8, 10000.0, scaling, 128)
+    assert tables.reads_longest
+    row = paddle.arange(64).reshape([1, 64])
+    share = row[:, 16:48]
+    whole = [t.numpy()[:, 16:48] for t in tables(row)]
+    given = [t.numpy() for t in tables(share, paddle.to_tensor(63))]
+    alone = [t.numpy() for t in tables(share)]
+    for w, g, a in zip(whole, given, alone):
+        np.testing.assert_array_equal(g, w)
+        assert np.abs(a - w).max() > 1e-3  # 48 tokens are within the original 50, the row's 64 beyond
+    assert not RotaryTables(8, 10000.0, None, 128).reads_longest
+
+
 @pytest.mark.parametrize("full_graph", [True, False], ids=["ast", "sot"])
 def test_to_static_loss_and_grads_match_dygraph(full_graph):
     ids = _ids([2, 10])

@@ -32,7 +32,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.models.attention_choice import RING_BLOCK
+from bmtrain_cli.models.attention_choice import RING_BLOCK, ScoreRule
 from bmtrain_cli.models.scoring import right_padded
 from bmtrain_cli.parallel.ring_blocks import blocks_backward, blocks_forward
 from bmtrain_cli.parallel.ring_pairs import pair_backward, pair_forward, pair_kernel
@@ -147,17 +147,16 @@ class RingAttention(PyLayer):
         ring: Any,
         block: int,
         kernel: Any = None,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> paddle.Tensor:
         if kernel is None:
-            out, lse = blocks_forward(q, k, v, seg, ring, block, window, softcap)
+            out, lse = blocks_forward(q, k, v, seg, ring, block, rule)
         else:  # one kernel call per chunk pair
-            out, lse = pair_forward(q, k, v, seg, ring, kernel, window)
+            out, lse = pair_forward(q, k, v, seg, ring, kernel, rule)
         # a copy of the segment ids: the caller's tensor may be released before the backward
         kept = None if seg is None else seg.clone()
         ctx.save_for_backward(q, k, v, out, lse, kept)
-        ctx.ring, ctx.block, ctx.kernel, ctx.window, ctx.softcap = ring, block, kernel, window, softcap
+        ctx.ring, ctx.block, ctx.kernel, ctx.rule = ring, block, kernel, rule
         return out
 
     @staticmethod
@@ -166,9 +165,9 @@ class RingAttention(PyLayer):
     ) -> Tuple[Optional[paddle.Tensor], ...]:
         saved = ctx.saved_tensor()
         if ctx.kernel is None:
-            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.window, ctx.softcap)
+            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.rule)
         else:
-            dq, dk, dv = pair_backward(saved, ctx.ring, ctx.kernel, dout, ctx.window)
+            dq, dk, dv = pair_backward(saved, ctx.ring, ctx.kernel, dout, ctx.rule)
         return (dq, dk, dv) if saved[5] is None else (dq, dk, dv, None)
 
 
@@ -179,9 +178,9 @@ class RingCore:
     runs, parallel/ulysses.py) is not needed. ``fused``: the model's op set carries our fused CPU attention
     (kernels custom or auto with the kernels built), which then attends each chunk pair on a CPU; on a GPU
     Paddle's flash attention does where it applies (parallel/ring_pairs.py pair_kernel), else blocks of
-    Paddle ops (parallel/ring_blocks.py). ``window``: the layer's sliding window (Gemma 3's sliding layers,
-    Mistral), applied on the tokens' places in the whole rows; one as long as the rows holds every key.
-    ``softcap``: the scores' soft cap (Gemma 2's attn_logit_softcapping), which only the blocks apply."""
+    Paddle ops (parallel/ring_blocks.py). ``rule``: the layer's :class:`ScoreRule`, its sliding window
+    (Gemma 3's sliding layers, Mistral; one as long as the rows holds every key) and its scores' soft cap
+    (Gemma 2's attn_logit_softcapping, which only the blocks apply)."""
 
     def __init__(self, ring: Any, block: int = RING_BLOCK, fused: bool = False) -> None:
         self.ring = ring
@@ -195,14 +194,12 @@ class RingCore:
         v: Tensor,
         segment_ids: Optional[Tensor],
         whole: Any = None,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
-        if window is not None and window >= q.shape[1] * self.ring.degree:
-            window = None  # every earlier key of the rows lies inside it
-        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, window is not None, softcap is not None)
-        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, window, softcap)
+        rule = rule.within(q.shape[1] * self.ring.degree)
+        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, rule)
+        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, rule)
 
 
 def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.models.attention import blocked_attention, build_bias, eager_attention, repeat_kv
-from bmtrain_cli.models.attention_choice import ring_pair_kernel
+from bmtrain_cli.models.attention_choice import ScoreRule, ring_pair_kernel
 from tests.unit.ops.test_ring_window import _problem, _ring
 
 CAP = 2.0
@@ -60,5 +60,5 @@ def test_soft_capped_ring_equals_whole_rows(degree, window, packed):
 def test_soft_capped_layers_take_the_blocks():
     for gpu, dtype in ((False, "float32"), (True, "bfloat16")):
         assert ring_pair_kernel(dtype, gpu, False, True)[0] is not None
-        kernel, why = ring_pair_kernel(dtype, gpu, False, True, softcap=True)
+        kernel, why = ring_pair_kernel(dtype, gpu, False, True, rule=ScoreRule(None, 50.0))
         assert kernel is None and "soft-capped" in why

@@ -189,14 +189,15 @@ def test_a_sliding_window_keeps_flash_off_the_ring_on_a_gpu(lora_7b) -> None:
     (rank share x cp), the run's rule gives the ring's pairs to the Paddle-op blocks on a GPU, and the plan
     counts their temporaries (activations.py ring_pair_kernel); the fused CPU kernel applies the window itself; a window as long as the
     rows changes nothing."""
+    from bmtrain_cli.models.attention_choice import ScoreRule
     from bmtrain_cli.models.attention_choice import ring_pair_kernel as rule
     from bmtrain_cli.plan.activations import ring_pair_kernel
 
-    assert rule("bfloat16", True, False, False, windowed=True) == (
+    assert rule("bfloat16", True, False, False, rule=ScoreRule(4096)) == (
         None,
         "a sliding window: Paddle's flash_attn (FA2) takes no window",
     )
-    assert rule("float32", False, False, True, windowed=True)[0] == "cpu_fused"
+    assert rule("float32", False, False, True, rule=ScoreRule(4096))[0] == "cpu_fused"
     share = replace(lora_7b, seq_len=8192, precision="bf16", packed=False)
     windowed = replace(share, arch=replace(share.arch, sliding_window=4096))
     assert ring_pair_kernel(share, A100, 4) and not ring_pair_kernel(windowed, A100, 4)

@@ -10,7 +10,8 @@ log-sum-exp. A chunk pair is one call of the fused CPU attention kernel on a CPU
 Paddle's flash attention on a GPU (parallel/ring_pairs.py), else blocks of Paddle ops (parallel/ring_blocks.py,
 the reference). Chunk pairs are decided by the chunks' places in the sequence: a key chunk before the query chunk
 is fully visible, the same chunk is causal, a later chunk is skipped (so the K/V of a lower rank meet all the
-local queries, those of a higher rank only the back chunk). Soft-capped scores (Gemma 2) take the blocks. A layer's sliding window (keys ``window`` or more
+local queries, those of a higher rank only the back chunk). Soft-capped scores (Gemma 2) are capped pair by pair (the fused
+CPU kernel or the blocks; flash attention takes no cap). A layer's sliding window (keys ``window`` or more
 positions before a query are not visible, on the tokens' places in the whole row) skips the pairs whose
 keys all lie outside it (their K/V still travel on) and masks those it cuts. Packed rows restrict every pair further to equal
 segment ids, read from the whole row's ids (every rank of the group holds the whole batch). K/V keep their
@@ -180,7 +181,7 @@ class RingCore:
     Paddle's flash attention does where it applies (parallel/ring_pairs.py pair_kernel), else blocks of
     Paddle ops (parallel/ring_blocks.py). ``rule``: the layer's :class:`ScoreRule`, its sliding window
     (Gemma 3's sliding layers, Mistral; one as long as the rows holds every key) and its scores' soft cap
-    (Gemma 2's attn_logit_softcapping, which only the blocks apply)."""
+    (Gemma 2's attn_logit_softcapping, which the fused CPU kernel and the blocks apply)."""
 
     def __init__(self, ring: Any, block: int = RING_BLOCK, fused: bool = False) -> None:
         self.ring = ring

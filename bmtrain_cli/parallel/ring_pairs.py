@@ -7,17 +7,19 @@ log-sum-exp of the whole attention (and D = rowsum(dO * O) or O itself) and retu
 dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), which the ring sums.
 
 A layer's sliding window skips the chunk pairs whose keys all lie outside it (:func:`pair_list`) and reaches
-the kernel of a pair it cuts as (window, offset) (:data:`Window`).
+the kernel of a pair it cuts as (window, offset) (:data:`Window`); soft-capped scores (Gemma 2) reach every
+pair's kernel as its cap.
 
 - :class:`FusedPairs`: our fused CPU kernel (ops/fused_attention.py attention_pair_*), float32/float64, with
-  the query chunk's and the key chunk's segment ids for packed rows, and the window.
+  the query chunk's and the key chunk's segment ids for packed rows, the window and the soft cap.
 - :class:`FlashPairs`: Paddle's flash attention on a GPU (``_C_ops.flash_attn`` returns the log-sum-exp,
-  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids
-  or a window (FA2's flash_attn takes none).
+  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids,
+  a window or a soft cap (FA2's flash_attn takes none).
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
 reference: on a CPU without our fused kernel, ``kernels: paddle``/``reference`` or no build; on a GPU
-packed rows, fp32, a sliding window shorter than the rows, or what flash attention refuses). The first rank
+packed rows, fp32, a sliding window shorter than the rows, soft-capped scores, or what flash attention
+refuses). The first rank
 of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 
@@ -125,9 +127,9 @@ class FlashPairs:
 
 
 def _flash_takes(pair: Pair) -> None:
-    if pair.window or pair.segments is not None:
+    if pair.window or pair.softcap or pair.segments is not None:
         raise ValueError(
-            "Paddle's flash_attn takes no sliding window or segment ids: models/attention_choice."
+            "Paddle's flash_attn takes no sliding window, soft cap or segment ids: models/attention_choice."
             "ring_pair_kernel gives such layers and rows the blocks of Paddle ops"
         )
 
@@ -135,12 +137,13 @@ def _flash_takes(pair: Pair) -> None:
 class _Chunks:
     """One call's chunks in the model's layout: q [b, 2c, h, d] as two query slots, a K/V pair [2, b, 2c,
     hk, d] (what travels) as two key slots, the rows' segment ids [b, S] cut by sequence chunk, and the
-    layer's sliding window (``rule.window``; None: every earlier key)."""
+    layer's sliding window (``rule.window``; None: every earlier key) and soft cap (``rule.softcap``)."""
 
     def __init__(self, q: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, rule: ScoreRule) -> None:
         self.c = q.shape[1] // 2
         self.seg = seg
         self.window = rule.window
+        self.softcap = 0.0 if rule.softcap is None else float(rule.softcap)
         self.scale = float(q.shape[-1]) ** -0.5
         self.acc = paddle.float64 if q.dtype == paddle.float64 else paddle.float32
         self.q_chunks = chunks_of(ring.degree, ring.rank)
@@ -158,9 +161,9 @@ class _Chunks:
     def pair(self, q: paddle.Tensor, kv: paddle.Tensor, qc: int, kc: int, ki: int, causal: bool) -> Pair:
         """The kernel call of query chunk ``q`` (sequence chunk qc) and key slot ``ki`` (sequence chunk kc) of
         the K/V held."""
-        window = self.pair_window(qc, kc) or (0, 0)
+        window, offset = self.pair_window(qc, kc) or (0, 0)
         k, v = self.slot(kv[0], ki), self.slot(kv[1], ki)
-        return Pair(q, k, v, self.segments(qc, kc), causal, self.scale, *window)
+        return Pair(q, k, v, self.segments(qc, kc), causal, self.scale, window, offset, self.softcap)
 
     def pair_window(self, qc: int, kc: int) -> Window:
         """The window of sequence chunks qc (the queries) and kc (the keys), or None where it holds every

@@ -283,10 +283,16 @@ template <typename T>
 T capped(const Shape& sh, const Block& blk, T scale, T* row, T* slope) {
   if (sh.softcap <= 0) return scale;
   const T cap = static_cast<T>(sh.softcap), over = scale / cap;
+  if (slope == nullptr) {
+#pragma omp simd
+    for (int64_t j = blk.j0; j < blk.j1; ++j) row[j] = cap * bmt::tanh_approx(row[j] * over);
+    return T(1);
+  }
+#pragma omp simd
   for (int64_t j = blk.j0; j < blk.j1; ++j) {
-    const T t = std::tanh(row[j] * over);
+    const T t = bmt::tanh_approx(row[j] * over);
     row[j] = cap * t;
-    if (slope != nullptr) slope[j] = T(1) - t * t;
+    slope[j] = T(1) - t * t;
   }
   return T(1);
 }

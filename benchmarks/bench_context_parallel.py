@@ -15,7 +15,8 @@ BENCH_CP_RING=1 measures the ring attention alone instead: over BENCH_CP_DEGREES
 head_dim 64, fp32) on a row of BENCH_CP_SEQ tokens, forward and backward of parallel/ring_attention.py's
 RingCore with the fused CPU kernel per chunk pair and with Paddle-op blocks, alternating in the same
 processes (BENCH_CP_STEPS timed steps each after a warm-up): the median of the slowest rank's step time of
-each, their ratio, and rank 0's peak of live Paddle tensors during a step of each."""
+each, their ratio, and rank 0's peak of live Paddle tensors during a step of each. BENCH_CP_SOFTCAP=50 caps
+the scores as Gemma 2's attn_logit_softcapping does (cap * tanh(s / cap) before the mask, in both paths)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ SEQ = int(os.environ.get("BENCH_CP_SEQ", "8192"))
 LAYERS = int(os.environ.get("BENCH_CP_LAYERS", "2"))
 STEPS = int(os.environ.get("BENCH_CP_STEPS", "2"))
 DEGREES = [int(x) for x in os.environ.get("BENCH_CP_DEGREES", "1,2,4").split(",")]
+SOFTCAP = float(os.environ.get("BENCH_CP_SOFTCAP", "0")) or None  # the ring benchmark's score cap
 CONFIG = """model_config:
   family: llama
   hidden_size: 576
@@ -109,10 +111,12 @@ def _run(root: Path, degree: int) -> dict:
 
 
 def _ring_step(core: Any, tensors: List[Any], w: Any) -> float:
+    from bmtrain_cli.models.attention_choice import ScoreRule
+
     for t in tensors:
         t.clear_gradient()
     start = time.perf_counter()
-    out = core(*tensors, None)
+    out = core(*tensors, None, rule=ScoreRule(None, SOFTCAP))
     (out * w).sum().backward()
     return time.perf_counter() - start
 
@@ -167,7 +171,8 @@ def ring_main() -> Dict[str, Any]:
             logs = "".join(p.read_text()[-2000:] for p in sorted((Path(tmp) / "log").glob("workerlog.*")))
             raise RuntimeError(logs)
         r = json.loads(report.read_text())
-    print(f"ring attention, cp{degree}, {SEQ} tokens (9/3 heads, head_dim 64, fp32), {STEPS} steps")
+    cap = f", scores capped at {SOFTCAP:g}" if SOFTCAP else ""
+    print(f"ring attention, cp{degree}, {SEQ} tokens (9/3 heads, head_dim 64, fp32{cap}), {STEPS} steps")
     print("| per chunk pair | step (s, slowest rank) | vs Paddle-op blocks | peak per rank (MiB) |")
     print("|---|---|---|---|")
     for name, label in (("blocks", "Paddle-op blocks"), ("fused", "fused CPU kernel")):

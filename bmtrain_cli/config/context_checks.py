@@ -50,7 +50,7 @@ def _check_ulysses(arch: Any, n: int, tp: int, err: Callable[..., None]) -> None
 
 def _check_arch(arch: Optional[Any], err: Callable[..., None]) -> None:
     """What the context group's attention cannot split (a sliding window and soft-capped scores can: the ring
-    applies the window on the tokens' places in the whole rows and caps each score in its blocks, the
+    applies the window on the tokens' places in the whole rows and caps each score in its chunk pairs, the
     ulysses mode attends whole rows)."""
     if arch is None:
         return

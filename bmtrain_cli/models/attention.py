@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Protocol, Tuple
 import paddle
 import paddle.nn.functional as F
 
-from bmtrain_cli.models.attention_choice import IMPLEMENTATIONS, choose_kernel
+from bmtrain_cli.models.attention_choice import IMPLEMENTATIONS, ScoreRule, choose_kernel
 from bmtrain_cli.models.blocked_attention import allowed_keys, blocked_attention
 
 __all__ = [
@@ -317,7 +317,7 @@ def attend(
         whole = functools.partial(
             attend, implementation=implementation, training=training, cpu_kernel=cpu_kernel
         )
-        return mask.core(q, k, v, mask.segment_ids, whole, mask.window, softcap)
+        return mask.core(q, k, v, mask.segment_ids, whole, ScoreRule(mask.window, softcap))
     held = mask if isinstance(mask, SegmentIds) else None
     if held is not None:
         mask = held.ids

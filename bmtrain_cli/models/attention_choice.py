@@ -8,6 +8,7 @@ ALiBi).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 IMPLEMENTATIONS = ("auto", "sdpa", "flash", "eager")
@@ -65,6 +66,23 @@ def flash_refusal(
     return None
 
 
+@dataclass(frozen=True)
+class ScoreRule:
+    """What a layer's attention scores obey beyond causality and segments: its sliding ``window`` (keys
+    ``window`` or more positions before a query are not visible, on the tokens' places in the whole rows;
+    None: every earlier key) and their soft ``softcap`` (the scaled scores become cap * tanh(s / cap) before
+    the mask, Gemma 2's attn_logit_softcapping; None: uncapped)."""
+
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+
+    def within(self, rows: int) -> ScoreRule:
+        """This rule over rows of ``rows`` tokens: a window as long as the rows holds every earlier key."""
+        if self.window is not None and self.window >= rows:
+            return ScoreRule(None, self.softcap)
+        return self
+
+
 def ring_pair_kernel(
     dtype: str,
     on_gpu: bool,
@@ -72,23 +90,22 @@ def ring_pair_kernel(
     fused_cpu: bool,
     capability: Optional[Tuple[int, int]] = None,
     head_dim: Optional[int] = None,
-    windowed: bool = False,
-    softcap: bool = False,
+    rule: ScoreRule = ScoreRule(),
 ) -> Tuple[Optional[str], str]:
     """(kernel, why) for the chunk pairs of context parallel's ring attention (parallel/ring_pairs.py):
-    ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids or a sliding window,
-    where :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel, float32/float64, where the
-    model's op set carries it; it applies the window itself), or None with the reason the blocks of Paddle
-    ops run. ``dtype`` is the rows' dtype name (``float32``, ``bfloat16``, ...); ``windowed``: the layer's
-    sliding window is shorter than the rows; ``softcap``: the scores are soft-capped (Gemma 2), which no pair
-    kernel does (the blocks cap each score). The run passes its rows' facts, the memory planner the
+    ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids, a sliding window or
+    soft-capped scores, where :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel,
+    float32/float64, where the model's op set carries it; it applies the window and the soft cap itself), or
+    None with the reason the blocks of Paddle
+    ops run. ``dtype`` is the rows' dtype name (``float32``, ``bfloat16``, ...); ``rule``: the layer's
+    :class:`ScoreRule` over the whole rows (its window shorter than the rows, :meth:`ScoreRule.within`). The run passes its rows' facts, the memory planner the
     configured ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
-    if softcap:
-        return None, "soft-capped scores: the fused CPU pair kernel and flash attention take no cap"
     if on_gpu:
+        if rule.softcap is not None:
+            return None, "soft-capped scores: Paddle's flash attention takes no cap"
         if packed:
             return None, "packed rows: flash attention takes no segment ids"
-        if windowed:
+        if rule.window is not None:
             return None, "a sliding window: Paddle's flash_attn (FA2) takes no window"
         if dtype not in ("float16", "bfloat16"):
             return None, f"{dtype}: flash attention takes fp16/bf16"

@@ -98,10 +98,12 @@ def fused_attention(
     return load_extension().bmt_attention_fwd(q, k, v, seg, scale)[0]
 
 
-def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool, window: int) -> None:
+def _check_pair(q: paddle.Tensor, k: paddle.Tensor, causal: bool, window: int, softcap: float) -> None:
     op = "attention_pair"
     if window < 0:
         raise ValueError(f"{op}: the window must be positive (0: none), got {window}")
+    if not softcap >= 0:
+        raise ValueError(f"{op}: the soft cap must be positive (0: none), got {softcap}")
     if q.ndim != 4 or k.ndim != 4 or [k.shape[0], k.shape[3]] != [q.shape[0], q.shape[3]]:
         raise ValueError(f"{op}: q {list(q.shape)} and k/v {list(k.shape)} do not fit")
     if causal and q.shape[1] != k.shape[1]:
@@ -119,7 +121,8 @@ class Pair(NamedTuple):
     ``causal`` (the diagonal pair, sq == sk) or every key visible, ``segments`` the int64 ids of the queries
     [b, sq] and of the keys [b, sk] (a query sees only keys with its id) or None, the score ``scale``;
     a sliding ``window`` (0: none) with the queries' ``offset`` (query i sits offset positions after key 0
-    in the sequence): query i sees only the keys j with i + offset - j < window."""
+    in the sequence): query i sees only the keys j with i + offset - j < window; a ``softcap`` (0: none) of
+    the scaled scores s, which become softcap * tanh(s / softcap) before the mask (Gemma 2)."""
 
     q: paddle.Tensor
     k: paddle.Tensor
@@ -129,17 +132,18 @@ class Pair(NamedTuple):
     scale: float
     window: int = 0
     offset: int = 0
+    softcap: float = 0.0
 
 
 def attention_pair_forward(pair: Pair) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """One chunk pair's attention (no autograd: the ring's own backward calls
     :func:`attention_pair_backward`). Returns the output [b, sq, h, d] and the per-query log-sum-exp
     [b, h, sq] in q's dtype (a query that sees no key: output 0, log-sum-exp -1e30)."""
-    q, k, v, segments, causal, scale, window, offset = pair
-    _check_pair(q, k, causal, window)
+    q, k, v, segments, causal, scale, window, offset, softcap = pair
+    _check_pair(q, k, causal, window, softcap)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_fwd(
-        q, k, v, qs, ks, bool(causal), float(scale), int(window), int(offset)
+        q, k, v, qs, ks, bool(causal), float(scale), int(window), int(offset), float(softcap)
     )
 
 
@@ -148,11 +152,24 @@ def attention_pair_backward(
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The gradients (dq, dk, dv) of one pair's share of an attention whose merged log-sum-exp is ``lse``
     and whose D = rowsum(dO * O) is ``delta`` (both [b, h, sq], q's dtype), given its output's gradient
-    ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale).
+    ``dout`` [b, sq, h, d] (the FlashAttention-2 recurrences: P = exp(S scale - lse), dS = P (dP - D) scale,
+    times the cap's derivative 1 - tanh^2 with a soft cap).
     """
-    q, k, v, segments, causal, scale, window, offset = pair
-    _check_pair(q, k, causal, window)
+    q, k, v, segments, causal, scale, window, offset, softcap = pair
+    _check_pair(q, k, causal, window, softcap)
     qs, ks = (None, None) if segments is None else segments
     return load_extension().bmt_attention_pair_bwd(
-        q, k, v, qs, ks, lse, delta, dout, bool(causal), float(scale), int(window), int(offset)
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        lse,
+        delta,
+        dout,
+        bool(causal),
+        float(scale),
+        int(window),
+        int(offset),
+        float(softcap),
     )

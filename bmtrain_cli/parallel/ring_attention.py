@@ -10,7 +10,8 @@ log-sum-exp. A chunk pair is one call of the fused CPU attention kernel on a CPU
 Paddle's flash attention on a GPU (parallel/ring_pairs.py), else blocks of Paddle ops (parallel/ring_blocks.py,
 the reference). Chunk pairs are decided by the chunks' places in the sequence: a key chunk before the query chunk
 is fully visible, the same chunk is causal, a later chunk is skipped (so the K/V of a lower rank meet all the
-local queries, those of a higher rank only the back chunk). Soft-capped scores (Gemma 2) take the blocks. A layer's sliding window (keys ``window`` or more
+local queries, those of a higher rank only the back chunk). Soft-capped scores (Gemma 2) are capped pair by pair (the fused
+CPU kernel or the blocks; flash attention takes no cap). A layer's sliding window (keys ``window`` or more
 positions before a query are not visible, on the tokens' places in the whole row) skips the pairs whose
 keys all lie outside it (their K/V still travel on) and masks those it cuts. Packed rows restrict every pair further to equal
 segment ids, read from the whole row's ids (every rank of the group holds the whole batch). K/V keep their
@@ -32,7 +33,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from bmtrain_cli.labels import IGNORE_INDEX
-from bmtrain_cli.models.attention_choice import RING_BLOCK
+from bmtrain_cli.models.attention_choice import RING_BLOCK, ScoreRule
 from bmtrain_cli.models.scoring import right_padded
 from bmtrain_cli.parallel.ring_blocks import blocks_backward, blocks_forward
 from bmtrain_cli.parallel.ring_pairs import pair_backward, pair_forward, pair_kernel
@@ -156,17 +157,16 @@ class RingAttention(PyLayer):
         ring: Any,
         block: int,
         kernel: Any = None,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> paddle.Tensor:
         if kernel is None:
-            out, lse = blocks_forward(q, k, v, seg, ring, block, window, softcap)
+            out, lse = blocks_forward(q, k, v, seg, ring, block, rule)
         else:  # one kernel call per chunk pair
-            out, lse = pair_forward(q, k, v, seg, ring, kernel, window)
+            out, lse = pair_forward(q, k, v, seg, ring, kernel, rule)
         # a copy of the segment ids: the caller's tensor may be released before the backward
         kept = None if seg is None else seg.clone()
         ctx.save_for_backward(q, k, v, out, lse, kept)
-        ctx.ring, ctx.block, ctx.kernel, ctx.window, ctx.softcap = ring, block, kernel, window, softcap
+        ctx.ring, ctx.block, ctx.kernel, ctx.rule = ring, block, kernel, rule
         return out
 
     @staticmethod
@@ -175,9 +175,9 @@ class RingAttention(PyLayer):
     ) -> Tuple[Optional[paddle.Tensor], ...]:
         saved = ctx.saved_tensor()
         if ctx.kernel is None:
-            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.window, ctx.softcap)
+            dq, dk, dv = blocks_backward(saved, ctx.ring, ctx.block, dout, ctx.rule)
         else:
-            dq, dk, dv = pair_backward(saved, ctx.ring, ctx.kernel, dout, ctx.window)
+            dq, dk, dv = pair_backward(saved, ctx.ring, ctx.kernel, dout, ctx.rule)
         return (dq, dk, dv) if saved[5] is None else (dq, dk, dv, None)
 
 
@@ -188,9 +188,9 @@ class RingCore:
     runs, parallel/ulysses.py) is not needed. ``fused``: the model's op set carries our fused CPU attention
     (kernels custom or auto with the kernels built), which then attends each chunk pair on a CPU; on a GPU
     Paddle's flash attention does where it applies (parallel/ring_pairs.py pair_kernel), else blocks of
-    Paddle ops (parallel/ring_blocks.py). ``window``: the layer's sliding window (Gemma 3's sliding layers,
-    Mistral), applied on the tokens' places in the whole rows; one as long as the rows holds every key.
-    ``softcap``: the scores' soft cap (Gemma 2's attn_logit_softcapping), which only the blocks apply."""
+    Paddle ops (parallel/ring_blocks.py). ``rule``: the layer's :class:`ScoreRule`, its sliding window
+    (Gemma 3's sliding layers, Mistral; one as long as the rows holds every key) and its scores' soft cap
+    (Gemma 2's attn_logit_softcapping, which the fused CPU kernel and the blocks apply)."""
 
     def __init__(self, ring: Any, block: int = RING_BLOCK, fused: bool = False) -> None:
         self.ring = ring
@@ -204,14 +204,12 @@ class RingCore:
         v: Tensor,
         segment_ids: Optional[Tensor],
         whole: Any = None,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> Tensor:
         seg = None if segment_ids is None else segment_ids.astype("int64")
-        if window is not None and window >= q.shape[1] * self.ring.degree:
-            window = None  # every earlier key of the rows lies inside it
-        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, window is not None, softcap is not None)
-        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, window, softcap)
+        rule = rule.within(q.shape[1] * self.ring.degree)
+        kernel = pair_kernel(q, seg, self.fused, self.ring.rank == 0, rule)
+        return RingAttention.apply(q, k, v, seg, self.ring, self.block, kernel, rule)
 
 
 def split_batch(batch: Dict[str, np.ndarray], degree: int, rank: int) -> Dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 
+from bmtrain_cli.models.attention_choice import ScoreRule
 from bmtrain_cli.parallel.ring_pairs import chunks_of, merge, pair_list
 
 # a masked score: finite, so that a query that sees no key of a chunk pair gets a finite log-sum-exp whose
@@ -27,9 +28,8 @@ _MASKED = -1e30
 class _Layout:
     """Shapes and per-block masks of one call: q [b, 2c, h, d] and k/v [b, 2c, hk, d] on every rank. Queries
     are grouped by KV head, token-major: row t * rep + j of [b, hk, c * rep, d] is token t, query head j of
-    the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range. ``window``: the
-    layer's sliding window on the tokens' places in the whole rows (None: every earlier key); ``softcap``:
-    the scaled scores' soft cap (None: uncapped)."""
+    the KV head; a block of ``block`` tokens of a query chunk is a contiguous row range. ``rule``: the
+    layer's sliding window on the tokens' places in the whole rows and the scaled scores' soft cap."""
 
     def __init__(
         self,
@@ -37,8 +37,7 @@ class _Layout:
         k: paddle.Tensor,
         seg: Optional[paddle.Tensor],
         block: int,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> None:
         self.b, s2, self.h, self.d = q.shape
         self.hk = k.shape[2]
@@ -47,8 +46,7 @@ class _Layout:
         self.seg = seg
         self.scale = float(self.d) ** -0.5
         self.block = block
-        self.window = window
-        self.softcap = softcap
+        self.window, self.softcap = rule.window, rule.softcap
         self.blocks = [(t, min(t + block, self.c)) for t in range(0, self.c, block)]
 
     def q_slot(self, x: paddle.Tensor, i: int) -> paddle.Tensor:
@@ -124,12 +122,11 @@ def blocks_forward(
     seg: Optional[paddle.Tensor],
     ring: Any,
     block: int,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    rule: ScoreRule = ScoreRule(),
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """The ring's forward: the output [b, 2c, h, d] and the per-query log-sum-exp of each query slot,
     stacked [2, b, hk, c * rep] (fp32)."""
-    lay = _Layout(q, k, seg, block, window, softcap)
+    lay = _Layout(q, k, seg, block, rule)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     acc: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
@@ -162,12 +159,11 @@ def blocks_backward(
     ring: Any,
     block: int,
     dout: paddle.Tensor,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    rule: ScoreRule = ScoreRule(),
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The ring's backward from ``saved`` = (q, k, v, out, lse, seg) of :func:`blocks_forward`: dq, dk, dv."""
     q, k, v, out, lse, seg = saved
-    lay = _Layout(q, k, seg, block, window, softcap)
+    lay = _Layout(q, k, seg, block, rule)
     q_chunks = chunks_of(ring.degree, ring.rank)
     qgs = [lay.q_slot(q, i) for i in range(2)]
     dos = [lay.q_slot(dout, i) for i in range(2)]

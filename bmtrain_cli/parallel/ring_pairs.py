@@ -7,17 +7,19 @@ log-sum-exp of the whole attention (and D = rowsum(dO * O) or O itself) and retu
 dQ, dK, dV (the FlashAttention-2 recurrences against the global statistics), which the ring sums.
 
 A layer's sliding window skips the chunk pairs whose keys all lie outside it (:func:`pair_list`) and reaches
-the kernel of a pair it cuts as (window, offset) (:data:`Window`).
+the kernel of a pair it cuts as (window, offset) (:data:`Window`); soft-capped scores (Gemma 2) reach every
+pair's kernel as its cap.
 
 - :class:`FusedPairs`: our fused CPU kernel (ops/fused_attention.py attention_pair_*), float32/float64, with
-  the query chunk's and the key chunk's segment ids for packed rows, and the window.
+  the query chunk's and the key chunk's segment ids for packed rows, the window and the soft cap.
 - :class:`FlashPairs`: Paddle's flash attention on a GPU (``_C_ops.flash_attn`` returns the log-sum-exp,
-  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids
-  or a window (FA2's flash_attn takes none).
+  ``_C_ops.flash_attn_grad`` takes the merged output and log-sum-exp), fp16/bf16 rows without segment ids,
+  a window or a soft cap (FA2's flash_attn takes none).
 
 :func:`pair_kernel` picks one for a call, or None: the ring then attends in blocks of Paddle ops (the
 reference: on a CPU without our fused kernel, ``kernels: paddle``/``reference`` or no build; on a GPU
-packed rows, fp32, a sliding window shorter than the rows, or what flash attention refuses). The first rank
+packed rows, fp32, a sliding window shorter than the rows, soft-capped scores, or what flash attention
+refuses). The first rank
 of a context group says once on stderr which path it runs, and why where it falls back to Paddle ops.
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 
-from bmtrain_cli.models.attention_choice import ring_pair_kernel
+from bmtrain_cli.models.attention_choice import ScoreRule, ring_pair_kernel
 from bmtrain_cli.ops.fused_attention import Pair, attention_pair_backward, attention_pair_forward
 
 _LOGGED: set = set()  # the paths this process has reported
@@ -125,9 +127,9 @@ class FlashPairs:
 
 
 def _flash_takes(pair: Pair) -> None:
-    if pair.window or pair.segments is not None:
+    if pair.window or pair.softcap or pair.segments is not None:
         raise ValueError(
-            "Paddle's flash_attn takes no sliding window or segment ids: models/attention_choice."
+            "Paddle's flash_attn takes no sliding window, soft cap or segment ids: models/attention_choice."
             "ring_pair_kernel gives such layers and rows the blocks of Paddle ops"
         )
 
@@ -135,14 +137,13 @@ def _flash_takes(pair: Pair) -> None:
 class _Chunks:
     """One call's chunks in the model's layout: q [b, 2c, h, d] as two query slots, a K/V pair [2, b, 2c,
     hk, d] (what travels) as two key slots, the rows' segment ids [b, S] cut by sequence chunk, and the
-    layer's sliding window (None: every earlier key)."""
+    layer's sliding window (``rule.window``; None: every earlier key) and soft cap (``rule.softcap``)."""
 
-    def __init__(
-        self, q: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, window: Optional[int] = None
-    ) -> None:
+    def __init__(self, q: paddle.Tensor, seg: Optional[paddle.Tensor], ring: Any, rule: ScoreRule) -> None:
         self.c = q.shape[1] // 2
         self.seg = seg
-        self.window = window
+        self.window = rule.window
+        self.softcap = 0.0 if rule.softcap is None else float(rule.softcap)
         self.scale = float(q.shape[-1]) ** -0.5
         self.acc = paddle.float64 if q.dtype == paddle.float64 else paddle.float32
         self.q_chunks = chunks_of(ring.degree, ring.rank)
@@ -160,9 +161,9 @@ class _Chunks:
     def pair(self, q: paddle.Tensor, kv: paddle.Tensor, qc: int, kc: int, ki: int, causal: bool) -> Pair:
         """The kernel call of query chunk ``q`` (sequence chunk qc) and key slot ``ki`` (sequence chunk kc) of
         the K/V held."""
-        window = self.pair_window(qc, kc) or (0, 0)
+        window, offset = self.pair_window(qc, kc) or (0, 0)
         k, v = self.slot(kv[0], ki), self.slot(kv[1], ki)
-        return Pair(q, k, v, self.segments(qc, kc), causal, self.scale, *window)
+        return Pair(q, k, v, self.segments(qc, kc), causal, self.scale, window, offset, self.softcap)
 
     def pair_window(self, qc: int, kc: int) -> Window:
         """The window of sequence chunks qc (the queries) and kc (the keys), or None where it holds every
@@ -189,12 +190,12 @@ def pair_forward(
     seg: Optional[paddle.Tensor],
     ring: Any,
     kernel: Any,
-    window: Optional[int] = None,
+    rule: ScoreRule = ScoreRule(),
 ) -> Tuple[paddle.Tensor, paddle.Tensor]:
-    """The ring's forward, one ``kernel`` call per chunk pair (none for a pair outside the sliding
-    ``window``): the output [b, 2c, h, d] (q's dtype) and the merged log-sum-exp [b, 2c, h] (float32,
+    """The ring's forward, one ``kernel`` call per chunk pair (none for a pair outside the sliding window
+    of ``rule``): the output [b, 2c, h, d] (q's dtype) and the merged log-sum-exp [b, 2c, h] (float32,
     float64 for float64 rows)."""
-    ch = _Chunks(q, seg, ring, window)
+    ch = _Chunks(q, seg, ring, rule)
     qs = [ch.slot(q, i) for i in range(2)]
     acc: Dict[int, Tuple[Any, Any]] = {}
     for k_chunks, kv, pairs in ch.steps(ring, paddle.stack([k, v])):
@@ -206,13 +207,13 @@ def pair_forward(
 
 
 def pair_backward(
-    saved: Tuple[Any, ...], ring: Any, kernel: Any, dout: paddle.Tensor, window: Optional[int] = None
+    saved: Tuple[Any, ...], ring: Any, kernel: Any, dout: paddle.Tensor, rule: ScoreRule = ScoreRule()
 ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """The ring's backward, one ``kernel`` call per chunk pair; ``saved``: (q, k, v, out, lse, seg) of
     :func:`pair_forward`. Each K/V's gradient accumulators travel with it and come home after the last
     step."""
     q, k, v, out, lse, seg = saved
-    ch = _Chunks(q, seg, ring, window)
+    ch = _Chunks(q, seg, ring, rule)
     qs = [ch.slot(q, i) for i in range(2)]
     delta = (dout.astype(ch.acc) * out.astype(ch.acc)).sum(axis=-1)  # D_i = dO_i . O_i, [b, 2c, h]
     stats: List[Dict[str, Any]] = []
@@ -242,12 +243,11 @@ def pair_kernel(
     seg: Optional[paddle.Tensor],
     fused: bool,
     report: bool = False,
-    windowed: bool = False,
-    softcap: bool = False,
+    rule: ScoreRule = ScoreRule(),
 ) -> Any:
     """The pair kernel for a ring call with queries ``q`` [b, 2c, h, d] (``seg``: the rows' segment ids or
-    None; ``fused``: the model's op set carries our fused CPU attention; ``windowed``: the layer's sliding
-    window is shorter than the rows; ``softcap``: the scores are soft-capped), or None for Paddle-op blocks, as
+    None; ``fused``: the model's op set carries our fused CPU attention; ``rule``: the layer's score rule,
+    its window shorter than the rows or None), or None for Paddle-op blocks, as
     models/attention_choice.ring_pair_kernel decides. ``report``: say on stderr which path runs (once per
     path and process)."""
     gpu = not q.place.is_cpu_place()
@@ -257,9 +257,7 @@ def pair_kernel(
 
         capability = gpu_capability()
     dtype = str(q.dtype).replace("paddle.", "")
-    name, why = ring_pair_kernel(
-        dtype, gpu, seg is not None, fused, capability, q.shape[-1], windowed, softcap
-    )
+    name, why = ring_pair_kernel(dtype, gpu, seg is not None, fused, capability, q.shape[-1], rule)
     kernel: Any = {"flash": FlashPairs, "cpu_fused": FusedPairs}[name]() if name else None
     if report:
         _report_once(kernel, why)

@@ -30,6 +30,7 @@ import numpy as np
 import paddle
 
 from bmtrain_cli.models.attention import build_bias
+from bmtrain_cli.models.attention_choice import ScoreRule
 from bmtrain_cli.parallel.expert_parallel import ExpertGroup, all_to_all
 from bmtrain_cli.parallel.ring_attention import local_indices
 
@@ -46,10 +47,10 @@ def layout_order(seq_len: int, degree: int) -> np.ndarray:
 class UlyssesCore:
     """The attention core of one context group in ulysses mode (models/attention.py ``ContextShard.core``):
     q [b, 2c, h, d], k/v [b, 2c, hk, d] of this rank's chunks, the whole rows' int segment ids [b, S] (or
-    None), ``whole``, the model's attention over whole rows of its heads, and the layer's sliding
-    ``window``, which (shorter than the rows) becomes the additive bias one process gives that attention
-    (models/attention.py build_bias); with soft-capped scores (``softcap``, Gemma 2) the window and the cap
-    go to that attention instead, whose blocked kernel applies both without an s x s bias."""
+    None), ``whole``, the model's attention over whole rows of its heads, and the layer's
+    :class:`ScoreRule`, whose sliding window (shorter than the rows) becomes the additive bias one process
+    gives that attention (models/attention.py build_bias); with soft-capped scores (Gemma 2) the window and
+    the cap go to that attention instead, whose blocked kernel applies both without an s x s bias."""
 
     def __init__(self, ring: Any) -> None:
         self.ring = ring  # the group's sums of partial log-probs (preference/logps.py) run over it
@@ -62,17 +63,16 @@ class UlyssesCore:
         v: paddle.Tensor,
         segment_ids: Optional[paddle.Tensor],
         whole: WholeAttention,
-        window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        rule: ScoreRule = ScoreRule(),
     ) -> paddle.Tensor:
         n = self.group.degree
         b, s2, h, d = q.shape
         hk = k.shape[2]
         mask = segment_ids
-        if softcap is not None:
-            whole = functools.partial(whole, window=window, softcap=softcap)
-        elif window is not None and window < s2 * n:
-            mask = build_bias(segment_ids, segment_ids, s2 * n, s2 * n, 0, q.dtype, window)
+        if rule.softcap is not None:
+            whole = functools.partial(whole, window=rule.window, softcap=rule.softcap)
+        elif rule.within(s2 * n).window is not None:
+            mask = build_bias(segment_ids, segment_ids, s2 * n, s2 * n, 0, q.dtype, rule.window)
         if n == 1:
             return whole(q, k, v, mask)
         order = layout_order(s2 * n, n)

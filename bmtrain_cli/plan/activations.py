@@ -174,11 +174,11 @@ def ring_pair_kernel(w: Workload, device: Device, cp: int = 1) -> bool:
     take them everywhere)."""
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(w.precision, "float32")
     gpu, fused = device.kind != "cpu", fused_cpu_attention(w, device)
-    window = getattr(w.arch, "sliding_window", None)
-    windowed = window is not None and window < w.seq_len * cp
-    softcap = getattr(w.arch, "attn_logit_softcapping", None) is not None
+    rule = attention_choice.ScoreRule(
+        getattr(w.arch, "sliding_window", None), getattr(w.arch, "attn_logit_softcapping", None)
+    )
     name, _ = attention_choice.ring_pair_kernel(
-        dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim, windowed=windowed, softcap=softcap
+        dtype, gpu, w.packed, fused, head_dim=w.arch.head_dim, rule=rule.within(w.seq_len * cp)
     )
     return name is not None
 

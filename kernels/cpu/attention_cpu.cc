@@ -5,7 +5,9 @@
 // passes one array of ids for both; a ring attention's block pair (parallel/ring_attention.py) passes the
 // ids of its query chunk and of its key chunk, causal on the diagonal pair and not before it, and a sliding
 // window where the layer has one: query i, `offset` positions after key 0 (the distance of the chunks'
-// starts in the sequence), sees only the keys j with i + offset - j < window. A query that
+// starts in the sequence), sees only the keys j with i + offset - j < window; and a soft cap where the layer's
+// scores have one (Gemma 2): the scaled scores become cap * tanh(s scale / cap) before the mask, and the
+// backward multiplies dS by the cap's derivative 1 - tanh^2. A query that
 // sees no key of the call gets a zero output and the log-sum-exp kEmptyLse (finite: its weight in a
 // log-sum-exp merge underflows to zero). The backward takes the log-sum-exp and D = dO . O from the
 // caller, so a block pair's gradients are taken against the merged (global) statistics.
@@ -54,6 +56,7 @@ struct Shape {
   int64_t chunks;  // chunks per (batch, kv head) item
   int64_t window = 0;  // > 0: query i sees only the keys j with i + offset - j < window
   int64_t offset = 0;
+  double softcap = 0;  // > 0: the scaled scores become softcap * tanh(s / softcap) before the mask
   int64_t qblocks() const { return (sq + kQB - 1) / kQB; }
   int64_t items() const { return b * hk * chunks; }
   int64_t qrow(int64_t bb, int64_t i, int64_t head) const { return ((bb * sq + i) * h + head) * d; }
@@ -273,6 +276,27 @@ void probabilities(const Item<T>& it, const Block& blk, int64_t q, bool causal, 
   *lse_out = m + std::log(sum);
 }
 
+// Row q's raw scores q.k -> the scores the probabilities take: returns the scale they still need (``scale``
+// without a cap); with a cap the row becomes cap * tanh(s scale / cap) in place (scale 1 then) and ``slope``
+// (if not null) the cap's derivative 1 - tanh^2 at each key.
+template <typename T>
+T capped(const Shape& sh, const Block& blk, T scale, T* row, T* slope) {
+  if (sh.softcap <= 0) return scale;
+  const T cap = static_cast<T>(sh.softcap), over = scale / cap;
+  if (slope == nullptr) {
+#pragma omp simd
+    for (int64_t j = blk.j0; j < blk.j1; ++j) row[j] = cap * bmt::tanh_approx(row[j] * over);
+    return T(1);
+  }
+#pragma omp simd
+  for (int64_t j = blk.j0; j < blk.j1; ++j) {
+    const T t = bmt::tanh_approx(row[j] * over);
+    row[j] = cap * t;
+    slope[j] = T(1) - t * t;
+  }
+  return T(1);
+}
+
 template <typename T>
 void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, Segments seg, T* out, T* lse,
                    T scale) {
@@ -293,7 +317,9 @@ void attention_fwd(const Shape& sh, const T* q, const T* k, const T* v, Segments
         score_tiles(qt.data(), it.kt.data(), sh.dp, sh.sp, blk.j0, blk.j1, p.data());
         for (int64_t r = 0; r < kQB; ++r) {
           T* l = lse + (bb * sh.h + blk.head) * sh.sq + blk.i0 + r;
-          probabilities(it, blk, r, sh.causal, scale, p.data() + r * sh.sp, static_cast<const T*>(nullptr), l);
+          T* row = p.data() + r * sh.sp;
+          const T by = capped(sh, blk, scale, row, static_cast<T*>(nullptr));
+          probabilities(it, blk, r, sh.causal, by, row, static_cast<const T*>(nullptr), l);
         }
         row_products(p.data(), it.vp.data(), sh.sp, sh.dp, blk.j0, blk.j1, ot.data());
         store_rows(sh, ot.data(), bb, blk, out);
@@ -331,6 +357,7 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, Segments
   {
     Item<T> it;
     std::vector<T> qt(kQB * sh.dp), dot(kQB * sh.dp), dqt(kQB * sh.dp), p(kQB * sh.sp), ds(kQB * sh.sp);
+    std::vector<T> slope(sh.softcap > 0 ? sh.sp : 0);
     std::vector<T> own(sh.chunks > 1 ? 0 : 2 * kv_elems);
     int64_t packed = -1;
 #pragma omp for schedule(monotonic : dynamic, 1)
@@ -353,10 +380,14 @@ void attention_bwd(const Shape& sh, const T* q, const T* k, const T* v, Segments
           T* dr = ds.data() + r * sh.sp;
           const int64_t at = (bb * sh.h + blk.head) * sh.sq + blk.i0 + r;
           const T* l = r < blk.n ? lse + at : nullptr;
-          probabilities(it, blk, r, sh.causal, scale, pr, l, static_cast<T*>(nullptr));
+          const T by = capped(sh, blk, scale, pr, slope.data());
+          probabilities(it, blk, r, sh.causal, by, pr, l, static_cast<T*>(nullptr));
           const T di = r < blk.n ? delta[at] : T(0);  // D_i = dO_i . O_i
 #pragma omp simd
           for (int64_t j = blk.j0; j < blk.j1; ++j) dr[j] = pr[j] * (dr[j] - di) * scale;
+          if (sh.softcap > 0)  // through the cap: d(cap * tanh(x / cap)) = (1 - tanh^2) dx
+#pragma omp simd
+            for (int64_t j = blk.j0; j < blk.j1; ++j) dr[j] *= slope[j];
         }
         row_products(ds.data(), it.kp.data(), sh.sp, sh.dp, blk.j0, blk.j1, dqt.data());
         store_rows(sh, dqt.data(), bb, blk, dq);
@@ -420,9 +451,10 @@ int run_backward(const Shape& sh, const void* q, const void* k, const void* v, S
   return BMT_OK;
 }
 
-Shape windowed(Shape sh, int64_t window, int64_t offset) {
+Shape ruled(Shape sh, int64_t window, int64_t offset, double softcap) {
   sh.window = window;
   sh.offset = offset;
+  sh.softcap = softcap;
   return sh;
 }
 
@@ -437,8 +469,8 @@ extern "C" {
 int bmt_cpu_attention_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
                           void* out, void* lse, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                           int64_t dim, double scale) {
-  return bmt_cpu_attention_pair_fwd(dtype, q, k, v, segment_ids, segment_ids, 1, 0, 0, out, lse, batch, seq, seq,
-                                    heads, kv_heads, dim, scale);
+  return bmt_cpu_attention_pair_fwd(dtype, q, k, v, segment_ids, segment_ids, 1, 0, 0, 0.0, out, lse, batch, seq,
+                                    seq, heads, kv_heads, dim, scale);
 }
 
 int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* segment_ids,
@@ -453,13 +485,14 @@ int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v
 }
 
 int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
-                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset, void* out,
-                               void* lse, int64_t batch, int64_t q_len, int64_t k_len, int64_t heads,
+                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset,
+                               double softcap, void* out, void* lse, int64_t batch, int64_t q_len, int64_t k_len, int64_t heads,
                                int64_t kv_heads, int64_t dim, double scale) {
   if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
-      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0)
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0 || !(softcap >= 0))
     return BMT_ERR_SHAPE;
-  const Shape sh = windowed(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset);
+  const Shape sh =
+      ruled(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset, softcap);
   const Segments seg{q_segment_ids, k_segment_ids};
   if (dtype == BMT_F32) return run_forward<float>(sh, q, k, v, seg, out, lse, scale);
   if (dtype == BMT_F64) return run_forward<double>(sh, q, k, v, seg, out, lse, scale);
@@ -468,13 +501,14 @@ int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const vo
 
 int bmt_cpu_attention_pair_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
                                const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset,
-                               const void* lse, const void* delta, const void* dout, void* dq, void* dk, void* dv,
+                               double softcap, const void* lse, const void* delta, const void* dout, void* dq, void* dk, void* dv,
                                int64_t batch, int64_t q_len, int64_t k_len, int64_t heads, int64_t kv_heads,
                                int64_t dim, double scale) {
   if (bad_shape(batch, q_len, k_len, heads, kv_heads, dim, causal) ||
-      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0)
+      (q_segment_ids == nullptr) != (k_segment_ids == nullptr) || window < 0 || !(softcap >= 0))
     return BMT_ERR_SHAPE;
-  const Shape sh = windowed(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset);
+  const Shape sh =
+      ruled(make_shape(batch, q_len, k_len, heads, kv_heads, dim, causal != 0), window, offset, softcap);
   const Segments seg{q_segment_ids, k_segment_ids};
   if (dtype == BMT_F32) return run_backward<float>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);
   if (dtype == BMT_F64) return run_backward<double>(sh, q, k, v, seg, nullptr, delta, lse, dout, dq, dk, dv, scale);

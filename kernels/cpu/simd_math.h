@@ -1,5 +1,5 @@
 // Math the CPU kernels share, written so that GCC vectorises it inside `omp simd` loops
-// (fused_cpu.cc, attention_cpu.cc).
+// (fused_cpu.cc, attention_cpu.cc: exp_approx, tanh_approx).
 #ifndef BMT_CPU_SIMD_MATH_H_
 #define BMT_CPU_SIMD_MATH_H_
 
@@ -30,6 +30,23 @@ inline float exp_approx(float x) {
 }
 
 inline double exp_approx(double x) { return std::exp(x); }
+
+// tanh for fp32 without a library call (Cephes' tanhf: an odd polynomial below |x| 0.625, else
+// 1 - 2 / (exp(2|x|) + 1) with the sign of x; a few ulp). Both sides are computed, so a loop vectorises.
+inline float tanh_approx(float x) {
+  const float a = std::fabs(x);
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = p * z * x + x;
+  const float big = 1.0f - 2.0f / (exp_approx(2.0f * a) + 1.0f);
+  return a < 0.625f ? small : std::copysign(big, x);
+}
+
+inline double tanh_approx(double x) { return std::tanh(x); }
 
 }  // namespace bmt
 

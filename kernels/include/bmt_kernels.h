@@ -27,7 +27,9 @@
 //               causal 1 (the diagonal pair, sq == sk: query i sees the keys j <= i) or 0 (every key);
 //               q_segment_ids [b, sq] and k_segment_ids [b, sk] both NULL or both given (a query sees only
 //               keys with its id); window > 0 (0: none) with offset (query i sits offset positions after
-//               key 0 in the sequence): query i sees only the keys j with i + offset - j < window.
+//               key 0 in the sequence): query i sees only the keys j with i + offset - j < window;
+//               softcap > 0 (0: none): the scaled scores become softcap * tanh(S scale / softcap) before
+//               the mask (Gemma 2), and dS is multiplied by 1 - tanh^2 in the backward.
 //               fwd: out [b, sq, h, d], lse [b, h, sq] (a query that sees no key: out 0, lse -1e30). bwd: from the caller's lse and delta [b, h, sq] (the merged log-sum-exp of the
 //               whole attention and D = rowsum(dO * O) of its output), dq, dk, dv of this pair's share:
 //               P = exp(S scale - lse), dS = P (dP - D) scale, dq = dS K, dk = dS^T Q, dv = P^T dO.
@@ -96,12 +98,12 @@ int bmt_cpu_attention_bwd(int dtype, const void* q, const void* k, const void* v
                           const void* out, const void* lse, const void* dout, void* dq, void* dk, void* dv,
                           int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim, double scale);
 int bmt_cpu_attention_pair_fwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
-                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset, void* out,
-                               void* lse, int64_t batch, int64_t q_len, int64_t k_len, int64_t heads,
+                               const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset,
+                               double softcap, void* out, void* lse, int64_t batch, int64_t q_len, int64_t k_len, int64_t heads,
                                int64_t kv_heads, int64_t dim, double scale);
 int bmt_cpu_attention_pair_bwd(int dtype, const void* q, const void* k, const void* v, const int64_t* q_segment_ids,
                                const int64_t* k_segment_ids, int causal, int64_t window, int64_t offset,
-                               const void* lse, const void* delta, const void* dout, void* dq, void* dk, void* dv,
+                               double softcap, const void* lse, const void* delta, const void* dout, void* dq, void* dk, void* dv,
                                int64_t batch, int64_t q_len, int64_t k_len, int64_t heads, int64_t kv_heads,
                                int64_t dim, double scale);
 

@@ -9,7 +9,8 @@
 //
 // bmt_attention_pair_fwd / _bwd: one (query chunk, key chunk) pair of a ring attention
 // (bmt_cpu_attention_pair_*): q [b, sq, h, d] over k/v [b, sk, hk, d], causal or not, with query and key
-// segment ids and a sliding window (window > 0; query i sits offset positions after key 0); the backward
+// segment ids, a sliding window (window > 0; query i sits offset positions after key 0) and a soft cap of the
+// scaled scores (softcap > 0: cap * tanh(s / cap) before the mask); the backward
 // takes the merged log-sum-exp and D = rowsum(dO * O) [b, h, sq]. Autograd is the ring's
 // (parallel/ring_attention.py), which merges the pairs.
 #include <vector>
@@ -145,13 +146,14 @@ struct PairDims {
 // q [b, sq, h, d], k and v [b, sk, hk, d]; segment ids int64 [b, sq] and [b, sk], both or neither.
 PairDims check_pair(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
                     const paddle::optional<paddle::Tensor>& qseg, const paddle::optional<paddle::Tensor>& kseg,
-                    bool causal, int64_t window, const char* op) {
+                    bool causal, int64_t window, double softcap, const char* op) {
   float_code(q, op, "q");
   PD_CHECK(q.shape().size() == 4 && k.shape().size() == 4, op, ": q and k must be [batch, seq, heads, head_dim]");
   const PairDims n{q.shape()[0], q.shape()[1], k.shape()[1], q.shape()[2], k.shape()[2], q.shape()[3]};
   PD_CHECK(n.hk > 0 && n.h % n.hk == 0, op, ": the kv heads must divide the query heads");
   PD_CHECK(!causal || n.sq == n.sk, op, ": a causal pair needs as many queries as keys");
   PD_CHECK(window >= 0, op, ": the window must be positive (0: none)");
+  PD_CHECK(softcap >= 0, op, ": the soft cap must be positive (0: none)");
   check_like(q, k, {n.b, n.sk, n.hk, n.d}, op, "k");
   check_like(q, v, {n.b, n.sk, n.hk, n.d}, op, "v");
   PD_CHECK(bool(qseg) == bool(kseg), op, ": give both query and key segment ids or neither");
@@ -171,13 +173,13 @@ PairDims check_pair(const paddle::Tensor& q, const paddle::Tensor& k, const padd
 std::vector<paddle::Tensor> AttentionPairForward(const paddle::Tensor& q, const paddle::Tensor& k,
                                                  const paddle::Tensor& v, const paddle::optional<paddle::Tensor>& qseg,
                                                  const paddle::optional<paddle::Tensor>& kseg, bool causal,
-                                                 double scale, int64_t window, int64_t offset) {
+                                                 double scale, int64_t window, int64_t offset, double softcap) {
   const char* op = "bmt_attention_pair_fwd";
-  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, window, op);
+  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, window, softcap, op);
   auto out = paddle::empty(q.shape(), q.dtype(), q.place());
   auto lse = paddle::empty({n.b, n.h, n.sq}, q.dtype(), q.place());
   const int st = bmt_cpu_attention_pair_fwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(qseg),
-                                            seg_data(kseg), causal ? 1 : 0, window, offset, out.data(), lse.data(),
+                                            seg_data(kseg), causal ? 1 : 0, window, offset, softcap, out.data(), lse.data(),
                                             n.b, n.sq, n.sk, n.h, n.hk, n.d, scale);
   PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
   return {out, lse};
@@ -188,9 +190,9 @@ std::vector<paddle::Tensor> AttentionPairBackward(const paddle::Tensor& q, const
                                                   const paddle::optional<paddle::Tensor>& kseg,
                                                   const paddle::Tensor& lse, const paddle::Tensor& delta,
                                                   const paddle::Tensor& dout, bool causal, double scale,
-                                                  int64_t window, int64_t offset) {
+                                                  int64_t window, int64_t offset, double softcap) {
   const char* op = "bmt_attention_pair_bwd";
-  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, window, op);
+  const PairDims n = check_pair(q, k, v, qseg, kseg, causal, window, softcap, op);
   check_like(q, lse, {n.b, n.h, n.sq}, op, "lse");
   check_like(q, delta, {n.b, n.h, n.sq}, op, "delta");
   check_like(q, dout, q.shape(), op, "the output's gradient");
@@ -198,7 +200,7 @@ std::vector<paddle::Tensor> AttentionPairBackward(const paddle::Tensor& q, const
   auto dk = paddle::empty(k.shape(), k.dtype(), k.place());
   auto dv = paddle::empty(v.shape(), v.dtype(), v.place());
   const int st = bmt_cpu_attention_pair_bwd(float_code(q, op, "q"), q.data(), k.data(), v.data(), seg_data(qseg),
-                                            seg_data(kseg), causal ? 1 : 0, window, offset, lse.data(), delta.data(),
+                                            seg_data(kseg), causal ? 1 : 0, window, offset, softcap, lse.data(), delta.data(),
                                             dout.data(), dq.data(), dk.data(), dv.data(), n.b, n.sq, n.sk, n.h, n.hk,
                                             n.d, scale);
   PD_CHECK(st == BMT_OK, op, ": kernel failed with status ", st);
@@ -223,7 +225,7 @@ std::vector<paddle::DataType> AttentionPairInferDtype(const paddle::DataType& q,
 PD_BUILD_OP(bmt_attention_pair_fwd)
     .Inputs({"Q", "K", "V", paddle::Optional("QSeg"), paddle::Optional("KSeg")})
     .Outputs({"Out", "Lse"})
-    .Attrs({"causal: bool", "scale: double", "window: int64_t", "offset: int64_t"})
+    .Attrs({"causal: bool", "scale: double", "window: int64_t", "offset: int64_t", "softcap: double"})
     .SetKernelFn(PD_KERNEL(AttentionPairForward))
     .SetInferShapeFn(PD_INFER_SHAPE(AttentionPairInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AttentionPairInferDtype));
@@ -245,7 +247,7 @@ std::vector<paddle::DataType> AttentionPairGradInferDtype(
 PD_BUILD_OP(bmt_attention_pair_bwd)
     .Inputs({"Q", "K", "V", paddle::Optional("QSeg"), paddle::Optional("KSeg"), "Lse", "Delta", "DOut"})
     .Outputs({"DQ", "DK", "DV"})
-    .Attrs({"causal: bool", "scale: double", "window: int64_t", "offset: int64_t"})
+    .Attrs({"causal: bool", "scale: double", "window: int64_t", "offset: int64_t", "softcap: double"})
     .SetKernelFn(PD_KERNEL(AttentionPairBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(AttentionPairGradInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AttentionPairGradInferDtype));

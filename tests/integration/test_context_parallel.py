@@ -241,8 +241,9 @@ def gemma2_checkpoint(root: Path, tokenizer: Path) -> Path:
 
 
 def test_gemma2_soft_capped_scores_under_context_parallel_match_one_process(tmp_path, data):
-    """cp2 (ring: the Paddle-op blocks cap each score) against one process (the blocked kernel over whole
-    rows) on 2048-token rows: per-step loss and grad_norm at 1e-5, the clip scaling every step."""
+    """cp2 (ring: the fused CPU pair kernel caps each score, kernels auto with our kernels built) against one
+    process (the blocked kernel over whole rows) on 2048-token rows: per-step loss and grad_norm at 1e-5,
+    the clip scaling every step."""
     base = gemma2_checkpoint(tmp_path / "gemma2", data / "tok")
     arch_keys = ("  family:", "  hidden_size:", "  intermediate_size:", "  num_")  # the checkpoint's own
     lines = [x for x in CONFIG.splitlines(keepends=True) if not x.startswith(arch_keys)]

@@ -17,6 +17,7 @@ import paddle
 import pytest
 
 from bmtrain_cli.models.attention import build_bias, eager_attention, repeat_kv
+from bmtrain_cli.models.attention_choice import ScoreRule
 from bmtrain_cli.parallel.ring_attention import RingCore, local_indices
 from bmtrain_cli.parallel.ring_pairs import pair_list
 
@@ -86,7 +87,7 @@ def _ring(q, k, v, w, seg, window, degree, fused, softcap=None):
         ring = _SimulatedRing(r, degree, shares)
         ts = [paddle.to_tensor(x[:, idx[r]], stop_gradient=False) for x in (q, k, v)]
         core = RingCore(ring, block=4, fused=fused)
-        out = core(*ts, None if seg is None else paddle.to_tensor(seg), window=window, softcap=softcap)
+        out = core(*ts, None if seg is None else paddle.to_tensor(seg), rule=ScoreRule(window, softcap))
         (out * paddle.to_tensor(w[:, idx[r]])).sum().backward()
         got[0][:, idx[r]] = out.numpy()
         got[1][:, idx[r]] = ts[0].grad.numpy()

@@ -189,14 +189,15 @@ def test_a_sliding_window_keeps_flash_off_the_ring_on_a_gpu(lora_7b) -> None:
     (rank share x cp), the run's rule gives the ring's pairs to the Paddle-op blocks on a GPU, and the plan
     counts their temporaries (activations.py ring_pair_kernel); the fused CPU kernel applies the window itself; a window as long as the
     rows changes nothing."""
+    from bmtrain_cli.models.attention_choice import ScoreRule
     from bmtrain_cli.models.attention_choice import ring_pair_kernel as rule
     from bmtrain_cli.plan.activations import ring_pair_kernel
 
-    assert rule("bfloat16", True, False, False, windowed=True) == (
+    assert rule("bfloat16", True, False, False, rule=ScoreRule(4096)) == (
         None,
         "a sliding window: Paddle's flash_attn (FA2) takes no window",
     )
-    assert rule("float32", False, False, True, windowed=True)[0] == "cpu_fused"
+    assert rule("float32", False, False, True, rule=ScoreRule(4096))[0] == "cpu_fused"
     share = replace(lora_7b, seq_len=8192, precision="bf16", packed=False)
     windowed = replace(share, arch=replace(share.arch, sliding_window=4096))
     assert ring_pair_kernel(share, A100, 4) and not ring_pair_kernel(windowed, A100, 4)
@@ -205,13 +206,15 @@ def test_a_sliding_window_keeps_flash_off_the_ring_on_a_gpu(lora_7b) -> None:
     assert ring_pair_kernel(replace(windowed, precision="fp32", kernels="custom"), cpu, 4)
 
 
-def test_soft_capped_scores_keep_the_ring_in_the_blocks(lora_7b) -> None:
-    """No pair kernel caps scores (Gemma 2's attn_logit_softcapping): where a pair kernel would run (a GPU
-    in bf16, a CPU with our kernels), the plan counts the blocks of Paddle ops, as the run attends them."""
+def test_soft_capped_scores_keep_flash_off_the_ring_on_a_gpu(lora_7b) -> None:
+    """Flash attention caps no scores (Gemma 2's attn_logit_softcapping): on a GPU in bf16 the plan counts
+    the blocks of Paddle ops for capped layers, as the run attends them; on a CPU with our kernels the
+    fused pair kernel caps them itself, so the plan counts it there as for uncapped layers."""
     from bmtrain_cli.plan.activations import ring_pair_kernel
 
     gpu_rows = replace(lora_7b, seq_len=8192, precision="bf16", packed=False)
     cpu_rows = replace(lora_7b, seq_len=4096, precision="fp32", kernels="custom")
     for w, device in ((gpu_rows, A100), (cpu_rows, get_device("cpu"))):
         capped = replace(w, arch=replace(w.arch, attn_logit_softcapping=50.0))
-        assert ring_pair_kernel(w, device, 2) and not ring_pair_kernel(capped, device, 2)
+        assert ring_pair_kernel(w, device, 2)
+        assert ring_pair_kernel(capped, device, 2) == (device is not A100)

@@ -49,10 +49,10 @@ def test_moe_search_weighs_expert_parallel_and_lists_only_valid_layouts(moe, rep
         lay for lay in enumerate_layouts(w, 8, A100) if layout_axes(lay)[CP] > 1 and layout_axes(lay)[EP] > 1
     ]
     assert both and all(admits(layout_axes(lay)) for lay in both)
-    # the enumeration holds layouts the checks refuse (context parallel beside dynamic rope scaling, which
-    # reads the whole row's length): the filter, not a copy of the rules, keeps them out
-    dynamic = ["model_config.rope_scaling={rope_type: dynamic, factor: 2.0}"]
-    config = load_config(str(repo_root / MOE_CONFIG), dynamic, mode="validate", has_gpu=True).config
+    # the enumeration holds layouts the checks refuse (context parallel on rows of 4098 tokens, which do not
+    # split into 2 x context_parallel equal chunks): the filter, not a copy of the rules, keeps them out
+    odd = ["model_config.max_seq_len=4098"]
+    config = load_config(str(repo_root / MOE_CONFIG), odd, mode="validate", has_gpu=True).config
     admits = layout_admission(config, has_gpu=True)
     refused = [lay for lay in enumerate_layouts(w, 8, A100) if not admits(layout_axes(lay))]
     assert refused and all(layout_axes(lay)[CP] > 1 for lay in refused)

@@ -7,6 +7,12 @@ the rollout batch's summed token losses by its completion tokens. Here each micr
 divided by one denominator for the whole step: ``dapo`` sums token losses over the completion tokens of
 the step; the others give (their micro-batch loss x its completions) over the step's completions, which is
 TRL's mean of equal-sized micro-batches.
+
+A mixture of experts with output_router_logits adds ``router_aux_loss_coef x`` the load-balancing loss of
+each micro-batch's policy forward (models/decoder.py ``aux_loss``), over the tokens TRL's attention mask
+keeps (:func:`routed_mask`), as TRL adds ``coef x aux / accumulation steps`` to each micro-batch's loss: its
+weight here is the step's denominator over the step's micro-batches, so the step's loss holds the mean of
+``coef x aux`` over its micro-batches (all data ranks).
 """
 
 from __future__ import annotations
@@ -118,6 +124,22 @@ def _summed_over_group(
         return out, ring.all_reduce(paddle.gather(ent, slot_t).reshape(list(held.shape)))
 
 
+def routed_mask(batch: Batch) -> np.ndarray:
+    """[rows, width] 1/0: the tokens the load-balancing loss counts, those of TRL's attention mask of the
+    policy forward (the prompt and the completion tokens ``completion_mask`` keeps: a truncated completion
+    that mask_truncated_completions drops is left out; padding never); a context-parallel share's columns
+    of it (``context_columns``)."""
+    att = batch["attention_mask"]
+    t = batch["completion_mask"].shape[1]
+    rel = np.arange(att.shape[1])[None, :] - batch["completion_start"][:, None]
+    kept = np.take_along_axis(batch["completion_mask"], np.clip(rel, 0, t - 1), axis=1)
+    mask = (np.where(rel >= 0, kept, 1) * (att > 0)).astype(np.int64)
+    if "context_columns" not in batch:
+        return mask
+    cols = batch["context_columns"]
+    return np.pad(mask, ((0, 0), (0, max(0, int(cols.max()) + 1 - mask.shape[1]))))[:, cols]
+
+
 @paddle.no_grad()
 def token_entropy(logits: paddle.Tensor, factory: Any) -> paddle.Tensor:
     """The entropy of softmax(``logits``) per row [tokens, vocab] (a vocabulary shard under tensor
@@ -176,6 +198,7 @@ class GrpoObjective:
         self.shard = source.shard  # the data ranks the step's counts and figures are summed over
         self._micro: List[Dict[str, float]] = []
         self._step_started = 0.0
+        self._aux_weight = 0.0  # the step's denominator over its micro-batches (all data ranks)
 
     # ------------------------------------------------------------------ the step
 
@@ -187,11 +210,14 @@ class GrpoObjective:
             count = float(sum(int(b["completion_mask"].sum()) for b in micro))
         else:
             count = float(sum(len(b["advantages"]) for b in micro))
-        count, tokens = self.shard.sum(np.asarray([count, tokens]))
+        count, tokens, batches = self.shard.sum(np.asarray([count, tokens, float(len(micro))]))
+        self._aux_weight = float(count) / max(float(batches), 1.0)
         return float(count), float(tokens)
 
     def loss_sum(self, model: Any, batch: Batch) -> Tuple[Any, Any]:
         logps, entropy = completion_logps(model, batch, self.temperature, with_entropy=True)
+        # MoE with output_router_logits (else None): the whole micro-batch's, also on a context share
+        aux = model.aux_loss(paddle.to_tensor(routed_mask(batch)), over_context="context_columns" in batch)
         old = paddle.to_tensor(batch["old_logps"]) if "old_logps" in batch else logps.detach()
         ref = paddle.to_tensor(batch["ref_logps"]) if "ref_logps" in batch else None
         mask = paddle.to_tensor(batch["completion_mask"])
@@ -200,6 +226,8 @@ class GrpoObjective:
         terms = grpo_loss(logps, old, ref, adv, mask, s, num_items=1.0)  # dapo: the token sum
         rows = len(batch["advantages"])
         loss = terms.loss if s.loss_type == "dapo" else terms.loss * rows
+        if aux is not None:  # TRL: + coef x aux / accumulation steps, per micro-batch
+            loss = loss + model.arch.router_aux_loss_coef * aux * self._aux_weight
         if not batch.get("context_lead", True):  # counted by the group's first rank (see ContextSum)
             loss = loss * 0.0
         entropies = entropy.numpy() if entropy is not None else None

@@ -50,7 +50,7 @@ parallel_config:
   expert_parallel: {ep}
 """
 GRPO = model_yaml(max_seq_len=24, kv_heads=None, vocab_size=512) + BODY
-# a tiny fresh Qwen3-MoE: 4 experts, top 2, every layer sparse
+# a tiny fresh Qwen3-MoE: 4 experts, top 2, every layer sparse, the load-balancing loss on
 MOE = (
     model_yaml(
         max_seq_len=24,
@@ -60,6 +60,8 @@ MOE = (
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
     )
     + BODY
 )
@@ -203,11 +205,13 @@ def test_ep2_moe_lora_reference_old_policy_clipped_equals_one_process(tmp_path):
     """Expert parallel 2 on a mixture of experts (LoRA on every projection, the experts' included): each
     rank samples its block of the rollouts, decoding in step with the other rank (a rank whose rows are
     done runs a dropped forward for the other's dispatch); the old policy's, the reference's (adapters off)
-    and the policy's log-probs dispatch the same micro-batches on both ranks."""
+    and the policy's log-probs dispatch the same micro-batches on both ranks. The load-balancing loss is
+    on: each rank adds coef x its micro-batches' aux loss, logged as aux_loss and equal to one process's."""
     extra = "  finetuning: lora\n  lora_rank: 4\n  lora_target_modules: all-linear\n  max_grad_norm: 0.05"
     grpo = "    beta: 0.05\n    num_iterations: 2\n    loss_type: grpo\n    scale_rewards: group"
     one = _run(tmp_path, "one", 1, 1, extra, grpo, steps=4, template=MOE)
     ep2 = _run(tmp_path, "ep2", 1, 1, extra, grpo, steps=4, ep=2, template=MOE)
-    _same(one, ep2, KEYS + ("kl",), steps=4)
+    _same(one, ep2, KEYS + ("kl", "aux_loss"), steps=4)
+    assert all(r["aux_loss"] > 0 for r in one["train"])
     assert all(r["grad_norm"] > 0.05 for r in one["train"])  # the clip fires at every step
     assert one["train"][1]["kl"] > 0

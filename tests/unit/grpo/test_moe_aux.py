@@ -36,11 +36,13 @@ def _micro_batches() -> list:
     return [{k: v[i : i + m] for k, v in batch.items()} for i in range(0, len(f["prompts"]), m)]
 
 
-def _step(loss_type: str, aux: bool):
-    """(the step's loss as the trainer takes it, each micro-batch's logged aux loss, the model after backward)."""
-    f = FIXTURE
+def _model(aux: bool):
     model = load_pretrained(FIXTURES / "hf" / "qwen3_moe")
-    model = with_aux_loss_settings(model, ModelConfig(output_router_logits=aux))
+    return with_aux_loss_settings(model, ModelConfig(output_router_logits=aux))
+
+
+def _objective(loss_type: str) -> GrpoObjective:
+    f = FIXTURE
     settings = LossSettings(
         loss_type=loss_type,
         epsilon_low=f["epsilon_low"],
@@ -50,7 +52,12 @@ def _step(loss_type: str, aux: bool):
         max_completion_length=f["max_completion_length"],
     )
     source = types.SimpleNamespace(shard=DataShard())
-    obj = GrpoObjective(settings, f["temperature"], source, None, 0)  # type: ignore[arg-type]
+    return GrpoObjective(settings, f["temperature"], source, None, 0)  # type: ignore[arg-type]
+
+
+def _step(loss_type: str, aux: bool):
+    """(the step's loss as the trainer takes it, each micro-batch's logged aux loss, the model after backward)."""
+    model, obj = _model(aux), _objective(loss_type)
     micro = _micro_batches()
     count, _ = obj.begin_step(micro)
     total, logged = 0.0, []
@@ -103,3 +110,22 @@ def test_the_routed_tokens_are_the_prompt_and_kept_completion_tokens_and_a_share
         padded = np.pad(mask, ((0, 0), (0, 8 - mask.shape[1])))
         assert (routed_mask(share) == padded[:, cols]).all()
         assert routed_mask(share).shape == share["input_ids"].shape
+
+
+def test_a_context_share_through_a_ring_of_one_adds_the_whole_micro_batch_aux_loss():
+    """Under context parallel each rank routes its share's columns (padded to the ring's width) and the
+    routers' sums are summed over the group: through a ring of one, the loss and aux loss of one process."""
+    from bmtrain_cli.parallel.ring_attention import Ring, RingCore
+
+    results = []
+    for share in (False, True):
+        model, obj = _model(aux=True), _objective("grpo")
+        if share:
+            model.context_attention = RingCore(Ring(None, [0], 0))
+        micro = [split_batch(b, 1, 0) if share else b for b in _micro_batches()]
+        obj.begin_step(micro)
+        loss, _ = obj.loss_sum(model, micro[0])
+        results.append((float(loss), float(model.last_aux_loss)))
+    assert results[1][0] == pytest.approx(results[0][0], abs=1e-5)
+    assert results[1][1] == pytest.approx(results[0][1], abs=1e-6)
+    assert results[0][1] == pytest.approx(FIXTURE["cases"]["grpo"]["aux_loss"][0], abs=1e-6)

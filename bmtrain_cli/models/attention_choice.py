@@ -96,10 +96,10 @@ def ring_pair_kernel(
     ``flash`` (Paddle's flash attention on a GPU, fp16/bf16 rows without segment ids, a sliding window or
     soft-capped scores, where :func:`flash_refusal` lets it), ``cpu_fused`` (our fused CPU kernel,
     float32/float64, where the model's op set carries it; it applies the window and the soft cap itself), or
-    None with the reason the blocks of Paddle
-    ops run. ``dtype`` is the rows' dtype name (``float32``, ``bfloat16``, ...); ``rule``: the layer's
-    :class:`ScoreRule` over the whole rows (its window shorter than the rows, :meth:`ScoreRule.within`). The run passes its rows' facts, the memory planner the
-    configured ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
+    None with the reason the blocks of Paddle ops run. ``dtype`` is the rows' dtype name (``float32``,
+    ``bfloat16``, ...); ``rule``: the layer's :class:`ScoreRule` over the whole rows (its window shorter than
+    the rows, :meth:`ScoreRule.within`). The run passes its rows' facts, the memory planner the configured
+    ones (``capability`` and ``head_dim`` None: unknown, taken as fit)."""
     if on_gpu:
         if rule.softcap is not None:
             return None, "soft-capped scores: Paddle's flash attention takes no cap"

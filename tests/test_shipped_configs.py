@@ -67,3 +67,20 @@ def test_plan_figures_in_the_header_are_the_plans(path):
     est = estimate(load_config(str(path)).config, device)
     assert est.peak == pytest.approx(peak, rel=0.02) and est.required == pytest.approx(needs, rel=0.02)
     assert est.device.memory_bytes == memory and est.fits
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_the_layout_line_names_every_degree_of_the_world_size(path):
+    """validate-config's layout line: the degrees it names multiply to the world size (context and expert
+    parallel included where set)."""
+    import math
+    import re
+
+    from bmtrain_cli.commands.summary import format_summary
+
+    config = load_config(str(path)).config
+    line = next(x for x in format_summary(config, str(path)) if x.strip().startswith("layout"))
+    world = int(re.search(r"world size (\d+) =", line).group(1))
+    degrees = re.findall(r"(?:data|tensor|pipeline|sharding|expert|context) (\d+)", line)
+    assert math.prod(int(d) for d in degrees) == world, line
+    assert ("context" in line) == (config.parallel.context_parallel > 1), line

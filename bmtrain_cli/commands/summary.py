@@ -23,6 +23,8 @@ def summarize(config: Config) -> Dict[str, Any]:
         "sharding_parallel": p.sharding_parallel,
         "sharding_stage": p.sharding_stage,
         "expert_parallel": p.expert_parallel,
+        "context_parallel": p.context_parallel,
+        "context_parallel_mode": p.context_parallel_mode,
         "data_ranks": d.data_ranks,
         "micro_batch_size": d.micro_batch_size,
         "grad_accum_steps": d.grad_accum_steps,
@@ -103,6 +105,11 @@ def format_summary(config: Config, source: str) -> List[str]:
         f"  layout     world size {s['world_size']} = data {s['data_parallel']} x tensor {s['tensor_parallel']} x "
         f"pipeline {s['pipeline_parallel']} x sharding {s['sharding_parallel']} (stage {s['sharding_stage']})"
         + (f" x expert {s['expert_parallel']}" if s["expert_parallel"] > 1 else "")
+        + (
+            f" x context {s['context_parallel']} ({s['context_parallel_mode']})"
+            if s["context_parallel"] > 1
+            else ""
+        )
     )
     lines.append(
         f"  batch      global {s['global_batch_size']} = micro {s['micro_batch_size']} x accumulation "

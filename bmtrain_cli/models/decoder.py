@@ -119,6 +119,8 @@ class LayerInputs:
         self.windows = {kind: arch.window_of(kind) for kind in self.types}
         # soft-capped attention (Gemma 2) runs the blocked kernel, which applies the window itself
         self.kernel_windows = arch.attn_logit_softcapping is not None
+        # dynamic NTK / LongRoPE tables read the batch's largest position (a context share's comes from its group)
+        self.reads_longest = any(r is not None and r.reads_longest for r in rotary.values())
 
     def __call__(
         self,
@@ -133,10 +135,8 @@ class LayerInputs:
         (default: every type the model's layers have)."""
         out: Dict[str, Inputs] = {}
         longest = None
-        if isinstance(attention_mask, ContextShard) and any(
-            r is not None and r.reads_longest for r in self.rotary.values()
-        ):  # a share's positions: the whole rows' largest comes from the context group
-            longest = attention_mask.core.ring.max(position_ids.max())
+        if self.reads_longest and isinstance(attention_mask, ContextShard):
+            longest = attention_mask.core.ring.max(position_ids.max())  # the whole rows' largest position
         for kind in self.types if types is None else types:
             if kind == "linear_attention":  # its padding mask over the new positions (no rope, no bias)
                 out[kind] = (None, None, None if attention_mask is None else attention_mask[:, past:])

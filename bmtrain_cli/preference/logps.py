@@ -93,9 +93,17 @@ def sequence_logps(
         counts = np.zeros(n_sequences, np.float32)
     if not share:
         return logps, counts
+    return summed_over_context(logps, counts, model.context_attention.ring)
+
+
+def summed_over_context(
+    logps: paddle.Tensor, counts: np.ndarray, ring: Any
+) -> Tuple[paddle.Tensor, np.ndarray]:
+    """The whole sequences' log-probs and response token counts from a context-parallel share's partial
+    ones, on every rank of the group (``ring``): the log-probs through ContextSum, whose gradient reaches
+    every rank's partial."""
     from bmtrain_cli.parallel.ring_attention import ContextSum
 
-    ring = model.context_attention.ring
     whole = ring.all_reduce(paddle.to_tensor(counts)).numpy()
     return ContextSum.apply(logps, ring), whole
 

@@ -15,8 +15,8 @@ as one process adds it (preference/objective.py); the padded rows are padding, l
 
 Beside context parallel each rank of a context group runs its share of every row (ring_attention.split_batch
 of the padded rows: next tokens shifted over the whole rows, the whole rows' mask travelling for the ring);
-the last stage sums its partial sequence log-probs over the group (ContextSum, as one process's
-preference/logps.sequence_logps does under context parallel), and the group's first rank alone counts the
+the last stage sums its partial sequence log-probs over the group (logps.summed_over_context, as
+sequence_logps does under context parallel), and the group's first rank alone counts the
 pairs, their losses and metrics.
 """
 
@@ -29,8 +29,7 @@ import paddle
 
 from bmtrain_cli.parallel.pipeline import last_stage_values
 from bmtrain_cli.parallel.protocol import ParallelCtx
-from bmtrain_cli.parallel.ring_attention import ContextSum
-from bmtrain_cli.preference.logps import per_sequence, response_positions, token_logps
+from bmtrain_cli.preference.logps import per_sequence, response_positions, summed_over_context, token_logps
 from bmtrain_cli.preference.objective import PreferenceObjective
 from bmtrain_cli.preference.reference import Precomputed
 
@@ -123,12 +122,11 @@ class PairPipeline:
         ring = self.ctx.context_ring
         lead = ring is None or ring.rank == 0
         if ring is not None:  # the whole sequences' log-probs on every rank of the group
-            counts = ring.all_reduce(paddle.to_tensor(counts)).numpy()
-            logps = ContextSum.apply(logps, ring)
+            logps, counts = summed_over_context(logps, counts, ring)
         loss, stats = self.objective.pair_loss(
             logps, counts, ref if self.objective.reference is not None else None
         )
-        if not lead:  # counted by the group's first rank (see ContextSum)
+        if not lead:  # counted by the group's first rank (see summed_over_context)
             loss, stats = loss * 0.0, stats * 0.0
         self.objective.record(stats)
         return loss, float(n // 2) if lead else 0.0
